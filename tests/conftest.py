@@ -1,0 +1,24 @@
+"""Shared pytest setup: `gpu` tests are skipped without CUDA; seeds are fresh per test unless a test fixes one."""
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir():
+    """../shared/data when present (developer machines); tests that need full datasets skip otherwise."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.environ.get("QUARL_DATA_DIR"), os.path.join(here, "..", "..", "shared", "data")):
+        if cand and os.path.isdir(cand):
+            return os.path.abspath(cand)
+    pytest.skip("full datasets not found (set QUARL_DATA_DIR to a folder with gsm8k/, math500/, aime24/)")
