@@ -1,0 +1,121 @@
+"""The precision flow: the single source of truth for every precision decision (BRIEF §2).
+
+A `PrecisionConfig` names the flow (`bf16`, `split`, `unified`, `qlora`) and the number format. `resolve()`
+turns it into the per-linear settings that `quarl.model.qlinear.QuantLinear.configure` takes:
+
+| flow      | rollout forward                          | training forward                              |
+|-----------|------------------------------------------|-----------------------------------------------|
+| `bf16`    | full precision                           | full precision                                |
+| `split`   | Q(W) and Q(x) (weight-only for fp4)      | full precision                                |
+| `unified` | Q(W) and Q(x)                            | the same Q on W and x, straight-through grads |
+| `qlora`   | frozen Q(W) base (weight-only) + LoRA    | the same dequantized base + LoRA              |
+
+"Full precision" is the run's compute dtype: bfloat16 on a GPU, float32 on a CPU (bf16 matmuls are slow on
+most CPUs); `compute_dtype` overrides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FLOWS = ("bf16", "split", "unified", "qlora")
+QUANT_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
+WEIGHT_ONLY_FORMATS = ("nvfp4", "mxfp4")  # no FP4 tensor cores on Hopper: W4A16 (BRIEF §3)
+DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
+KV_CACHE_FORMATS = ("auto", "fp8")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on every linear of the decoder (QeRL: rank 16-32 on q,k,v,o,gate,up,down, alpha = rank)."""
+
+    rank: int = 0  # 0 = no LoRA (full fine-tuning)
+    alpha: float | None = None  # None -> alpha = rank
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    train_norms: bool = False  # also train the RMSNorm weights (QeRL option)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / max(self.rank, 1)
+
+
+@dataclass
+class PrecisionConfig:
+    """How rollout and training compute. See the module docstring for the four flows."""
+
+    flow: str = "bf16"
+    format: str | None = None  # None -> the flow's default (split: int8, unified: fp8-block, qlora: nvfp4)
+    quantize_lm_head: bool = False  # lm_head (and embeddings) stay in full precision unless asked
+    weight_only: bool | None = None  # None -> True for fp4 formats and for qlora, else W8A8
+    kv_cache: str = "auto"  # "auto" = the compute dtype; "fp8" = FP8 E4M3 KV cache (GPU engine)
+    compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def validate(self) -> "PrecisionConfig":
+        if self.flow not in FLOWS:
+            raise ValueError(f"precision.flow={self.flow!r} is not a precision flow; choose one of {FLOWS}")
+        fmt = self.resolved_format
+        if fmt is not None and fmt not in QUANT_FORMATS:
+            raise ValueError(f"precision.format={fmt!r} is not a known format; choose one of {QUANT_FORMATS}")
+        if self.flow == "bf16" and self.format not in (None, "bf16"):
+            raise ValueError(
+                f"precision.flow=bf16 runs everything in full precision but precision.format={self.format!r} "
+                "was given; use flow=split (quantized rollout) or flow=unified, or drop the format"
+            )
+        if self.flow == "qlora" and not self.lora.enabled:
+            raise ValueError(
+                "precision.flow=qlora trains LoRA adapters on a frozen quantized base, but lora.rank is 0; "
+                "set lora.rank (e.g. 16 or 32) or choose flow=split/unified for full fine-tuning"
+            )
+        if self.kv_cache not in KV_CACHE_FORMATS:
+            raise ValueError(f"precision.kv_cache={self.kv_cache!r}; choose one of {KV_CACHE_FORMATS}")
+        if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):
+            raise ValueError(
+                f"precision.compute_dtype={self.compute_dtype!r}; choose auto, bfloat16, float16, float32 or float64"
+            )
+        if self.lora.rank < 0 or self.lora.dropout < 0 or self.lora.dropout >= 1:
+            raise ValueError("lora.rank must be >= 0 and lora.dropout in [0, 1)")
+        return self
+
+    @property
+    def resolved_format(self) -> str | None:
+        if self.flow == "bf16":
+            return None
+        if self.format in (None, "auto"):
+            return DEFAULT_FORMAT[self.flow]
+        return self.format
+
+    @property
+    def resolved_weight_only(self) -> bool:
+        if self.weight_only is not None:
+            return self.weight_only
+        return self.flow == "qlora" or self.resolved_format in WEIGHT_ONLY_FORMATS
+
+    def linear_settings(self) -> dict:
+        """Keyword arguments for `QuantLinear.configure` (shared by every decoder linear).
+
+        Returns dict(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout).
+        """
+        self.validate()
+        fmt = self.resolved_format
+        return dict(
+            rollout_format=fmt,
+            train_format=fmt if self.flow in ("unified", "qlora") else None,
+            weight_only=self.resolved_weight_only,
+            frozen_base=self.flow == "qlora",
+            lora_rank=self.lora.rank,
+            lora_alpha=self.lora.alpha if self.lora.alpha is not None else float(self.lora.rank),
+            lora_dropout=self.lora.dropout,
+        )
+
+    def torch_dtype(self, device: torch.device | str) -> torch.dtype:
+        if self.compute_dtype != "auto":
+            return getattr(torch, self.compute_dtype)
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
