@@ -1,0 +1,342 @@
+"""Run configuration: one YAML file plus dotted `key=value` overrides, validated into typed dataclasses.
+
+    cfg = load_config("configs/demo.yaml", ["train.steps=5", "precision.flow=unified"])
+
+Unknown keys fail with a suggestion, values are type-checked, and impossible combinations (e.g. `qlora` without
+LoRA) fail with a message that says how to fix them. Names follow TRL/verl where the meaning is the same
+(`num_generations`, `max_new_tokens`, `epsilon_high`, `kl_coef`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.rl.objectives import LossConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type, or inconsistent."""
+
+
+@dataclass
+class ModelSection:
+    name: str = "smollm2-135m-instruct"  # HF dir, hub id, .gguf path, or the embedded default
+    gguf_file: str | None = None
+    revision: str | None = None
+    device: str = "auto"  # auto -> cuda if available else cpu
+
+
+@dataclass
+class UAQSection:
+    """Update-aware quantization (BRIEF §5): fold s into q/k/v, gate/up and the norms before them. 1.0 = off."""
+
+    scale: float = 1.0
+
+
+@dataclass
+class AQNSection:
+    """Adaptive quantization noise on the rollout model's RMSNorm weights (BRIEF §5). sigma_start = 0 -> off."""
+
+    sigma_start: float = 0.0
+    sigma_end: float = 0.0
+    stages: int = 10
+
+
+@dataclass
+class DataSection:
+    train: str = "arithmetic"  # gsm8k | math500 | aime24 | arithmetic | a .jsonl/.parquet path | a hub id
+    train_split: str = "train"
+    eval: str | None = None  # None -> the held-out split of the train source
+    eval_split: str = "test"
+    data_dir: str | None = None  # folder holding gsm8k/, math500/, aime24/ (else $QUARL_DATA_DIR or the samples)
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    gold_format: str | None = None  # gsm8k | boxed | plain (auto by source)
+    limit: int | None = None
+    eval_limit: int | None = 64
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"  # the user turn; {prompt} is the question
+    chat_template: bool = True  # wrap the user turn with the tokenizer's chat template
+    # synthetic arithmetic task (data.train=arithmetic)
+    min_operand: int = 0
+    max_operand: int = 20
+    ops: tuple[str, ...] = ("+",)
+    num_train: int = 2000
+    num_eval: int = 64
+
+
+@dataclass
+class RewardSection:
+    function: str | None = None  # "module:function" user reward fn(completion, example) -> float
+    format_weight: float = 0.0  # add format_weight * format_reward
+    format_pattern: str = r"(?s).*\S"
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = 8
+    num_generations: int = 8  # G, answers per prompt (a group)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    max_batch_size: int = 256
+
+
+@dataclass
+class TrainSection:
+    steps: int = 20
+    seed: int = 0
+    lr: float = 1e-6
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    epochs: int = 1  # PPO epochs over each step's batch
+    mini_batch_size: int | None = None  # sequences per optimizer step (None -> the whole batch)
+    micro_batch_size: int = 8  # sequences per forward/backward (bounds memory)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    max_refills: int = 3
+    overlong_filter: bool = False  # DAPO: mask answers cut at max_new_tokens
+    overlong_buffer: int = 0  # DAPO soft overlong punishment length (0 = off)
+    overlong_penalty: float = 1.0
+
+
+@dataclass
+class EvalSection:
+    every: int = 0  # held-out eval every N steps (0 = only before and after training)
+    before: bool = True
+    after: bool = True
+    n: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int | None = None  # None -> rollout.max_new_tokens
+
+
+@dataclass
+class OutputSection:
+    dir: str = "runs/demo"
+    checkpoint_every: int = 10
+    samples_per_step: int = 4
+    tensorboard: bool = True
+    export_hf: bool = False  # write a Hugging Face model directory (and PEFT adapters with LoRA) at the end
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    uaq: UAQSection = field(default_factory=UAQSection)
+    aqn: AQNSection = field(default_factory=AQNSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    resume: str | None = None  # a run directory to continue from
+
+    def validate(self) -> "RunConfig":
+        # LoRA lives at the top level in YAML; the precision flow needs it to check qlora.
+        self.precision.lora = self.lora
+        for check in (self.precision.validate, self.loss.validate):
+            try:
+                check()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        positive = {
+            "rollout.prompts_per_step": self.rollout.prompts_per_step,
+            "rollout.num_generations": self.rollout.num_generations,
+            "rollout.max_new_tokens": self.rollout.max_new_tokens,
+            "train.steps": self.train.steps,
+            "train.epochs": self.train.epochs,
+            "train.micro_batch_size": self.train.micro_batch_size,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key}={value} must be >= 1")
+        if self.rollout.temperature < 0:
+            raise ConfigError(f"rollout.temperature={self.rollout.temperature} must be >= 0")
+        if self.rollout.num_generations < 2 and self.loss.loss_type in ("grpo", "dapo", "dr_grpo"):
+            raise ConfigError(
+                "rollout.num_generations must be >= 2: group-relative advantages compare answers to the same "
+                f"prompt (got {self.rollout.num_generations})"
+            )
+        if self.train.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ConfigError(f"train.lr_schedule={self.train.lr_schedule!r}; choose constant, cosine or linear")
+        batch = self.rollout.prompts_per_step * self.rollout.num_generations
+        if self.train.mini_batch_size is not None and not 1 <= self.train.mini_batch_size <= batch:
+            raise ConfigError(
+                f"train.mini_batch_size={self.train.mini_batch_size} must be between 1 and the step's batch "
+                f"(prompts_per_step x num_generations = {batch})"
+            )
+        if self.aqn.sigma_start < 0 or self.aqn.sigma_end < 0 or self.aqn.stages < 1:
+            raise ConfigError("aqn.sigma_start and aqn.sigma_end must be >= 0 and aqn.stages >= 1")
+        if self.aqn.sigma_start > 0 and self.precision.flow == "bf16":
+            raise ConfigError(
+                "aqn adds noise to the quantized rollout model; with precision.flow=bf16 there is no quantization "
+                "noise to imitate. Use flow=split/qlora, or set aqn.sigma_start=0"
+            )
+        if self.uaq.scale <= 0:
+            raise ConfigError(f"uaq.scale={self.uaq.scale} must be > 0 (1.0 = off; QuRL uses 1.5)")
+        if self.uaq.scale != 1.0 and self.lora.enabled:
+            raise ConfigError("uaq rescales the base weights for full fine-tuning; it has no effect with LoRA")
+        if self.loss.max_new_tokens is None:
+            self.loss.max_new_tokens = self.rollout.max_new_tokens
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dict -> dataclass with checks
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and gently convert) `value` to the annotated type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], key) for v in value)
+        if len(args) != len(value):
+            raise ConfigError(f"{key} must have {len(args)} elements, got {value!r}")
+        return tuple(_coerce(v, a, key) for v, a in zip(args, value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return str(value)
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {full!r}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """["train.steps=5", "lora.rank=16"] -> nested dict. Values are parsed as YAML scalars (5 -> int)."""
+    data: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=5)")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return data
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    return _build(RunConfig, data, "").validate()
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (None = all defaults), apply dotted overrides, validate. Raises ConfigError."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """Plain nested dict (tuples become lists) suitable for YAML/JSON."""
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, (list, tuple)):
+            return [plain(v) for v in obj]
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        return obj
+
+    data = plain(dataclasses.asdict(cfg))
+    data["precision"].pop("lora", None)  # stored at the top level
+    return data

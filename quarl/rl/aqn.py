@@ -1,0 +1,54 @@
+"""AQN, adaptive quantization noise (QeRL; BRIEF §5).
+
+At every sync, Gaussian noise N(0, σ²) is written into the `rollout_noise` buffer of the RMSNorms in front of
+q/k/v and gate/up. The decoder's RMSNorm adds that buffer to its weight only in rollout mode, so the training
+forward never sees it; because the norm weight scales the input channels of the following projections, the noise
+acts as per-input-channel multiplicative noise on those weights. σ follows a stage schedule: training is split
+into K equal stages, stage 0 has no noise, stages 1..K-1 decay exponentially from σ_start to σ_end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from quarl.rl.uaq import UAQ_GROUPS, decoder_layers
+
+
+def aqn_sigma(step: int, total_steps: int, sigma_start: float, sigma_end: float, stages: int) -> float:
+    """σ for RL step `step` (0-based) of `total_steps`. Stage 0 -> 0; stages 1..K-1 decay geometrically."""
+    if sigma_start <= 0 or stages < 2:
+        return 0.0
+    stage = min(stages - 1, step * stages // max(total_steps, 1))
+    if stage == 0:
+        return 0.0
+    if stages == 2 or sigma_end <= 0:
+        return sigma_start if stages == 2 or stage == 1 else 0.0
+    return sigma_start * (sigma_end / sigma_start) ** ((stage - 1) / (stages - 2))
+
+
+def noised_norms(model: nn.Module) -> list[nn.Module]:
+    """The RMSNorm modules AQN perturbs (input_layernorm and post_attention_layernorm of every layer)."""
+    norms = []
+    for layer in decoder_layers(model):
+        for norm_name, _ in UAQ_GROUPS:
+            norm = layer.get_submodule(norm_name)
+            if not hasattr(norm, "rollout_noise"):
+                # The pitfall QeRL hit: a norm class without the rollout hook silently gets no noise.
+                raise TypeError(f"{norm_name} ({type(norm).__name__}) has no rollout_noise buffer; AQN cannot act")
+            norms.append(norm)
+    return norms
+
+
+@torch.no_grad()
+def set_aqn_noise(model: nn.Module, sigma: float, generator: torch.Generator | None = None) -> int:
+    """Draw fresh N(0, σ²) noise into every targeted norm's rollout_noise (σ = 0 clears it). Returns #norms."""
+    norms = noised_norms(model)
+    for norm in norms:
+        buf = norm.rollout_noise
+        if sigma > 0:
+            noise = torch.randn(buf.shape, generator=generator, dtype=torch.float32) * sigma
+            buf.copy_(noise.to(buf.device, buf.dtype))
+        else:
+            buf.zero_()
+    return len(norms)

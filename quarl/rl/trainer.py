@@ -1,0 +1,411 @@
+"""The RL training loop (BRIEF §1). Read `Trainer.step` top to bottom: it is the table of contents of quarl.
+
+    sync (re-quantize + AQN) -> rollout (behaviour log-probs) -> rewards -> advantages
+    -> proximal (+ reference) log-probs -> clipped objective with a mismatch correction -> optimizer steps
+    -> metrics, samples, checkpoint
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import yaml
+
+from quarl.config import RunConfig, config_to_dict, load_config
+from quarl.model.precision_apply import apply_precision, refresh_rollout_weights
+from quarl.rl.aqn import aqn_sigma, set_aqn_noise
+from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
+from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
+from quarl.rl.checkpoint import atomic_write_bytes, latest_checkpoint, load_checkpoint, save_checkpoint
+from quarl.rl.evaluate import evaluate
+from quarl.rl.mismatch import mismatch_metrics
+from quarl.rl.objectives import policy_loss
+from quarl.rl.run_log import RunLog
+from quarl.rl.uaq import apply_uaq
+from quarl.tasks.task import TaskData, load_task
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={name!r} but no CUDA GPU is visible; use model.device=cpu or auto")
+    return device
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Multiplier of the base learning rate at RL step `step` (0-based): linear warm-up, then the schedule."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return max(0.0, 1.0 - progress)  # linear
+
+
+class GracefulInterrupt:
+    """First Ctrl-C asks the loop to stop after the current step (and save); a second one stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\n[quarl] interrupt: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to abort)")
+
+    @contextmanager
+    def installed(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+        try:
+            yield self
+        finally:
+            if self._previous is not None:
+                signal.signal(signal.SIGINT, self._previous)
+
+
+class Trainer:
+    """Owns the model, the rollout engine, the optimizer and the run directory of one training run."""
+
+    def __init__(self, cfg: RunConfig, model=None, tokenizer=None):
+        from quarl.model.loading import load_model
+        from quarl.rollout.engine import RolloutEngine
+
+        self.cfg = cfg
+        self.device = resolve_device(cfg.model.device)
+        self.dtype = cfg.precision.torch_dtype(self.device)
+        torch.manual_seed(cfg.train.seed)
+        if model is None:
+            model, tokenizer = load_model(
+                cfg.model.name, device=str(self.device), dtype=self.dtype,
+                gguf_file=cfg.model.gguf_file, revision=cfg.model.revision,
+            )
+        self.model, self.tokenizer = model.to(self.device), tokenizer
+        if cfg.uaq.scale != 1.0:
+            apply_uaq(self.model, cfg.uaq.scale)
+        self.quantized_linears = apply_precision(self.model, cfg.precision)
+        self.reference = None
+        if cfg.loss.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("no trainable parameters: check lora/precision settings")
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, cfg.train.steps, cfg.train.warmup_steps, cfg.train.lr_schedule),
+        )
+        self.engine = RolloutEngine(self.model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+        self.task: TaskData = load_task(cfg.data, cfg.reward, self.tokenizer, seed=cfg.train.seed)
+        self.run_dir = Path(cfg.output.dir)
+        self.start_step = 0
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def prepare_run_dir(self) -> None:
+        """Write the resolved config; restore the latest checkpoint when resuming."""
+        resume_step = None
+        if self.cfg.resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"resume={self.cfg.resume}: no checkpoint in {self.run_dir}/checkpoints")
+            state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+            self.start_step = resume_step = state["step"]
+            refresh_rollout_weights(self.model)
+            print(f"[quarl] resumed from {ckpt} (step {self.start_step})")
+        self.log = RunLog(self.run_dir, tensorboard=self.cfg.output.tensorboard, resume_step=resume_step)
+        atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(self.cfg)).encode())
+
+    # ------------------------------------------------------------------------------------------------ one step
+
+    def sync(self, step: int) -> float:
+        """Re-quantize master weights into the rollout copy (in place) and draw this step's AQN noise."""
+        t0 = time.perf_counter()
+        refresh_rollout_weights(self.model)
+        a = self.cfg.aqn
+        sigma = aqn_sigma(step, self.cfg.train.steps, a.sigma_start, a.sigma_end, a.stages)
+        if a.sigma_start > 0:
+            gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + step)
+            set_aqn_noise(self.model, sigma, gen)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return sigma, time.perf_counter() - t0
+
+    def rollout(self, step: int):
+        """Sample groups, score them, and (DAPO dynamic sampling) refill groups whose rewards are all equal."""
+        r, tr = self.cfg.rollout, self.cfg.train
+        wanted = r.prompts_per_step
+        examples, outputs, rewards = [], [], []
+        attempt = 0
+        tokens = 0
+        while True:
+            batch = self.task.train_batch(step, attempt, wanted if attempt == 0 else wanted - len(examples))
+            outs = self.engine.generate(
+                [self.task.render(ex) for ex in batch], n=r.num_generations,
+                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                stop=list(r.stop) or None, seed=tr.seed * 1_000_003 + step * 101 + attempt,
+            )
+            for ex, out in zip(batch, outs):
+                scores = torch.tensor([self.task.reward(c.text, ex) for c in out.completions])
+                tokens += sum(len(c.token_ids) for c in out.completions)
+                keep = not tr.dynamic_sampling or bool(dynamic_sampling_keep(scores, r.num_generations)[0])
+                if keep:
+                    examples.append(ex)
+                    outputs.append(out)
+                    rewards.append(scores)
+            attempt += 1
+            if not tr.dynamic_sampling or len(examples) >= wanted or attempt > tr.max_refills:
+                break
+        return examples, outputs, rewards, tokens, attempt
+
+    def assemble(self, outputs, rewards) -> tuple[RolloutBatch, dict]:
+        r, tr = self.cfg.rollout, self.cfg.train
+        flat_rewards = torch.cat(rewards) if rewards else torch.zeros(0)
+        lengths = torch.tensor([len(c.token_ids) for o in outputs for c in o.completions], dtype=torch.float32)
+        truncated = [c.finish_reason == "length" for o in outputs for c in o.completions]
+        shaped = flat_rewards.clone()
+        if tr.overlong_buffer > 0:
+            shaped = shaped + overlong_penalty(lengths, r.max_new_tokens, tr.overlong_buffer, tr.overlong_penalty)
+        scale = "none" if self.cfg.loss.loss_type == "dr_grpo" else "std"
+        advantages = group_advantages(shaped, r.num_generations, scale=scale)
+        counts = [not (tr.overlong_filter and t) for t in truncated]
+        batch = build_batch(
+            prompt_ids=[o.prompt_token_ids for o in outputs for _ in o.completions],
+            answer_ids=[c.token_ids for o in outputs for c in o.completions],
+            behaviour_logprobs=[c.logprobs for o in outputs for c in o.completions],
+            counts=counts, advantages=advantages, rewards=flat_rewards,
+            group_index=[i for i, o in enumerate(outputs) for _ in o.completions],
+            pad_id=self.pad_id,
+        )
+        stats = {
+            "reward/mean": flat_rewards.mean().item(),
+            "reward/std": flat_rewards.std(unbiased=False).item(),
+            "rollout/answer_len_mean": lengths.mean().item(),
+            "rollout/truncated_frac": sum(truncated) / max(len(truncated), 1),
+        }
+        return batch, stats
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    @torch.no_grad()
+    def score(self, model, batch: RolloutBatch, with_entropy: bool):
+        """No-grad log-probs of the answers (π_prox or π_ref) in micro-batches. Returns ([B, T-1], entropy)."""
+        out = torch.zeros_like(batch.behaviour_logprobs)
+        entropy = torch.zeros_like(batch.behaviour_logprobs) if with_entropy else None
+        mb = self.cfg.train.micro_batch_size
+        for start in range(0, len(batch), mb):
+            rows = list(range(start, min(start + mb, len(batch))))
+            sub = batch.select(rows)
+            lp, ent = answer_logprobs(
+                model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
+                self.cfg.rollout.temperature, with_entropy,
+            )
+            width = lp.shape[1]
+            out[rows, :width] = lp.float().cpu()
+            if with_entropy:
+                entropy[rows, :width] = ent.float().cpu()
+        return out, entropy
+
+    def update(self, batch: RolloutBatch, proximal, reference, step: int) -> dict:
+        """Epochs x minibatches of optimizer steps on the clipped objective; returns token-weighted metrics."""
+        tr = self.cfg.train
+        n = len(batch)
+        mini = tr.mini_batch_size or n
+        gen = torch.Generator().manual_seed(tr.seed * 31337 + step)
+        sums: dict[str, float] = {}
+        weight_total = 0.0
+        grad_norms, losses = [], []
+        self.model.train()
+        for _ in range(tr.epochs):
+            order = torch.randperm(n, generator=gen) if tr.epochs > 1 or mini < n else torch.arange(n)
+            for m0 in range(0, n, mini):
+                mini_rows = order[m0 : m0 + mini]
+                num_tokens = int(batch.answer_mask[mini_rows].sum().item())
+                if num_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                mini_loss = 0.0
+                for u0 in range(0, len(mini_rows), tr.micro_batch_size):
+                    rows = mini_rows[u0 : u0 + tr.micro_batch_size]
+                    sub = batch.select(rows)
+                    width = sub.answer_mask.shape[1]
+                    logprobs, _ = answer_logprobs(
+                        self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
+                        self.cfg.rollout.temperature,
+                    )
+                    dev = lambda t: None if t is None else t[rows, :width].to(self.device)  # noqa: E731
+                    loss, metrics = policy_loss(
+                        logprobs, dev(proximal), sub.behaviour_logprobs.to(self.device),
+                        sub.advantages.to(self.device), sub.answer_mask.to(self.device), self.cfg.loss,
+                        reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
+                    )
+                    loss.backward()
+                    mini_loss += loss.item()  # micro-batch losses are shares of the minibatch loss
+                    w = float(sub.answer_mask.sum())
+                    weight_total += w
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                losses.append(mini_loss)
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, tr.max_grad_norm)))
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
+        if grad_norms:
+            out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            out["train/loss"] = sum(losses) / len(losses)
+        out["train/optimizer_steps"] = len(grad_norms)
+        return out
+
+    def step(self, step: int) -> dict:
+        t_step = time.perf_counter()
+        sigma, sync_s = self.sync(step)
+
+        t0 = time.perf_counter()
+        examples, outputs, rewards, tokens, attempts = self.rollout(step)
+        rollout_s = time.perf_counter() - t0
+        metrics = {"time/sync_s": sync_s, "time/rollout_s": rollout_s, "rollout/tokens_per_s": tokens / rollout_s}
+        metrics["aqn/sigma"] = sigma
+        metrics["groups/kept"] = len(examples)
+        metrics["groups/rollout_rounds"] = attempts
+        if not examples:  # dynamic sampling found no informative group: nothing to learn from this step
+            metrics["reward/mean"] = float("nan")
+            self.scheduler.step()
+            return metrics
+
+        batch, stats = self.assemble(outputs, rewards)
+        metrics.update(stats)
+
+        t0 = time.perf_counter()
+        # bypass takes π_prox := μ and skips this forward (cheap, but the trust region then follows the rollout).
+        bypass = self.cfg.loss.correction == "bypass"
+        proximal = entropy = None
+        if not bypass:
+            proximal, entropy = self.score(self.model, batch, with_entropy=True)
+        reference = self.score(self.reference, batch, False)[0] if self.reference is not None else None
+        metrics["time/prox_s"] = time.perf_counter() - t0
+        mask = batch.answer_mask
+        if proximal is not None and mask.sum() > 0:
+            metrics.update(mismatch_metrics(batch.behaviour_logprobs, proximal, mask))
+            metrics["policy/entropy"] = float((entropy * mask).sum() / mask.sum())
+
+        t0 = time.perf_counter()
+        metrics.update(self.update(batch, proximal, reference, step))
+        metrics["time/train_s"] = time.perf_counter() - t0
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        metrics["time/step_s"] = time.perf_counter() - t_step
+
+        self.log.samples(step + 1, [
+            {"prompt": ex.prompt, "gold": ex.gold, "completion": out.completions[0].text,
+             "reward": float(rw[0])}
+            for ex, out, rw in list(zip(examples, outputs, rewards))[: self.cfg.output.samples_per_step]
+        ])
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def evaluate(self) -> dict:
+        e = self.cfg.eval
+        result = evaluate(
+            self.engine, self.task, self.task.eval_examples, n=e.n, temperature=e.temperature,
+            max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens, seed=self.cfg.train.seed,
+            stop=list(self.cfg.rollout.stop) or None,
+        )
+        return {f"eval/{k}": v for k, v in result.items()}
+
+    def train(self) -> dict:
+        """Run (or resume) the loop to cfg.train.steps; returns the last step's metrics (+ eval results)."""
+        from tqdm import tqdm
+
+        self.prepare_run_dir()
+        cfg = self.cfg
+        summary: dict = {}
+        if cfg.eval.before and self.start_step == 0 and self.task.eval_examples:
+            refresh_rollout_weights(self.model)
+            summary["before"] = self.evaluate()
+            self.log.log(0, summary["before"])
+            print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
+        interrupt = GracefulInterrupt()
+        bar = tqdm(
+            total=cfg.train.steps, initial=self.start_step, desc="quarl train", unit="step",
+            disable=not cfg.output.progress, dynamic_ncols=True,
+        )
+        step = self.start_step
+        last: dict = {}
+        try:
+            with interrupt.installed():
+                while step < cfg.train.steps:
+                    last = self.step(step)
+                    step += 1
+                    if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                        last.update(self.evaluate())
+                    self.log.log(step, last)
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{last.get('reward/mean', float('nan')):.3f}",
+                        kl=f"{last.get('mismatch/kl', float('nan')):.1e}",
+                        s=f"{last.get('time/step_s', 0):.1f}",
+                    )
+                    if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or interrupt.requested:
+                        self.checkpoint(step)
+                    if interrupt.requested:
+                        print(f"[quarl] stopped after step {step}; resume with: quarl train {self.run_dir}/config.yaml "
+                              f"resume={self.run_dir}")
+                        summary["interrupted"] = True
+                        break
+        finally:
+            bar.close()
+        if not summary.get("interrupted") and cfg.eval.after and self.task.eval_examples:
+            refresh_rollout_weights(self.model)
+            summary["after"] = self.evaluate()
+            self.log.log(step, summary["after"])
+            print(f"[quarl] held-out after training: {_fmt(summary['after'])}")
+        if not summary.get("interrupted") and cfg.output.export_hf:
+            from quarl.export import export_run
+
+            export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
+        self.log.close()
+        summary["last"] = last
+        summary["step"] = step
+        return summary
+
+    def checkpoint(self, step: int) -> None:
+        save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler)
+
+
+def _fmt(metrics: dict) -> str:
+    return ", ".join(f"{k.split('/', 1)[-1]}={v:.3f}" for k, v in metrics.items() if isinstance(v, float))
+
+
+def train_from_config(config_path: str | None, overrides: list[str]) -> dict:
+    """`quarl train CONFIG [key=value ...]`; `resume=RUN_DIR` continues a run with its saved config."""
+    resume = [o for o in overrides if o.startswith("resume=")]
+    if resume:
+        run_dir = resume[-1].split("=", 1)[1]
+        saved = Path(run_dir) / "config.yaml"
+        if not saved.is_file():
+            raise FileNotFoundError(f"resume={run_dir}: {saved} not found (is it a quarl run directory?)")
+        rest = [o for o in overrides if not o.startswith("resume=")]
+        cfg = load_config(saved, rest + [f"resume={run_dir}", f"output.dir={run_dir}"])
+    else:
+        cfg = load_config(config_path, overrides)
+    return Trainer(cfg).train()

@@ -1,0 +1,96 @@
+"""A training task: train/held-out examples, how a question becomes a prompt, and how an answer is scored."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from quarl.tasks.datasets import Example, load_examples
+from quarl.tasks.rewards import format_reward, load_reward_function, math_reward
+from quarl.tasks.synthetic import arithmetic_examples
+
+
+@dataclass
+class TaskData:
+    """Examples plus the two functions the trainer needs: `render` (example -> prompt text) and `reward`."""
+
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    render_fn: Callable[[Example], str]
+    reward_fn: Callable[[str, Example], float]
+    seed: int = 0
+    _orders: dict = field(default_factory=dict, repr=False)
+
+    def render(self, example: Example) -> str:
+        return self.render_fn(example)
+
+    def reward(self, completion: str, example: Example) -> float:
+        return float(self.reward_fn(completion, example))
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.train_examples)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # keep one epoch: batches are requested in order
+        return self._orders[epoch]
+
+    def train_batch(self, step: int, attempt: int, size: int) -> list[Example]:
+        """Examples for RL step `step`. Attempt 0 walks shuffled epochs (a pure function of step, so a resumed run
+        sees the same data); refill attempts (dynamic sampling) draw from a generator seeded by (step, attempt)."""
+        n = len(self.train_examples)
+        if attempt > 0:
+            rng = random.Random((self.seed, step, attempt).__hash__())
+            return [self.train_examples[i] for i in rng.sample(range(n), min(size, n))]
+        out = []
+        for pos in range(step * size, step * size + size):
+            epoch, idx = divmod(pos, n)
+            out.append(self.train_examples[self._epoch_order(epoch)[idx]])
+        return out
+
+
+def make_renderer(data_cfg, tokenizer) -> Callable[[Example], str]:
+    from quarl.model.tokenizer import apply_chat
+
+    template = data_cfg.prompt_template
+    if "{prompt}" not in template:
+        raise ValueError(f"data.prompt_template must contain {{prompt}}; got {template!r}")
+
+    def render(example: Example) -> str:
+        user = template.format(prompt=example.prompt)
+        if data_cfg.chat_template:
+            return apply_chat(tokenizer, user, system=data_cfg.system_prompt)
+        return user if data_cfg.system_prompt is None else f"{data_cfg.system_prompt}\n\n{user}"
+
+    return render
+
+
+def make_reward(reward_cfg) -> Callable[[str, Example], float]:
+    if reward_cfg.function:
+        user_fn = load_reward_function(reward_cfg.function)
+        base = lambda text, ex: float(user_fn(text, ex.__dict__))  # noqa: E731
+    else:
+        base = lambda text, ex: math_reward(text, ex.gold, ex.gold_format)  # noqa: E731
+    if reward_cfg.format_weight == 0:
+        return base
+    w, pattern = reward_cfg.format_weight, reward_cfg.format_pattern
+    return lambda text, ex: base(text, ex) + w * format_reward(text, pattern)
+
+
+def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
+    """Build the task of a run config's `data` and `reward` sections."""
+    d = data_cfg
+    if d.train == "arithmetic":
+        kw = dict(min_operand=d.min_operand, max_operand=d.max_operand, ops=tuple(d.ops))
+        train = arithmetic_examples(d.num_train, seed=seed, **kw)
+        held_out = arithmetic_examples(d.num_eval, seed=seed + 1, exclude=train, **kw)
+    else:
+        fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, gold_format=d.gold_format,
+                      data_dir=d.data_dir)
+        train = load_examples(d.train, d.train_split, limit=d.limit, **fields)
+        held_out = load_examples(d.eval or d.train, d.eval_split, limit=d.eval_limit, **fields)
+    if d.eval_limit is not None:
+        held_out = held_out[: d.eval_limit]
+    if not train:
+        raise ValueError(f"data.train={d.train!r} gave no training examples")
+    return TaskData(train, held_out, make_renderer(d, tokenizer), make_reward(reward_cfg), seed=seed)
