@@ -1,0 +1,5 @@
+import sys
+
+from quarl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,138 @@
+"""`quarl train | generate | eval | plot | export | bench` — the command-line interface."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(args) -> int:
+    from quarl.rl.trainer import train_from_config
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides.insert(0, config)  # `quarl train key=value ...` with the built-in defaults
+        config = None
+    summary = train_from_config(config, overrides)
+    return 130 if summary.get("interrupted") else 0
+
+
+def _eval(args) -> int:
+    import json
+
+    from quarl.config import DataSection, RewardSection
+    from quarl.model.loading import load_model
+    from quarl.model.precision_apply import apply_precision
+    from quarl.precision import PrecisionConfig
+    from quarl.rl.evaluate import evaluate
+    from quarl.rl.trainer import resolve_device
+    from quarl.rollout.engine import RolloutEngine
+    from quarl.tasks.task import load_task
+
+    device = resolve_device(args.device)
+    flow = "bf16" if args.precision == "bf16" else "split"
+    precision = PrecisionConfig(flow=flow, format=None if flow == "bf16" else args.precision)
+    model, tok = load_model(args.model, device=str(device), dtype=precision.torch_dtype(device), gguf_file=args.gguf_file)
+    apply_precision(model, precision)
+    data = DataSection(train=args.data, eval=args.data, eval_split=args.split, train_split=args.split,
+                       eval_limit=args.limit, limit=args.limit, data_dir=args.data_dir,
+                       prompt_template=args.prompt_template, system_prompt=args.system_prompt,
+                       chat_template=not args.no_chat, num_eval=args.limit or 64)
+    task = load_task(data, RewardSection(), tok, seed=args.seed)
+    engine = RolloutEngine(model, tok)
+    result = evaluate(engine, task, task.eval_examples, n=args.n, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(json.dumps({"model": args.model, "data": args.data, "split": args.split, "precision": args.precision,
+                      **result}, indent=2))
+    return 0
+
+
+def _plot(args) -> int:
+    from quarl.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _export(args) -> int:
+    from quarl.export import export_from_run
+
+    print(export_from_run(args.run_dir, args.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quarl", description="RL post-training of LLMs with low-precision rollouts")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train with RL from a YAML config (plus key=value overrides)")
+    p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/demo.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5 precision.flow=unified; "
+                                                 "resume=RUN_DIR continues a run")
+    p.set_defaults(fn=_train)
+
+    p = sub.add_parser("generate", help="sample completions from a model in any precision")
+    try:
+        from quarl.rollout.generate_cli import add_generate_arguments, run_generate
+
+        add_generate_arguments(p)
+        p.set_defaults(fn=run_generate)
+    except ImportError as e:  # keep the rest of the CLI usable
+        p.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl generate is unavailable: {e}"))
+
+    p = sub.add_parser("eval", help="accuracy / avg@k / pass@k of a model on a dataset, in any precision")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="HF dir, hub id, .gguf file, or a run's export")
+    p.add_argument("--gguf-file", default=None)
+    p.add_argument("--data", default="gsm8k", help="gsm8k | math500 | aime24 | arithmetic | .jsonl/.parquet | hub id")
+    p.add_argument("--split", default="test")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    p.add_argument("--precision", default="bf16",
+                   choices=["bf16", "int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4"])
+    p.add_argument("--n", type=int, default=1, help="answers per problem (avg@n, pass@n)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompt-template", default="{prompt}")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_eval)
+
+    p = sub.add_parser("plot", help="PNG curves of a run (reward, held-out accuracy, mismatch KL, IS weights, time)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
+    p.set_defaults(fn=_plot)
+
+    p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model (+ PEFT adapters)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
+    p.set_defaults(fn=_export)
+
+    p = sub.add_parser("bench", help="benchmarks (GPU): gemm")
+    bench = p.add_subparsers(dest="bench", required=True)
+    g = bench.add_parser("gemm", help="B1: low-precision GEMMs vs bf16 on Qwen2.5-7B linear shapes")
+    try:
+        from quarl.bench.gemm import add_bench_gemm_arguments, run_bench_gemm
+
+        add_bench_gemm_arguments(g)
+        g.set_defaults(fn=run_bench_gemm)
+    except ImportError as e:
+        g.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench gemm is unavailable: {e}"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from quarl.config import ConfigError
+
+    try:
+        return int(args.fn(args) or 0)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"quarl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
