@@ -1,0 +1,79 @@
+"""Config loading: YAML + dotted overrides, type checks, unknown keys with suggestions, impossible combinations."""
+
+import pytest
+
+from quarl.config import ConfigError, config_to_dict, load_config, parse_overrides
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_overrides_are_typed(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 3\n  lr: 1.0e-5\nrollout:\n  stop: ['\\n\\n']\n")
+    cfg = load_config(path, ["train.steps=7", "precision.flow=split", "precision.format=fp8", "rollout.top_p=0.9"])
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.train.lr == pytest.approx(1e-5)
+    assert cfg.precision.resolved_format == "fp8"
+    assert cfg.rollout.stop == ("\n\n",)
+    assert cfg.rollout.top_p == 0.9
+    assert cfg.loss.max_new_tokens == cfg.rollout.max_new_tokens  # filled for Dr.GRPO aggregation
+
+
+def test_unknown_key_suggests_the_close_one(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout.num_generation.*did you mean rollout.num_generations"):
+        load_config(None, ["rollout.num_generation=4"])
+    with pytest.raises(ConfigError, match="unknown config key 'trian'"):
+        load_config(write(tmp_path, "trian:\n  steps: 1\n"))
+
+
+def test_wrong_types_are_named():
+    with pytest.raises(ConfigError, match="train.steps must be an integer"):
+        load_config(None, ["train.steps=many"])
+    with pytest.raises(ConfigError, match="output.tensorboard must be true or false"):
+        load_config(None, ["output.tensorboard=3"])
+
+
+def test_impossible_combinations():
+    with pytest.raises(ConfigError, match="qlora.*lora.rank"):
+        load_config(None, ["precision.flow=qlora"])
+    with pytest.raises(ConfigError, match="not a precision flow"):
+        load_config(None, ["precision.flow=int4"])
+    with pytest.raises(ConfigError, match="not a known format"):
+        load_config(None, ["precision.flow=split", "precision.format=int3"])
+    with pytest.raises(ConfigError, match="num_generations must be >= 2"):
+        load_config(None, ["rollout.num_generations=1"])
+    with pytest.raises(ConfigError, match="mini_batch_size"):
+        load_config(None, ["train.mini_batch_size=10000"])
+    with pytest.raises(ConfigError, match="aqn"):
+        load_config(None, ["aqn.sigma_start=0.01"])
+
+
+def test_qlora_with_lora_resolves_weight_only_nvfp4():
+    cfg = load_config(None, ["precision.flow=qlora", "lora.rank=8"])
+    settings = cfg.precision.linear_settings()
+    assert settings["rollout_format"] == "nvfp4" and settings["train_format"] == "nvfp4"
+    assert settings["frozen_base"] and settings["weight_only"] and settings["lora_rank"] == 8
+
+
+def test_round_trip_through_dict(tmp_path):
+    cfg = load_config(None, ["train.steps=4", "lora.rank=4", "precision.flow=qlora"])
+    import yaml
+
+    again = load_config(write(tmp_path, yaml.safe_dump(config_to_dict(cfg))))
+    assert config_to_dict(again) == config_to_dict(cfg)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["train.steps"])
+
+
+def test_demo_config_is_valid():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "demo.yaml")
+    assert cfg.model.name == "smollm2-135m-instruct"
