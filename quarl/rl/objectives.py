@@ -1,0 +1,313 @@
+"""Clipped policy-gradient objectives (GRPO, DAPO, Dr.GRPO) with rollout-mismatch corrections (BRIEF §4).
+
+Three policies meet in one loss:
+
+* μ       — the behaviour policy that sampled the answers (quantized rollout); its log-probs are `behaviour_logprobs`.
+* π_prox  — the pre-update weights θ_old in training precision (the trust-region anchor): `proximal_logprobs`.
+* π_θ     — the current policy, with grad: `logprobs`.
+
+Token ratios: R_t = π_θ / π_prox (trust region) and ρ_t = π_prox / μ (rollout mismatch). With the clipped
+surrogate J_clip = min(R·A, clip(R, 1−ε_low, 1+ε_high)·A) the per-token loss of each correction is
+
+=============  =====================================================================================
+naive          −min(R̂·A, clip(R̂)·A) with R̂ = π_θ / μ: μ taken as the old policy, no correction at all
+decoupled      −ρ·J_clip (Hilton et al.), ρ detached
+tis            −w·J_clip, w = min(ρ, C) (token) or w = min(exp Σ_t log ρ_t, C) on every token (sequence)
+mis            −keep·J_clip, keep = 1[mis_low ≤ ρ ≤ mis_high] per token, or per sequence on exp Σ_t log ρ_t
+acr            −min(ρ, C)·min(R·A, clip(R, 1−ε_low, (1+ε_high)/r)·A), r = min(1, C/ρ)
+bypass         π_prox := μ (no extra forward); numerically the naive loss, offered as a labelled choice
+=============  =====================================================================================
+
+plus, when `kl_coef` > 0, β·k3 with k3 = exp(ref − θ) − (ref − θ) − 1 per token, before aggregation.
+
+All weights (ρ, w, keep) are functions of no-grad log-probs, so the gradient flows only through R.
+
+Design decisions (documented because other frameworks differ):
+
+* MIS rejects by *zeroing* a token's policy-gradient term; the token stays in the aggregation denominator.
+  This keeps the loss scale independent of how many tokens were rejected and makes micro-batch losses sum
+  exactly to the full-batch loss with the caller's `num_tokens` (which cannot know rejections in advance).
+  The KL term is not rejected: it regularises toward the reference on every counted token.
+* ACR: the paper was not public; we read "the bound loosens as divergence grows" as widening the *upper* clip
+  bound by 1/r exactly where truncation min(ρ, C) = ρ·r shrank the effective range (r < 1 iff ρ > C).
+  Where ρ ≤ C the objective equals token-level TIS.
+* Numeric guards: log R and log ρ are capped at +20 before `exp` (e^20 ≈ 4.9e8) so a wildly off-policy token
+  yields a large finite loss instead of inf/NaN; positions outside `mask` are neutralised with `where`, so
+  padding holding garbage (even ±inf) never reaches the loss or the gradient.
+* Empty rows (overlong-masked answers, mask all zero) still count as answers in the "seq-mean-*" denominators,
+  as in TRL's GRPO loss (per-answer mean with a token count clamped to 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+CORRECTIONS = ("naive", "decoupled", "tis", "mis", "acr", "bypass")
+CORRECTION_LEVELS = ("token", "sequence")
+DEFAULT_AGGREGATION = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+DAPO_EPSILON_HIGH = 0.28  # DAPO "clip-higher"
+
+# exp(20) ≈ 4.9e8: far beyond any clip range, small enough that products with advantages stay finite in fp32.
+_MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class LossConfig:
+    """Objective, aggregation and mismatch correction (BRIEF §4). Call `validate()` to check and resolve it."""
+
+    loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo"  (sets the default aggregation)
+    aggregation: str | None = None  # None -> by loss_type (see DEFAULT_AGGREGATION)
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None  # None -> 0.28 for dapo, else epsilon_low
+    correction: str = "tis"  # "naive" | "decoupled" | "tis" | "mis" | "acr" | "bypass"
+    correction_level: str = "token"  # "token" | "sequence"  (tis and mis only)
+    is_cap: float = 2.0  # C for tis/acr (upper truncation)
+    mis_low: float = 0.0  # mis keeps tokens/sequences with mis_low <= rho <= mis_high
+    mis_high: float = 3.0
+    kl_coef: float = 0.0  # beta for the k3 KL to a frozen reference
+    max_new_tokens: int | None = None  # needed by the dr_grpo aggregation
+
+    @property
+    def resolved_aggregation(self) -> str:
+        return self.aggregation if self.aggregation is not None else DEFAULT_AGGREGATION.get(self.loss_type, "")
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        if self.epsilon_high is not None:
+            return float(self.epsilon_high)
+        return DAPO_EPSILON_HIGH if self.loss_type == "dapo" else float(self.epsilon_low)
+
+    def validate(self) -> "LossConfig":
+        """Check every field; return a copy with `aggregation` and `epsilon_high` filled in (None resolved).
+
+        Raises ValueError naming the field, the bad value and the accepted values.
+        """
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss.loss_type={self.loss_type!r} is unknown; choose one of {LOSS_TYPES}")
+        agg = self.resolved_aggregation
+        if agg not in AGGREGATIONS:
+            raise ValueError(f"loss.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS} "
+                             "or leave it None for the loss_type default")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"loss.correction={self.correction!r} is unknown; choose one of {CORRECTIONS}")
+        if self.correction_level not in CORRECTION_LEVELS:
+            raise ValueError(
+                f"loss.correction_level={self.correction_level!r} is unknown; choose one of {CORRECTION_LEVELS}")
+        if self.correction_level == "sequence" and self.correction not in ("tis", "mis"):
+            raise ValueError(
+                f"loss.correction_level='sequence' applies to correction 'tis' or 'mis' only, not "
+                f"{self.correction!r}; use correction_level='token' or switch the correction")
+        if not 0.0 <= self.epsilon_low < 1.0:
+            raise ValueError(f"loss.epsilon_low={self.epsilon_low} must lie in [0, 1) (clip range [1-eps_low, ...])")
+        eps_high = self.resolved_epsilon_high
+        if not eps_high >= 0.0 or not math.isfinite(eps_high):
+            raise ValueError(f"loss.epsilon_high={self.epsilon_high} must be a finite number >= 0")
+        if not (self.is_cap > 0.0 and math.isfinite(self.is_cap)):
+            raise ValueError(f"loss.is_cap={self.is_cap} must be a finite number > 0 (typical: 2.0)")
+        if not (0.0 <= self.mis_low < self.mis_high):
+            raise ValueError(f"loss.mis_low={self.mis_low}, mis_high={self.mis_high}: need 0 <= mis_low < mis_high "
+                             "(TRL's default keeps 0 <= rho <= 3)")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"loss.kl_coef={self.kl_coef} must be a finite number >= 0")
+        if self.max_new_tokens is not None and (isinstance(self.max_new_tokens, bool)
+                                                or not isinstance(self.max_new_tokens, int)
+                                                or self.max_new_tokens < 1):
+            raise ValueError(f"loss.max_new_tokens={self.max_new_tokens!r} must be a positive int or None")
+        if agg == "seq-mean-token-sum-norm" and self.max_new_tokens is None:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' (dr_grpo) divides by answers x max_new_tokens; "
+                             "set loss.max_new_tokens to the rollout's max_new_tokens")
+        return replace(self, aggregation=agg, epsilon_high=eps_high)
+
+
+def _masked_where(mask: Tensor, values: Tensor) -> Tensor:
+    """values where mask, else 0 — `where` (not multiply) so inf/NaN in padding cannot leak into sums or grads."""
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _check_inputs(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, cfg, reference_logprobs):
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T]; got shape {tuple(logprobs.shape)}")
+    shape = logprobs.shape
+    named = {"behaviour_logprobs": behaviour_logprobs, "mask": mask}
+    if proximal_logprobs is not None:
+        named["proximal_logprobs"] = proximal_logprobs
+    if reference_logprobs is not None:
+        named["reference_logprobs"] = reference_logprobs
+    for name, t in named.items():
+        if not isinstance(t, Tensor) or t.shape != shape:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}; got {got}")
+    if advantages.shape != shape and advantages.shape != shape[:1]:
+        raise ValueError(f"advantages must be [B]={tuple(shape[:1])} or [B, T]={tuple(shape)}; "
+                         f"got {tuple(advantages.shape)}")
+    for name, t in (("logprobs", logprobs), ("behaviour_logprobs", behaviour_logprobs),
+                    ("advantages", advantages)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor; got {t.dtype}")
+    if proximal_logprobs is None and cfg.correction not in ("bypass", "naive"):
+        raise ValueError(f"correction {cfg.correction!r} needs proximal_logprobs (log pi_prox from a no-grad forward "
+                         "of the training model at the pre-update weights); pass them, or use correction='bypass'")
+    if cfg.kl_coef > 0 and reference_logprobs is None:
+        raise ValueError(f"loss.kl_coef={cfg.kl_coef} > 0 needs reference_logprobs (log pi_ref of a frozen reference "
+                         "model); pass them or set kl_coef=0")
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, agg: str, num_sequences: int | None, num_tokens: int | None,
+               max_new_tokens: int | None) -> Tensor:
+    """Reduce [B, T] per-token losses (already zero outside mask) to a scalar."""
+    batch = per_token.shape[0]
+    if agg == "token-mean":
+        denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
+        return per_token.sum() / denom
+    n_seq = num_sequences if num_sequences is not None else batch
+    if agg == "seq-mean-token-mean":
+        per_seq = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_seq.sum() / n_seq
+    # seq-mean-token-sum-norm (Dr.GRPO): a constant denominator, so answer length does not rescale its tokens.
+    return per_token.sum() / (n_seq * max_new_tokens)
+
+
+def _fraction(flags: Tensor, mask: Tensor, n: Tensor) -> float:
+    return float((flags & mask).sum() / n) if n > 0 else 0.0
+
+
+def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_logprobs: Tensor,
+                advantages: Tensor, mask: Tensor, cfg: LossConfig,
+                reference_logprobs: Tensor | None = None, num_sequences: int | None = None,
+                num_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss with a rollout-mismatch correction; see the module docstring for formulas.
+
+    Args:
+        logprobs: [B, T] float, log π_θ of the sampled tokens, with grad.
+        proximal_logprobs: [B, T] float, log π_prox (θ_old in training precision), no grad. May be None only for
+            correction "bypass" or "naive" (ignored by both).
+        behaviour_logprobs: [B, T] float, log μ recorded at rollout (after temperature / top-k / top-p).
+        advantages: [B] (one per answer) or [B, T] float.
+        mask: [B, T] bool or 0/1 float; 1 = an answer token that counts (an overlong-masked answer is all zero).
+        cfg: the LossConfig (validated here; unknown names raise ValueError).
+        reference_logprobs: [B, T] float, log π_ref of a frozen reference; needed when cfg.kl_coef > 0, and
+            reported as "policy/kl_ref" whenever given.
+        num_sequences / num_tokens: whole-batch answer / counted-token totals for when the caller splits a batch
+            into micro-batches: with them, the micro-batch losses sum exactly to the full-batch loss.
+            Defaults: this batch's B and mask.sum().
+
+    Returns:
+        (loss, metrics): loss a 0-dim tensor (float32, or float64 for float64 inputs) to minimise; metrics python
+        floats over this batch's counted tokens: "clip/frac_low", "clip/frac_high", "is/weight_mean",
+        "is/truncated_frac", "is/masked_frac", "is/ess", "policy/ratio_mean", and "policy/kl_ref" if a reference
+        was given. "is/*" describe the weight actually applied to each token's clipped term (1 for naive and
+        bypass, ρ for decoupled, min(ρ, C) for tis/acr, the 0/1 keep for mis); "is/ess" is (Σw)²/(n·Σw²) over
+        tokens, or over answers for sequence-level corrections.
+    """
+    cfg = cfg.validate()
+    _check_inputs(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, cfg, reference_logprobs)
+    for name, value in (("num_sequences", num_sequences), ("num_tokens", num_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int (the whole batch's count) or None")
+
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 inputs are reduced in fp32
+    m = mask.bool() if mask.dtype == torch.bool else mask != 0
+    logprobs = logprobs.to(dtype)
+    behaviour = behaviour_logprobs.detach().to(dtype)
+    if cfg.correction in ("bypass", "naive"):
+        anchor = behaviour  # μ plays the old policy: no proximal forward needed
+    else:
+        anchor = proximal_logprobs.detach().to(dtype)
+    adv = advantages.detach().to(dtype)
+    adv = adv.unsqueeze(1).expand_as(logprobs) if adv.dim() == 1 else adv
+    adv = _masked_where(m, adv)
+
+    # Trust-region ratio R = π_θ / anchor.
+    log_ratio = _masked_where(m, logprobs - anchor).clamp(max=_MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+
+    # Mismatch ratio ρ = π_prox / μ in log space (1 where there is no proximal policy).
+    if cfg.correction in ("bypass", "naive"):
+        log_rho = torch.zeros_like(behaviour)
+    else:
+        log_rho = _masked_where(m, anchor - behaviour)
+
+    eps_low, eps_high, cap = cfg.epsilon_low, cfg.epsilon_high, cfg.is_cap
+    log_cap = math.log(cap)
+    sequence_level = cfg.correction_level == "sequence" and cfg.correction in ("tis", "mis")
+    truncated = torch.zeros_like(m)
+    rejected = torch.zeros_like(m)
+    upper = torch.full_like(ratio, 1.0 + eps_high)
+
+    if cfg.correction in ("naive", "bypass"):
+        weight = torch.ones_like(ratio)
+    elif cfg.correction == "decoupled":
+        weight = torch.exp(log_rho.clamp(max=_MAX_LOG_RATIO))
+    elif cfg.correction == "tis":
+        if sequence_level:
+            log_rho_seq = log_rho.sum(dim=1, keepdim=True)  # masked positions already hold 0
+            weight = torch.exp(log_rho_seq.clamp(max=log_cap)).expand_as(ratio)
+            truncated = (log_rho_seq > log_cap).expand_as(m)
+        else:
+            weight = torch.exp(log_rho.clamp(max=log_cap))  # = min(ρ, C) without overflow
+            truncated = log_rho > log_cap
+    elif cfg.correction == "mis":
+        log_low = math.log(cfg.mis_low) if cfg.mis_low > 0 else -math.inf
+        log_high = math.log(cfg.mis_high)
+        lr = log_rho.sum(dim=1, keepdim=True).expand_as(log_rho) if sequence_level else log_rho
+        keep = (lr >= log_low) & (lr <= log_high)
+        rejected = ~keep
+        weight = keep.to(dtype)
+    else:  # acr
+        weight = torch.exp(log_rho.clamp(max=log_cap))  # min(ρ, C) = ρ·r
+        truncated = log_rho > log_cap
+        # (1+ε_high)/r with r = min(1, C/ρ)  ⇔  (1+ε_high)·max(1, ρ/C); computed in log space (no overflow).
+        upper = (1.0 + eps_high) * torch.exp((log_rho - log_cap).clamp(min=0.0, max=_MAX_LOG_RATIO))
+
+    lower = 1.0 - eps_low
+    clipped_ratio = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, lower)), upper)
+    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    per_token = -weight.detach() * surrogate
+
+    kl_ref = None
+    if reference_logprobs is not None:
+        ref_diff = _masked_where(m, reference_logprobs.detach().to(dtype) - logprobs).clamp(max=_MAX_LOG_RATIO)
+        kl_ref = torch.exp(ref_diff) - ref_diff - 1.0  # k3 ≥ 0, unbiased for KL(π_θ‖π_ref)
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl_ref
+
+    per_token = _masked_where(m, per_token)
+    loss = _aggregate(per_token, m, cfg.aggregation, num_sequences, num_tokens, cfg.max_new_tokens)
+
+    with torch.no_grad():
+        n = m.sum()
+        # The clip binds (zero gradient through R) on the high side when A > 0 and R > upper, and on the
+        # low side when A < 0 and R < lower.
+        frac_high = _fraction((adv > 0) & (ratio > upper), m, n)
+        frac_low = _fraction((adv < 0) & (ratio < lower), m, n)
+        w = weight.detach()
+        if n > 0:
+            weight_mean = float(w[m].mean())
+            ratio_mean = float(ratio[m].mean())
+            if sequence_level:
+                rows = m.any(dim=1)
+                w_ess = w[:, 0][rows]  # one weight per answer that has counted tokens
+            else:
+                w_ess = w[m]
+            sq = (w_ess * w_ess).sum()
+            ess = float(w_ess.sum() ** 2 / (w_ess.numel() * sq)) if sq > 0 else 0.0
+        else:
+            weight_mean = ratio_mean = ess = 0.0
+        metrics = {
+            "clip/frac_low": frac_low,
+            "clip/frac_high": frac_high,
+            "is/weight_mean": weight_mean,
+            "is/truncated_frac": _fraction(truncated, m, n),
+            "is/masked_frac": _fraction(rejected, m, n),
+            "is/ess": ess,
+            "policy/ratio_mean": ratio_mean,
+        }
+        if kl_ref is not None:
+            metrics["policy/kl_ref"] = float(kl_ref[m].mean()) if n > 0 else 0.0
+    return loss, metrics

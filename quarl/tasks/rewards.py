@@ -1,0 +1,250 @@
+"""Rewards: math answer checking with math-verify, regex format rewards, and user reward functions.
+
+math-verify protects its sympy parsing/comparison with `signal.alarm` timeouts, which only work in the main
+thread (elsewhere `signal.signal` raises and math-verify would score every answer 0, or — with timeouts off —
+an adversarial answer could hang the run). `math_reward` therefore passes timeouts in the main thread and
+disables them in other threads, where the guard is a length cap on the extracted answer instead (see
+`MAX_ANSWER_CHARS`). For hard isolation in threaded code, score in a process pool: each worker process runs
+its tasks in its own main thread, where the timeouts work.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import re
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+GOLD_FORMATS = ("gsm8k", "boxed", "plain")
+# Longest extracted answer handed to sympy. Real final answers (MATH-500's longest is a few hundred
+# characters) stay well below; this bounds sympy's work where no timeout can interrupt it.
+MAX_ANSWER_CHARS = 1000
+DEFAULT_TIMEOUT_S = 5
+
+# A number: thousands groups "1,234,567" or plain digits, optional decimals. The sign is decided separately
+# (see _last_number) so that "10 - 5" does not yield −5.
+_NUMBER = re.compile(r"(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _timeout() -> int | None:
+    """math-verify timeouts use SIGALRM: only the main thread may install the handler."""
+    return DEFAULT_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def extract_gsm8k_gold(answer_text: str) -> str:
+    """The final answer of a GSM8K solution: the text after the last "####", commas removed.
+
+    "... so he made 70,000\\n#### 70,000" -> "70000". Raises ValueError when there is no "####".
+    """
+    if not isinstance(answer_text, str) or "####" not in answer_text:
+        raise ValueError(f"a GSM8K answer ends with '#### <number>'; got {str(answer_text)[-80:]!r}")
+    tail = answer_text.rsplit("####", 1)[1].strip()
+    tail = tail.splitlines()[0] if tail else ""
+    return tail.replace(",", "").strip()
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces balanced; None if there is none."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            c = text[i]
+            if c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+        # unbalanced (answer cut off): try the previous one
+    return None
+
+
+def _last_number(text: str) -> str | None:
+    matches = list(_NUMBER.finditer(text))
+    if not matches:
+        return None
+    m = matches[-1]
+    number = m.group(0).replace(",", "")
+    # A directly preceding minus is a sign unless it follows an operand ("10-5", "x - 5", ") - 5").
+    j = m.start() - 1
+    if j >= 0 and text[j] in "-\u2212":
+        k = j - 1
+        while k >= 0 and text[k] == " ":
+            k -= 1
+        if k < 0 or not (text[k].isalnum() or text[k] in ")]}"):
+            number = "-" + number
+    return number
+
+
+def extract_answer(completion: str) -> tuple[str, str] | None:
+    """The answer a completion gives: ("latex", content of its last \\boxed{}) or else ("number", last number).
+
+    None when there is neither.
+    """
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return "latex", boxed
+    number = _last_number(completion)
+    return ("number", number) if number is not None else None
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError as e:  # a hard dependency, but say what to do
+        raise ImportError("quarl's math rewards need math-verify: pip install 'math-verify>=0.7'") from e
+    return math_verify
+
+
+def _parse_latex(content: str, timeout: int | None) -> list:
+    mv = _math_verify()
+    return mv.parse("\\boxed{" + content + "}", extraction_config=[mv.LatexExtractionConfig()],
+                    extraction_mode="first_match", parsing_timeout=timeout)
+
+
+def _parse_expr(content: str, timeout: int | None) -> list:
+    mv = _math_verify()
+    return mv.parse(content, extraction_config=[mv.ExprExtractionConfig()], extraction_mode="first_match",
+                    parsing_timeout=timeout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str, gold_format: str, timeout: int | None) -> tuple:
+    """Parsed gold answer, cached: the G answers of a group share one gold."""
+    if gold_format == "gsm8k":
+        text = extract_gsm8k_gold(gold) if "####" in gold else gold.replace(",", "").strip()
+        parsed = _parse_expr(text, timeout) or _parse_latex(text, timeout)
+    elif gold_format == "plain":
+        text = gold.strip()
+        parsed = _parse_expr(text, timeout) or _parse_latex(text, timeout)
+    else:  # boxed: a LaTeX answer, or a whole solution whose last \boxed{} holds it
+        boxed = last_boxed(gold)
+        text = boxed if boxed is not None else gold.strip()
+        parsed = _parse_latex(text, timeout)
+    if not parsed:
+        logger.warning("gold answer %r (format %s) could not be parsed; answers to it score 0", gold[:200],
+                       gold_format)
+    return tuple(parsed)
+
+
+def math_reward(completion: str, gold: str, gold_format: str = "plain") -> float:
+    """1.0 if the completion's final answer equals the gold answer mathematically, else 0.0.
+
+    The completion's answer is its last \\boxed{...} (parsed as LaTeX) or, without one, its last number.
+    The gold is read by `gold_format`:
+      "gsm8k" — a GSM8K solution ending in "#### N" (or N itself), commas ignored;
+      "boxed" — a LaTeX answer as in MATH-500's "answer" field, or a full solution whose last \\boxed{} holds it;
+      "plain" — a plain number or expression ("204", "3/4").
+    Comparison is math_verify.verify (symbolic and numeric equality, sets, intervals, matrices).
+    Never raises for odd completions and never hangs (see the module docstring).
+    """
+    if gold_format not in GOLD_FORMATS:
+        raise ValueError(f"gold_format={gold_format!r} is unknown; choose one of {GOLD_FORMATS}")
+    if not isinstance(completion, str) or not isinstance(gold, str):
+        raise TypeError(f"math_reward takes str completion and gold; got {type(completion).__name__}, "
+                        f"{type(gold).__name__}")
+    timeout = _timeout()
+    gold_parsed = _parse_gold(gold, gold_format, timeout)
+    if not gold_parsed:
+        return 0.0
+    found = extract_answer(completion)
+    if found is None:
+        return 0.0
+    kind, text = found
+    if not text.strip() or len(text) > MAX_ANSWER_CHARS:
+        return 0.0
+    answer = _parse_latex(text, timeout) if kind == "latex" else _parse_expr(text, timeout)
+    if not answer:
+        return 0.0
+    mv = _math_verify()
+    return 1.0 if mv.verify(list(gold_parsed), answer, timeout_seconds=timeout) else 0.0
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"format pattern {pattern!r} is not a valid regular expression: {e}") from e
+
+
+def format_reward(completion: str, pattern: str | re.Pattern, *, match: str = "search") -> float:
+    """1.0 if the completion has the required format, else 0.0.
+
+    `pattern` is a regular expression compiled with re.DOTALL ("." spans lines), or a compiled pattern used
+    as is. match="search": the pattern may occur anywhere (anchor it with \\A ... \\Z to constrain the whole
+    text); match="full": it must match the whole completion, leading/trailing whitespace ignored.
+    Example: r"<think>.*?</think>\\s*<answer>.*?</answer>" with match="full".
+    """
+    if match not in ("search", "full"):
+        raise ValueError(f"match={match!r}; choose 'search' (anywhere) or 'full' (the whole completion)")
+    regex = pattern if isinstance(pattern, re.Pattern) else _compile(pattern)
+    if match == "full":
+        return 1.0 if regex.fullmatch(completion.strip()) else 0.0
+    return 1.0 if regex.search(completion) else 0.0
+
+
+def _import_target(target: str, spec: str):
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = os.path.abspath(os.path.expanduser(target))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"reward spec {spec!r}: no Python file at {path}")
+        name = "quarl_user_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as e:
+        raise ImportError(f"reward spec {spec!r}: cannot import module {target!r} ({e}); make it importable "
+                          "(installed or on PYTHONPATH) or give a file path: 'path/to/rewards.py:function'") from e
+
+
+def load_reward_function(spec: str) -> Callable[[str, dict], float]:
+    """Load a user reward `fn(completion: str, example: dict) -> float` from "module:function" or "file.py:function".
+
+    The returned callable converts the result to float and raises TypeError, naming the spec, if the user
+    function returns something that is not a number.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function' or "
+                         "'path/to/rewards.py:function'")
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr.isidentifier():
+        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function' or "
+                         "'path/to/rewards.py:function' (function name after the last ':')")
+    module = _import_target(target, spec)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise AttributeError(f"reward spec {spec!r}: {target!r} has no attribute {attr!r}; callables there: "
+                             f"{available}")
+    if not callable(fn):
+        raise TypeError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("completion", {})
+    except TypeError as e:
+        raise TypeError(f"reward spec {spec!r}: {attr} must accept (completion: str, example: dict); "
+                        f"its signature is {inspect.signature(fn)}") from e
+    except ValueError:
+        pass  # builtins without a signature: trust the caller
+
+    @functools.wraps(fn)
+    def reward(completion: str, example: dict[str, Any]) -> float:
+        value = fn(completion, example)
+        try:
+            return float(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"reward function {spec!r} returned {value!r}; it must return a number") from e
+
+    return reward
