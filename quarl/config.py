@@ -70,7 +70,7 @@ class DataSection:
     min_operand: int = 0
     max_operand: int = 20
     ops: tuple[str, ...] = ("+",)
-    num_train: int = 2000
+    num_train: int = 300
     num_eval: int = 64
 
 

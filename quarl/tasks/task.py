@@ -8,7 +8,7 @@ from typing import Callable
 
 from quarl.tasks.datasets import Example, load_examples
 from quarl.tasks.rewards import format_reward, load_reward_function, math_reward
-from quarl.tasks.synthetic import arithmetic_examples
+from quarl.tasks.synthetic import arithmetic_splits
 
 
 @dataclass
@@ -81,9 +81,11 @@ def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
     """Build the task of a run config's `data` and `reward` sections."""
     d = data_cfg
     if d.train == "arithmetic":
-        kw = dict(min_operand=d.min_operand, max_operand=d.max_operand, ops=tuple(d.ops))
-        train = arithmetic_examples(d.num_train, seed=seed, **kw)
-        held_out = arithmetic_examples(d.num_eval, seed=seed + 1, exclude=train, **kw)
+        # The question is the bare expression ("7 + 5"); data.prompt_template wraps it.
+        train, held_out = arithmetic_splits(
+            d.num_train, d.num_eval, seed=seed, min_operand=d.min_operand, max_operand=d.max_operand,
+            ops=tuple(d.ops), template="{expression}",
+        )
     else:
         fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, gold_format=d.gold_format,
                       data_dir=d.data_dir)
