@@ -1,0 +1,146 @@
+"""End-to-end RL runs on a tiny random model: every precision flow, resume, Ctrl-C, export to transformers/PEFT."""
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from quarl.config import load_config
+from quarl.model.decoder import QuarlForCausalLM
+from quarl.model.tiny import tiny_config, tiny_tokenizer
+from quarl.rl.trainer import Trainer, lr_factor
+
+
+def digit_reward(completion: str, example: dict) -> float:
+    """A dense reward a random byte-level model can move: the fraction of digits among the first characters."""
+    head = completion[:8]
+    return sum(ch.isdigit() for ch in head) / 8.0
+
+
+INTERRUPT_AT_CALL = {"n": None, "calls": 0}
+
+
+def interrupting_reward(completion: str, example: dict) -> float:
+    INTERRUPT_AT_CALL["calls"] += 1
+    if INTERRUPT_AT_CALL["calls"] == INTERRUPT_AT_CALL["n"]:
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C in the middle of a step
+    return digit_reward(completion, example)
+
+
+def make_cfg(tmp_path, *extra, name="run"):
+    return load_config(None, [
+        "data.train=arithmetic", "data.max_operand=9", "data.num_train=40", "data.num_eval=4",
+        f"reward.function={__name__}:digit_reward",
+        "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=6",
+        "train.steps=2", "train.lr=1e-3", "train.micro_batch_size=3", "train.seed=3",
+        "eval.before=false", "eval.after=false", "output.tensorboard=false", "output.progress=false",
+        f"output.dir={tmp_path / name}", "model.device=cpu", *extra,
+    ])
+
+
+def make_trainer(cfg, arch="llama"):
+    torch.manual_seed(0)
+    model = QuarlForCausalLM(tiny_config(arch))
+    return Trainer(cfg, model=model, tokenizer=tiny_tokenizer())
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+FLOWS = [
+    ("bf16", []),
+    ("split-int8", ["precision.flow=split", "precision.format=int8"]),
+    ("split-nvfp4-mis", ["precision.flow=split", "precision.format=nvfp4", "loss.correction=mis"]),
+    ("unified-fp8-block", ["precision.flow=unified", "loss.correction=decoupled", "loss.loss_type=dapo"]),
+    ("qlora-nvfp4", ["precision.flow=qlora", "lora.rank=4", "loss.loss_type=dr_grpo", "loss.correction=acr"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides", FLOWS, ids=[f[0] for f in FLOWS])
+def test_each_flow_trains_end_to_end(tmp_path, name, overrides):
+    cfg = make_cfg(tmp_path, *overrides, "loss.kl_coef=0.01" if name == "bf16" else "train.epochs=2")
+    trainer = make_trainer(cfg, arch="qwen2" if "qlora" in name else "llama")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    summary = trainer.train()
+    assert summary["step"] == 2
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("reward/mean", "mismatch/kl", "mismatch/k3_kl", "mismatch/max_abs_logp_diff", "is/weight_mean",
+                "clip/frac_low", "clip/frac_high", "policy/entropy", "time/sync_s", "time/rollout_s",
+                "time/train_s", "rollout/tokens_per_s", "train/loss"):
+        assert key in records[-1] and records[-1][key] is not None and math.isfinite(records[-1][key]), key
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed, "no trainable parameter changed"
+    if name == "bf16":
+        # bf16 flow: rollout and training run the same computation, so the measured mismatch is ~0.
+        assert records[0]["mismatch/max_abs_logp_diff"] < 1e-4
+        assert "policy/kl_ref" in records[-1]
+    if name.startswith("split-int8"):
+        assert records[0]["mismatch/max_abs_logp_diff"] > 1e-4  # quantized rollout really differs
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    full = make_trainer(make_cfg(tmp_path, "train.steps=4", name="full"))
+    full.train()
+    part = make_trainer(make_cfg(tmp_path, "train.steps=4", "output.checkpoint_every=2", name="part"))
+    part.cfg.train.steps = 2  # stop early, as if the job had been killed after step 2's checkpoint
+    part.train()
+    cfg = make_cfg(tmp_path, "train.steps=4", "output.checkpoint_every=2", name="part")
+    cfg.resume = str(tmp_path / "part")
+    make_trainer(cfg).train()
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "train/loss", "mismatch/kl", "train/grad_norm"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_stops(tmp_path):
+    INTERRUPT_AT_CALL.update(n=3, calls=0)  # during step 1's rollout scoring
+    cfg = make_cfg(tmp_path, "train.steps=5", "output.checkpoint_every=100",
+                   f"reward.function={__name__}:interrupting_reward")
+    summary = make_trainer(cfg).train()
+    assert summary.get("interrupted") and summary["step"] == 1
+    assert (tmp_path / "run" / "checkpoints" / "step_000001.pt").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_lora_adapters_export_to_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from quarl.export import export_peft_adapters
+    from quarl.model.loading import save_pretrained
+
+    cfg = make_cfg(tmp_path, "lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
+    trainer = make_trainer(cfg)
+    save_pretrained(trainer.model, trainer.tokenizer, tmp_path / "base")  # adapters are still zero: the base
+    trainer.train()
+    export_peft_adapters(trainer.model, cfg.lora, str(tmp_path / "base"), tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 256, (2, 10))
+    trainer.model.eval()
+    ours = trainer.model(ids)
+    theirs = with_adapter(input_ids=ids).logits
+    assert not torch.allclose(ours, base(input_ids=ids).logits, atol=1e-4)  # the adapters do something
+    torch.testing.assert_close(theirs, ours.float(), atol=2e-4, rtol=1e-4)
+
+
+def test_lr_schedule():
+    assert lr_factor(0, 10, 2, "constant") == 0.5 and lr_factor(1, 10, 2, "constant") == 1.0
+    assert lr_factor(2, 10, 2, "cosine") == pytest.approx(1.0)
+    assert lr_factor(10, 10, 2, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(6, 10, 2, "linear") == pytest.approx(0.5)
+
+
+def test_cli_reports_config_errors(tmp_path, capsys):
+    from quarl.cli import main
+
+    assert main(["train", "train.stepz=3"]) == 2
+    assert "did you mean train.steps" in capsys.readouterr().err
