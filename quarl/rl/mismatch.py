@@ -65,6 +65,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     log_p = torch.log_softmax(x, dim=-1)
     p = log_p.exp()
-    # p·log p with the 0·(−inf) cases defined as 0 (their limit).
-    plogp = torch.where(p > 0, p * log_p, torch.zeros((), dtype=x.dtype, device=x.device))
-    return -plogp.sum(dim=-1)
+    # p·log p := 0 where p = 0 (its limit). log p is replaced *before* the product: a `where` after it would
+    # still send 0·(−inf) = NaN into the gradient of p.
+    safe_log_p = torch.where(p > 0, log_p, torch.zeros((), dtype=x.dtype, device=x.device))
+    return -(p * safe_log_p).sum(dim=-1)

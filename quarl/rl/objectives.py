@@ -174,7 +174,7 @@ def _aggregate(per_token: Tensor, mask: Tensor, agg: str, num_sequences: int | N
 
 
 def _fraction(flags: Tensor, mask: Tensor, n: Tensor) -> float:
-    return float((flags & mask).sum() / n) if n > 0 else 0.0
+    return int((flags & mask).sum()) / int(n) if n > 0 else 0.0  # python ints: exact, no float32 division
 
 
 def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_logprobs: Tensor,
