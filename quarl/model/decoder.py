@@ -1,0 +1,203 @@
+"""`QuarlForCausalLM`: one decoder definition for rollout (KV-cached decoding) and training (full forward).
+
+Llama / Qwen2 / Qwen3 families with grouped-query attention. Parameter names match Hugging Face, so
+`model.load_state_dict(hf_model.state_dict())` works. Every linear, lm_head included, is a `QuantLinear`;
+with tied embeddings `lm_head.weight` IS `model.embed_tokens.weight` (one Parameter).
+
+Attention masks: `attention_mask` [B, T] (1 = real token) may pad on the left or the right. When positions are
+not given they count real tokens only (position of a token = number of real tokens before it), so a left-padded
+row gets the same positions as the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from quarl.model.config import ModelConfig
+from quarl.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from quarl.model.qlinear import QuantLinear
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+def _build_attn_mask(key_valid: torch.Tensor, start: int, T: int) -> torch.Tensor:
+    """bool [B, 1, T, S] with S = key_valid.shape[1]: query column start+t may see valid key columns <= start+t.
+
+    A query always sees its own column, so padding queries (which have no valid key before them) produce finite
+    garbage instead of NaN; their outputs are never used.
+    """
+    S = key_valid.shape[1]
+    q_col = torch.arange(start, start + T, device=key_valid.device)[:, None]
+    k_col = torch.arange(S, device=key_valid.device)[None, :]
+    causal = k_col <= q_col  # [T, S]
+    mask = (key_valid[:, None, :] & causal[None]) | (k_col == q_col)[None]
+    return mask[:, None]
+
+
+class QuarlForCausalLM(nn.Module):
+    """Causal language model. See the module docstring for masks and positions."""
+
+    def __init__(self, config: ModelConfig, init_std: float | None = 0.02):
+        """Builds the model; `init_std=None` skips weight initialisation (use when weights are loaded next)."""
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = QuantLinear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if init_std is not None and self.model.embed_tokens.weight.device.type != "meta":
+            self.init_weights(init_std)
+
+    # ------------------------------------------------------------------ setup
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random init like HF: N(0, std) for linears and embeddings, zero biases, unit norm weights."""
+        for module in self.modules():
+            if isinstance(module, (QuantLinear, nn.Embedding)):
+                if module.weight is not None and module.weight.numel():
+                    module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent buffers (rope tables, zero AQN noise), e.g. after `to_empty`."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.reset_buffers()
+
+    def tie_weights(self) -> None:
+        """Re-point lm_head.weight at the embedding (needed after `to_empty`, which replaces parameters)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_rollout(self, on: bool) -> None:
+        """Rollout forward (quantized linears, AQN noise on norms) when on, training forward when off."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "set_rollout"):
+                module.set_rollout(on)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] in the model dtype. Arguments as in `forward`."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        start = 0
+        if kv_cache is not None:
+            new_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            start, key_valid, default_pos = kv_cache.append_mask(new_mask)
+            attn_mask = _build_attn_mask(key_valid, start, T)
+        elif attention_mask is not None:
+            key_valid = attention_mask.to(torch.bool)
+            default_pos = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+            attn_mask = None if bool(key_valid.all()) else _build_attn_mask(key_valid, 0, T)
+        else:
+            default_pos = torch.arange(T, device=input_ids.device).expand(B, T)
+            attn_mask = None  # plain causal attention: SDPA's is_causal fast path
+        if positions is None:
+            positions = default_pos
+        elif positions.shape != input_ids.shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
+
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn_mask, kv_cache, start)
+        if kv_cache is not None:
+            kv_cache.commit(T)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, kv_cache=None,
+                logits_to_keep: int | None = None) -> torch.Tensor:
+        """Logits for every (or the last `logits_to_keep`) position.
+
+        Args:
+            input_ids: long [B, T] (the new tokens when decoding with a cache).
+            positions: long [B, T] rotary positions; None = counted from the mask (and the cache).
+            attention_mask: [B, T] with 1 = real token (left or right padding); None = all real. With a kv_cache
+                it covers the new tokens only; the cache remembers earlier columns.
+            kv_cache: a `quarl.rollout.kv_cache.KVCache` (or None for a full-sequence forward).
+            logits_to_keep: keep only the last k positions (None or 0 = all).
+        Returns:
+            float32 logits [B, T or k, vocab_size].
+        """
+        h = self.hidden_states(input_ids, positions, attention_mask, kv_cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return self.lm_head(h).float()
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       temperature: float = 1.0, chunk_size: int = 512) -> torch.Tensor:
+        """log p(token t+1 | tokens <= t) under softmax(logits / temperature), with autograd.
+
+        Args:
+            input_ids: long [B, T]; attention_mask: [B, T] (1 = real token; left or right padding) or None.
+            temperature: > 0; the same temperature the samples were drawn with.
+            chunk_size: number of (row, position) pairs whose logits are materialised at once. Under autograd
+                each chunk is recomputed in backward (activation checkpointing), so memory holds at most one
+                chunk of [chunk_size, vocab] logits instead of [B, T, vocab].
+        Returns:
+            float32 [B, T-1]; entry t is the log-prob of input_ids[:, t+1]. Positions where token t or t+1 is
+            padding are 0.
+        """
+        if temperature <= 0:
+            raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")
+        B, T = input_ids.shape
+        out = torch.zeros(B, max(T - 1, 0), dtype=torch.float32, device=input_ids.device)
+        if T < 2:
+            return out
+        h = self.hidden_states(input_ids, attention_mask=attention_mask)[:, :-1]  # [B, T-1, hidden]
+        targets = input_ids[:, 1:]
+        if attention_mask is None:
+            keep = torch.ones_like(targets, dtype=torch.bool)
+        else:
+            am = attention_mask.to(torch.bool)
+            keep = am[:, :-1] & am[:, 1:]
+        idx = keep.reshape(-1).nonzero().squeeze(1)
+        h_flat = h.reshape(-1, h.shape[-1]).index_select(0, idx)
+        t_flat = targets.reshape(-1).index_select(0, idx)
+        pieces = []
+        for s in range(0, h_flat.shape[0], chunk_size):
+            hc, tc = h_flat[s:s + chunk_size], t_flat[s:s + chunk_size]
+            if torch.is_grad_enabled() and hc.requires_grad:
+                pieces.append(checkpoint(self._chunk_logprobs, hc, tc, temperature, use_reentrant=False))
+            else:
+                pieces.append(self._chunk_logprobs(hc, tc, temperature))
+        values = torch.cat(pieces) if pieces else h_flat.new_zeros(0, dtype=torch.float32)
+        return out.reshape(-1).index_put((idx,), values).reshape(B, T - 1)
+
+    def _chunk_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """h [N, hidden], targets long [N] -> float32 [N] log-softmax(lm_head(h) / temperature)[target]."""
+        logits = self.lm_head(h).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return -F.cross_entropy(logits, targets, reduction="none")

@@ -1,0 +1,182 @@
+"""Building blocks of the decoder: RMSNorm (with the rollout-only AQN noise), rotary embeddings, attention, MLP.
+
+Parameter names follow Hugging Face (q_proj, k_proj, ..., input_layernorm) so HF state dicts load directly.
+Every linear is a `QuantLinear`: the precision flow decides what it computes (see quarl/precision.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quarl.model.config import ModelConfig
+from quarl.model.qlinear import QuantLinear
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 and cast back to x's dtype.
+
+    `rollout_noise` (same shape as `weight`, zero, not saved) is added to the weight in rollout mode only: AQN
+    (BRIEF §5) writes Gaussian noise into it at each sync, so the rollout model sees w + noise and the training
+    forward never does.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.register_buffer("rollout_noise", torch.zeros(dim, device=device, dtype=dtype), persistent=False)
+        self.rollout = False
+
+    def set_rollout(self, on: bool) -> None:
+        self.rollout = bool(on)
+
+    def reset_buffers(self) -> None:
+        """Zero the noise (used after building on the meta device)."""
+        with torch.no_grad():
+            self.rollout_noise.zero_()
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight this forward uses: [dim], w + rollout_noise in rollout mode, w otherwise."""
+        return self.weight + self.rollout_noise if self.rollout else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.effective_weight().float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim/2] float32, with linear or llama3 scaling applied.
+
+    Computed exactly as transformers does (float32 powers of rope_theta) so logits match bit-for-bit closely.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    rope_type = config.rope_type
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(config.rope_scaling["factor"])
+    elif rope_type == "llama3":
+        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between is interpolated.
+        sc = config.rope_scaling
+        factor = float(sc["factor"])
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_len = float(sc["original_max_position_embeddings"])
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions (rotate-half convention, as in HF checkpoints)."""
+
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config, device=device), persistent=False)
+
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.inv_freq.copy_(rope_inv_freq(self.config, device=self.inv_freq.device))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] long -> (cos, sin), each [B, 1, T, head_dim] in `dtype` (broadcast over heads)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2], float32 like HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], cos/sin [B, 1, T, D] -> rotated x [B, H, T, D]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings and an optional KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = QuantLinear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = QuantLinear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
+                kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+        """x [B, T, hidden]; attn_mask bool [B, 1, T, S] (True = may attend) or None = plain causal.
+
+        With a kv_cache, the new keys/values are written at columns [cache_start, cache_start + T) and attention
+        runs over all S = cache_start + T columns. Returns [B, T, hidden].
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = QuantLinear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn_mask, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
