@@ -74,13 +74,11 @@ def _last_number(text: str) -> str | None:
         return None
     m = matches[-1]
     number = m.group(0).replace(",", "")
-    # A directly preceding minus is a sign unless it follows an operand ("10-5", "x - 5", ") - 5").
+    # A minus touching the digits is a sign ("is -5", "x=-5") unless it touches an operand on its left too
+    # ("10-5", "(a)-5"); with a space after it ("10 - 5") it is never part of the number.
     j = m.start() - 1
     if j >= 0 and text[j] in "-\u2212":
-        k = j - 1
-        while k >= 0 and text[k] == " ":
-            k -= 1
-        if k < 0 or not (text[k].isalnum() or text[k] in ")]}"):
+        if j == 0 or not (text[j - 1].isalnum() or text[j - 1] in ")]}"):
             number = "-" + number
     return number
 
