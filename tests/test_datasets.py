@@ -150,6 +150,8 @@ def test_local_file_errors_name_the_problem(tmp_path):
         load_examples(str(bad))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_examples(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="is a folder"):
+        load_examples(str(tmp_path))
     with pytest.raises(ValueError, match="not a benchmark name"):
         load_examples("not a dataset")
     nulls = _write_jsonl(tmp_path / "nulls.jsonl", [{"question": "a", "answer": None}])

@@ -173,8 +173,42 @@ def _aggregate(per_token: Tensor, mask: Tensor, agg: str, num_sequences: int | N
     return per_token.sum() / (n_seq * max_new_tokens)
 
 
-def _fraction(flags: Tensor, mask: Tensor, n: Tensor) -> float:
-    return int((flags & mask).sum()) / int(n) if n > 0 else 0.0  # python ints: exact, no float32 division
+def _metrics(m: Tensor, adv: Tensor, ratio: Tensor, lower: float, upper: Tensor, weight: Tensor,
+             truncated: Tensor, rejected: Tensor, kl_ref: Tensor | None, sequence_level: bool) -> dict[str, float]:
+    """Loss diagnostics over the counted tokens, reduced in float64 and fetched with one device sync."""
+    f64 = torch.float64
+    n = m.sum().to(f64)
+    denom = n.clamp(min=1.0)  # an empty batch reports zeros
+
+    def frac(flags: Tensor) -> Tensor:
+        return (flags & m).sum().to(f64) / denom
+
+    def mean(values: Tensor) -> Tensor:
+        return _masked_where(m, values.to(f64)).sum() / denom
+
+    w = weight.detach().to(f64)
+    if sequence_level:  # one weight per answer that has counted tokens
+        rows = m.any(dim=1)
+        w_ess, count = _masked_where(rows, w[:, 0]), rows.sum().to(f64)
+    else:
+        w_ess, count = _masked_where(m, w), n
+    sq = (w_ess * w_ess).sum()
+    # (Σw)² / (n·Σw²); 0 when every weight is 0 (all rejected) or nothing counts
+    ess = torch.where(sq > 0, w_ess.sum() ** 2 / (count * sq).clamp(min=1e-300), torch.zeros_like(sq))
+    values = {
+        # The clip binds (zero gradient through R) on the high side when A > 0 and R > upper, and on the
+        # low side when A < 0 and R < lower.
+        "clip/frac_low": frac((adv < 0) & (ratio < lower)),
+        "clip/frac_high": frac((adv > 0) & (ratio > upper)),
+        "is/weight_mean": mean(w),
+        "is/truncated_frac": frac(truncated),
+        "is/masked_frac": frac(rejected),
+        "is/ess": ess,
+        "policy/ratio_mean": mean(ratio),
+    }
+    if kl_ref is not None:
+        values["policy/kl_ref"] = mean(kl_ref)
+    return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
 
 def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_logprobs: Tensor,
@@ -273,7 +307,7 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     kl_ref = None
     if reference_logprobs is not None:
         ref_diff = _masked_where(m, reference_logprobs.detach().to(dtype) - logprobs).clamp(max=_MAX_LOG_RATIO)
-        kl_ref = torch.exp(ref_diff) - ref_diff - 1.0  # k3 ≥ 0, unbiased for KL(π_θ‖π_ref)
+        kl_ref = torch.exp(ref_diff) - ref_diff - 1.0  # k3 estimator of KL(π_θ‖π_ref): ≥ 0, low variance
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl_ref
 
@@ -281,33 +315,5 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     loss = _aggregate(per_token, m, cfg.aggregation, num_sequences, num_tokens, cfg.max_new_tokens)
 
     with torch.no_grad():
-        n = m.sum()
-        # The clip binds (zero gradient through R) on the high side when A > 0 and R > upper, and on the
-        # low side when A < 0 and R < lower.
-        frac_high = _fraction((adv > 0) & (ratio > upper), m, n)
-        frac_low = _fraction((adv < 0) & (ratio < lower), m, n)
-        w = weight.detach()
-        if n > 0:
-            weight_mean = float(w[m].mean())
-            ratio_mean = float(ratio[m].mean())
-            if sequence_level:
-                rows = m.any(dim=1)
-                w_ess = w[:, 0][rows]  # one weight per answer that has counted tokens
-            else:
-                w_ess = w[m]
-            sq = (w_ess * w_ess).sum()
-            ess = float(w_ess.sum() ** 2 / (w_ess.numel() * sq)) if sq > 0 else 0.0
-        else:
-            weight_mean = ratio_mean = ess = 0.0
-        metrics = {
-            "clip/frac_low": frac_low,
-            "clip/frac_high": frac_high,
-            "is/weight_mean": weight_mean,
-            "is/truncated_frac": _fraction(truncated, m, n),
-            "is/masked_frac": _fraction(rejected, m, n),
-            "is/ess": ess,
-            "policy/ratio_mean": ratio_mean,
-        }
-        if kl_ref is not None:
-            metrics["policy/kl_ref"] = float(kl_ref[m].mean()) if n > 0 else 0.0
+        metrics = _metrics(m, adv, ratio, lower, upper, weight, truncated, rejected, kl_ref, sequence_level)
     return loss, metrics

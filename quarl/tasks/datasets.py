@@ -89,6 +89,8 @@ def load_examples(source: str, split: str = "train", *, prompt_field: str | None
         return _load_benchmark(source.lower(), split, prompt_field, answer_field, gold_format, limit, data_dir)
     path = os.path.expanduser(source)
     if os.path.exists(path) or path.lower().endswith((".jsonl", ".json", ".parquet")):
+        if os.path.isdir(path):
+            raise ValueError(f"dataset source {path!r} is a folder; pass a .jsonl, .json or .parquet file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset file {path!r} does not exist")
         records = _read_file(path)
