@@ -92,3 +92,21 @@ def test_entropy_gradient_matches_float64_autograd_and_is_finite_with_masked_voc
 def test_entropy_rejects_empty_vocab():
     with pytest.raises(ValueError, match="V > 0"):
         entropy_from_logits(torch.zeros(2, 0))
+
+
+@pytest.mark.gpu
+def test_cuda_matches_float64_reference():
+    prox = torch.log_softmax(torch.randn(16, 40, 30), -1)[..., 0]
+    beh = prox + torch.randn(16, 40) * 0.02
+    mask = torch.rand(16, 40) > 0.3
+    want = mismatch_metrics(beh.double(), prox.double(), mask)
+    got = mismatch_metrics(beh.cuda(), prox.cuda(), mask.cuda())
+    for k in MISMATCH_KEYS:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-12), k
+    logits = torch.randn(4, 8, 1000) * 3
+    logits[0, 0, 10:] = float("-inf")
+    x = logits.cuda().bfloat16().requires_grad_(True)
+    h = entropy_from_logits(x)
+    h.sum().backward()
+    assert h.dtype == torch.float32 and torch.isfinite(x.grad.float()).all()
+    torch.testing.assert_close(h.double().cpu(), _reference_entropy(logits.bfloat16().float()), rtol=1e-4, atol=1e-4)

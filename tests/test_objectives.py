@@ -407,3 +407,26 @@ def test_bad_inputs_raise_clear_errors():
         policy_loss(lp, z, z, torch.ones(2), ones, LossConfig(), num_tokens=0)
     with pytest.raises(ValueError, match="correction"):
         policy_loss(lp, z, z, torch.ones(2), ones, LossConfig(correction="nope"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("corr", ALL_CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_cuda_matches_float64_reference(corr):
+    lp64, prox, beh, adv, mask, ref = _random_batch(b=32, t=64)
+    for agg in AGGS:
+        cfg = LossConfig(kl_coef=0.05, **corr, **agg)
+        lp_ref = lp64.clone().requires_grad_(True)
+        want = reference_loss(lp_ref, prox, beh, adv, mask, cfg, ref=ref)
+        want.backward()
+        _, want_metrics = policy_loss(lp64, prox, beh, adv, mask, cfg, reference_logprobs=ref)
+        cuda = lambda t: t.float().cuda()  # noqa: E731
+        lp = cuda(lp64).requires_grad_(True)
+        got, metrics = policy_loss(lp, cuda(prox), cuda(beh), cuda(adv), mask.cuda(), cfg,
+                                   reference_logprobs=cuda(ref))
+        got.backward()
+        assert got.is_cuda
+        torch.testing.assert_close(got.double().cpu(), want.detach(), rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(lp.grad.double().cpu(), lp_ref.grad, rtol=2e-4, atol=2e-6)
+        assert metrics.keys() == want_metrics.keys()
+        for k in metrics:
+            assert metrics[k] == pytest.approx(want_metrics[k], rel=1e-4, abs=1e-6), k
