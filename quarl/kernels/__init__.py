@@ -1,14 +1,116 @@
-"""GPU fast paths behind the reference formats. `try_quantized_matmul` returns None where no kernel applies."""
+"""GPU fast paths behind the reference formats. `try_quantized_matmul` returns None where no kernel applies.
+
+Importing this package never needs Triton or a GPU: the Triton kernels are imported on the first call that can
+use them. Kernel choice per format and M lives in `quarl.kernels.tuning` (plain data, measured on an H200).
+
+The kernels read the canonical `QuantizedTensor` layouts directly (no transposed or re-packed copies), so an
+in-place re-quantization (`quantize(w, fmt, out=qt)`, the per-step sync) needs no cache invalidation.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+from quarl.kernels.tuning import Plan, choose_plan
+
+__all__ = ["try_quantized_matmul", "kernels_available", "plan_for"]
+
+_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails while loading its backend
+        return False
+    return True
+
+
+def kernels_available(device: torch.device | None = None) -> bool:
+    """True when the Triton kernels can run on `device` (default: the current CUDA device).
+
+    Needs CUDA, compute capability >= 8.0 and an importable Triton; QUARL_DISABLE_KERNELS=1 turns them off.
+    """
+    if os.environ.get("QUARL_DISABLE_KERNELS", "") not in ("", "0"):
+        return False
+    if not torch.cuda.is_available() or not _triton_importable():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.device | None = None) -> Plan:
+    """The kernel plan `try_quantized_matmul` would use for x [m, k] and a weight [n, k] in `fmt`.
+
+    Plan("bf16") means no kernel: the caller's reference path runs. FP8 needs compute capability >= 8.9;
+    the int8/fp8 tensor-core ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
+    """
+    plan = choose_plan(fmt, weight_only, m, n, k)
+    if plan.kind == "bf16" or not torch.cuda.is_available():
+        return plan
+    cap = torch.cuda.get_device_capability(device)
+    if fmt.startswith("fp8") and cap < (8, 9):
+        return Plan("bf16")
+    if cap < (9, 0):
+        if plan.kind in ("scaled_mm",):
+            return Plan("bf16")
+        if plan.cfg is not None and plan.cfg.native:
+            from dataclasses import replace
+
+            return replace(plan, cfg=replace(plan.cfg, native=False))
+    if plan.kind == "scaled_mm" and (n % 16 or k % 16):
+        return Plan("bf16")  # cuBLAS FP8 needs N and K multiples of 16
+    return plan
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
     """y = Q(x) @ dequant(qweight)^T (+ bias) on a fast kernel, or None when none applies (CPU, unsupported).
 
-    x: [M, K] activations in the compute dtype; qweight: a `quarl.formats.QuantizedTensor` with role "weight"
-    and shape [N, K]; weight_only: True = W4A16/W8A16 (x is not quantized). Returns [M, N] in x.dtype or None.
+    x: [M, K] activations in the compute dtype (bf16 or fp16; other dtypes -> None); qweight: a
+    `quarl.formats.QuantizedTensor` with role "weight" and shape [N, K]; weight_only: True = W4A16/W8A16
+    (x is not quantized), False = x quantized dynamically like `quantize(x, fmt, "activation")` (per token for
+    int8/fp8, 1x128 groups for fp8-block, one scale for fp8-tensor; fp4 formats have no W4A4 kernel -> None).
+    bias: [N] or None. Returns [M, N] in x.dtype, or None (CPU tensors, no Triton, a format or shape without a
+    kernel, or a shape where the measured bf16 path is faster).
+    Raises ValueError when x and qweight do not fit together (K mismatch, different devices, not a weight).
     """
-    return None
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        return None
+    fmt = getattr(qweight, "fmt", None)
+    if fmt not in _FORMATS or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+        return None
+    if qweight.role != "weight" or len(qweight.shape) != 2:
+        raise ValueError(
+            f"try_quantized_matmul needs a 2-D weight QuantizedTensor [N, K], got role={qweight.role!r} "
+            f"shape={tuple(qweight.shape)}; quantize the weight with quantize(w, fmt, role='weight')"
+        )
+    m, k = x.shape
+    n = qweight.shape[0]
+    if k != qweight.shape[1]:
+        raise ValueError(
+            f"x has {k} input features but the weight expects {qweight.shape[1]} (weight shape "
+            f"{tuple(qweight.shape)}); x must be [M, in_features]"
+        )
+    if qweight.data.device != x.device:
+        raise ValueError(f"x is on {x.device} but the quantized weight is on {qweight.data.device}; move one of them")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] on {x.device}, got shape {tuple(bias.shape)} on {bias.device}")
+    if fmt == "mxfp4" and x.dtype == torch.float16:
+        return None  # E8M0 scales can leave fp16's range; the bf16 path is exact
+    if not kernels_available(x.device):
+        return None
+    plan = plan_for(fmt, weight_only, m, n, k, x.device)
+    if plan.kind == "bf16":
+        return None
+    if m == 0:
+        return torch.zeros((0, n), dtype=x.dtype, device=x.device) + (0 if bias is None else bias.to(x.dtype))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    from quarl.kernels.dispatch import run_plan
+
+    return run_plan(plan, x, qweight, bias)

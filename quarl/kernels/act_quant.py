@@ -1,0 +1,79 @@
+"""Dynamic activation quantization for the 8-bit GEMMs: x [M, K] -> codes [M, Kp] + float32 scales.
+
+Matches `quarl.formats.quantize(x, fmt, "activation")` bit for bit (same scale and rounding rules):
+  int8 / fp8   one scale per row (token), scales [M, 1];
+  fp8-block    one scale per 1x128 group, scales [M, Kp/128];
+  fp8-tensor   one scale for the whole tensor (0-dim; its amax is a torch reduction, then this kernel).
+One program per row: two passes over the row for per-row scales (the second pass hits L1/L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quarl.kernels.quant_utils import quantize_tile, safe_scale
+
+MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_sm,
+                      IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
+    (MODE 0: [M] at stride_sm, written; 1: [M, KP/128], written; 2: one scale read from s_ptr)."""
+    QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
+    row = tl.program_id(0)
+    ar = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if MODE == 0:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for it in range(0, tl.cdiv(K, BLOCK)):
+            v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        s = safe_scale(tl.max(amax, axis=0), QMAX)
+        tl.store(s_ptr + row * stride_sm, s)
+    elif MODE == 2:
+        s = tl.load(s_ptr)
+    for it in range(0, tl.cdiv(KP, BLOCK)):
+        k = it * BLOCK
+        v = tl.load(x_row + k + ar, mask=k + ar < K, other=0.0).to(tl.float32)
+        if MODE == 1:
+            vg = tl.reshape(v, (BLOCK // 128, 128))
+            sg = safe_scale(tl.max(tl.abs(vg), axis=1), QMAX)
+            q = tl.reshape(quantize_tile(vg, sg[:, None], IS_INT8), (BLOCK,))
+            ar_g = tl.arange(0, BLOCK // 128)
+            tl.store(s_ptr + row * stride_sm + k // 128 + ar_g, sg, mask=k // 128 + ar_g < KP // 128)
+        else:
+            q = quantize_tile(v, s, IS_INT8)
+        if IS_INT8:
+            q = q.to(tl.int8)
+        else:
+            q = q.to(tl.uint8, bitcast=True)
+        tl.store(q_row + k + ar, q, mask=k + ar < KP)
+
+
+def quantize_activation(x: torch.Tensor, fmt: str, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in
+    "int8", "fp8" (scales [M, 1]), "fp8-block" (scales [M, kp/128]), "fp8-tensor" (scale 0-dim)."""
+    M, K = x.shape
+    is_int8 = fmt == "int8"
+    codes = torch.empty((M, kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
+    if fmt == "fp8-block":
+        mode, scales = MODE_GROUP128, torch.empty((M, kp // 128), dtype=torch.float32, device=x.device)
+    elif fmt == "fp8-tensor":
+        amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+        scales = amax / 448.0
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        mode = MODE_GIVEN
+    else:
+        mode, scales = MODE_ROW, torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    block = 1024 if kp >= 1024 else max(128, triton.next_power_of_2(kp))
+    if M > 0:
+        _act_quant_kernel[(M,)](
+            x, codes, scales, K, kp, x.stride(0), codes.stride(0), scales.stride(0) if scales.dim() else 0,
+            IS_INT8=is_int8, MODE=mode, BLOCK=block, num_warps=4,
+        )
+    return (codes if is_int8 else codes.view(torch.float8_e4m3fn)), scales

@@ -1,0 +1,58 @@
+"""Weight dequantization to bf16/fp16 on the GPU, for the "dequantize then cuBLAS" path of large-M GEMMs.
+
+For prefill-sized M the GEMM is compute-bound and an fp4 weight saves nothing on the tensor cores, so writing
+the dense weight once (N*K*2 bytes, tens of microseconds) and calling the library GEMM can beat dequantizing
+every tile inside a Triton GEMM. The element decode is the one of `quarl.kernels.fp4_gemm` (exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, KP2, KG, stride_wn, stride_sn, stride_on,
+                        IS_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """w uint8 [N, KP/2], s uint8 [N, KP/G] (E4M3 / E8M0 bytes), gs float32 [] -> out [N, K] (padding dropped)."""
+    G: tl.constexpr = 32 if IS_MX else 16
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    ar_b = tl.arange(0, BK // 2)
+    ar_g = tl.arange(0, BK // G)
+    n_ok = offs_n < N
+    b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 2 + ar_b)[None, :],
+                mask=n_ok[:, None] & (k0 // 2 + ar_b < KP2)[None, :], other=0).to(tl.int32)
+    sc = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // G + ar_g)[None, :],
+                 mask=n_ok[:, None] & (k0 // G + ar_g < KG)[None, :], other=0)
+    lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if IS_MX:
+        sf = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    else:
+        sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (16384.0 * tl.load(gs_ptr))
+    lo = tl.reshape(lo, (BN, BK // G, G // 2)) * sf[:, :, None]
+    hi = tl.reshape(hi, (BN, BK // G, G // 2)) * sf[:, :, None]
+    w = tl.reshape(tl.join(lo, hi), (BN, BK)).to(out_ptr.dtype.element_ty)
+    offs_k = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w,
+             mask=n_ok[:, None] & (offs_k < K)[None, :])
+
+
+def dequantize_fp4_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
+    """nvfp4 / mxfp4 weight QuantizedTensor [N, K] -> dense [N, K] in dtype (bf16/fp16), on its device.
+
+    Values are code * s_block * s_global computed in fp32, then rounded once to dtype.
+    """
+    N, K = qweight.shape
+    is_mx = qweight.fmt == "mxfp4"
+    scale = qweight.scale.view(torch.uint8)
+    gs = scale if is_mx else qweight.global_scale
+    out = torch.empty((N, K), dtype=dtype, device=qweight.data.device)
+    bn, bk = 32, 256
+    _fp4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        qweight.data, scale, gs, out, N, K, qweight.data.shape[1], scale.shape[1], qweight.data.stride(0), scale.stride(0), out.stride(0),
+        IS_MX=is_mx, BN=bn, BK=bk, num_warps=4,
+    )
+    return out

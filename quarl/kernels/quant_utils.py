@@ -1,0 +1,63 @@
+"""Triton device functions shared by the 8-bit kernels: exact code conversions and activation quantization.
+
+They reproduce `quarl.formats` bit for bit: scale = amax / qmax (IEEE division, 1 when amax = 0),
+code = round_half_even(x / scale) clamped to +-127 (int8) or e4m3(clamp(x / scale, +-448)) (fp8).
+"""
+
+import triton
+import triton.language as tl
+
+# Adding then subtracting 1.5 * 2^23 rounds a float32 |v| < 2^22 to an integer, ties to even (the hardware
+# rounding of the add); written out because libdevice's rint has no interpreter (CPU) implementation.
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def int8_to_f16(w):
+    """int8 codes -> the same integers in fp16, exactly, with two integer ops and one fp16 subtract.
+
+    (w + 128) is placed in the low byte of the fp16 pattern 0x6400 (= 1024.0, whose ulp is 1), giving
+    1024 + w + 128; subtracting 1152 leaves w. Cheaper than the int->float conversion unit.
+    """
+    u = w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x6480
+    return (u.to(tl.int16).to(tl.float16, bitcast=True) - 1152.0).to(tl.float16)
+
+
+@triton.jit
+def codes_to_f16(w, IS_INT8: tl.constexpr):
+    """int8 codes (int8) or fp8 codes (raw uint8 bytes) -> fp16 values, exactly (both fit fp16)."""
+    if IS_INT8:
+        return int8_to_f16(w)
+    else:
+        return w.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def codes_to(w, IS_INT8: tl.constexpr, dtype: tl.constexpr):
+    """int8 codes or fp8 codes (raw uint8 bytes) -> `dtype` (bf16/fp16), exactly."""
+    if IS_INT8:
+        return int8_to_f16(w).to(tl.float32).to(dtype)
+    else:
+        return w.to(tl.float8e4nv, bitcast=True).to(dtype)
+
+
+@triton.jit
+def safe_scale(amax, QMAX: tl.constexpr):
+    """amax / QMAX (IEEE division, as the reference), 1 where that is 0 (an all-zero row or group)."""
+    s = tl.math.div_rn(amax, QMAX)
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def quantize_tile(v, s, IS_INT8: tl.constexpr):
+    """v float32 divided by its scales s (float32, broadcastable to v, e.g. [R, 1] row scales) -> codes.
+
+    Returns int8 codes as integer-valued float32 (int8: round half to even, clamp +-127) or fp8 codes as a
+    float8e4nv tensor (clamp +-448, then the round-to-nearest-even conversion).
+    """
+    q = tl.math.div_rn(v, s)
+    if IS_INT8:
+        q = (q + _RNE_MAGIC) - _RNE_MAGIC
+        return tl.minimum(tl.maximum(q, -127.0), 127.0)
+    else:
+        return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)

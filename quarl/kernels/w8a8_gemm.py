@@ -1,0 +1,201 @@
+"""8-bit GEMMs: int8 / fp8 (rowwise, per-tensor) and fp8-block weights, with the activation quantized on the fly.
+
+out[m, n] = sum_k dequant(Q(x))[m, k] * dequant(W)[n, k], i.e. exactly the reference
+`quantize(x, fmt, "activation").dequantize() @ qweight.dequantize().T` up to fp32 summation order.
+
+Activation modes (X_MODE):
+  0 raw       weight-only (W8A16): x itself times the weight codes.
+  1 fused     x in bf16/fp16 is quantized inside the GEMM: per token with a first pass over K for the row
+              amax (small M, where re-reading x from L2 is cheap), or per 1x128 group of the tile (fp8-block).
+  2 prequant  x was quantized by `quarl.kernels.act_quant` (codes [M, Kp] + scales): large M.
+Multiply (GemmConfig.native): the int8/fp8 tensor cores (2x the bf16 rate; tile rows >= 64), or the codes
+converted exactly to fp16 on the fp16 tensor cores (any tile; decode is memory-bound so the rate is moot,
+and the products and fp32 sums are exact, unlike Hopper's reduced-precision fp8 accumulator).
+Scaling: rowwise formats apply s_x[m] * s_w[n] once in the epilogue; fp8-block scales each 128-deep partial
+product by s_x[m, kb] * s_w[n // 128, kb] (BK must be 128).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quarl.kernels.common import GemmConfig, pid_to_tile, splitk_reduce
+from quarl.kernels.quant_utils import codes_to, codes_to_f16, quantize_tile, safe_scale
+
+X_RAW, X_FUSED, X_PREQUANT = 0, 1, 2
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, K, KP, k_per_split,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
+    W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, NATIVE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """x: [M, K] bf16/fp16 (X_MODE 0/1) or codes [M, KP] (X_MODE 2; fp8 as uint8 bytes); xs: activation
+    scales float32 ([M] with stride stride_xsm, or [M, KP/128] for fp8-block; X_MODE 2 only);
+    w: codes [N, KP] (int8, or fp8 as uint8 bytes); ws: float32 weight scales ([N] with stride stride_wsn,
+    0 for one per tensor; fp8-block [ceil(N/128), KP/128] with row stride stride_wsn);
+    out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias)."""
+    QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
+    pid_m, pid_n = pid_to_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ar_k = tl.arange(0, BK)
+    k0 = pid_k * k_per_split
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + ar_k)[None, :]
+
+    if X_MODE == 1 and not BLOCKWISE:
+        # Per-token scale needs the amax of the whole row before the first code.
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for it in range(0, tl.cdiv(K, BK)):
+            v = tl.load(x_rows + (it * BK + ar_k)[None, :], mask=m_ok[:, None] & (it * BK + ar_k < K)[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        sx = safe_scale(amax, QMAX)
+
+    if W_INT8 and NATIVE:
+        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for it in range(0, k_per_split // BK):
+        kk = k0 + it * BK
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (kk + ar_k < KP)[None, :], other=0)
+        if X_MODE == 2:
+            a = tl.load(x_rows + (kk + ar_k)[None, :], mask=m_ok[:, None] & (kk + ar_k < KP)[None, :], other=0)
+        else:
+            xv = tl.load(x_rows + (kk + ar_k)[None, :], mask=m_ok[:, None] & (kk + ar_k < K)[None, :], other=0.0)
+
+        # Operands of the tensor-core product.
+        if X_MODE == 0:
+            a = xv
+            b = codes_to(w, W_INT8, x_ptr.dtype.element_ty)
+        else:
+            if X_MODE == 1:
+                if BLOCKWISE:
+                    sg = safe_scale(tl.max(tl.abs(xv.to(tl.float32)), axis=1), QMAX)
+                    q = quantize_tile(xv.to(tl.float32), sg[:, None], W_INT8)
+                else:
+                    q = quantize_tile(xv.to(tl.float32), sx[:, None], W_INT8)
+                if NATIVE:
+                    if W_INT8:
+                        a = q.to(tl.int8)
+                    else:
+                        a = q
+                else:
+                    a = q.to(tl.float16)
+            else:
+                if BLOCKWISE:
+                    sg = tl.load(xs_ptr + offs_m * stride_xsm + kk // 128, mask=m_ok, other=1.0)
+                if NATIVE:
+                    if not W_INT8:
+                        a = a.to(tl.float8e4nv, bitcast=True)
+                else:
+                    a = codes_to_f16(a, W_INT8)
+            if NATIVE:
+                if W_INT8:
+                    b = w
+                else:
+                    b = w.to(tl.float8e4nv, bitcast=True)
+            else:
+                b = codes_to_f16(w, W_INT8)
+
+        if BLOCKWISE:
+            sw = tl.load(ws_ptr + (offs_n // 128) * stride_wsn + kk // 128, mask=n_ok, other=0.0)
+            part = tl.dot(a, tl.trans(b))
+            if X_MODE == 0:
+                acc += part * sw[None, :]
+            else:
+                acc += part * (sg[:, None] * sw[None, :])
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        w_ptrs += BK
+
+    if BLOCKWISE:
+        res = acc
+    else:
+        sw = tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)
+        res = acc.to(tl.float32) * sw[None, :]
+        if X_MODE == 1:
+            res = res * sx[:, None]
+        elif X_MODE == 2:
+            res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, res, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors travel as uint8 (a masked load needs an integer fill value); int8 stays int8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def w8a8_matmul(
+    x: torch.Tensor,
+    qweight,
+    bias: torch.Tensor | None,
+    cfg: GemmConfig,
+    x_mode: int,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16/fp16 times an int8 / fp8 / fp8-tensor / fp8-block weight QuantizedTensor [N, K] -> [M, N].
+
+    x_mode: X_RAW (weight-only), X_FUSED (quantize x here) or X_PREQUANT (xq = (codes [M, Kp], scales) from
+    `quarl.kernels.act_quant.quantize_activation`). fp8-block needs cfg.bk == 128; cfg.native needs
+    cfg.bm >= 64 (tensor-core tile) and an 8-bit activation (x_mode != X_RAW).
+    """
+    fmt = qweight.fmt
+    blockwise = fmt == "fp8-block"
+    w_int8 = fmt == "int8"
+    M, K = x.shape
+    N = qweight.shape[0]
+    w = _raw_bytes(qweight.data)
+    kp = w.shape[1]
+    ws = qweight.scale
+    if blockwise:
+        assert cfg.bk == 128, "fp8-block GEMM tiles must be 128 deep (one scale group per step)"
+        stride_wsn = ws.stride(0)
+    else:
+        stride_wsn = 0 if ws.dim() == 0 else ws.stride(0)
+    if x_mode == X_PREQUANT:
+        xin, xs = xq
+        xin = _raw_bytes(xin)
+        stride_xsm = 0 if xs.dim() == 0 else xs.stride(0)
+    else:
+        xin, xs, stride_xsm = x, ws, 0  # xs unused
+    bk, split = cfg.bk, cfg.split_k
+    k_per_split = triton.cdiv(triton.cdiv(kp, split), bk) * bk
+    split = triton.cdiv(kp, k_per_split)
+    even_k = K == kp and kp % k_per_split == 0
+    grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), split)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    _w8a8_kernel[grid](
+        xin, xs, w, ws, bias if bias is not None else out, target,
+        M, N, K, kp, k_per_split,
+        xin.stride(0), stride_xsm, w.stride(0), stride_wsn, target.stride(-2),
+        target.stride(0) if split > 1 else 0,
+        W_INT8=w_int8, BLOCKWISE=blockwise, X_MODE=x_mode, NATIVE=cfg.native and x_mode != X_RAW,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
+        BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if split > 1:
+        splitk_reduce(target, bias, out)
+    return out
