@@ -31,10 +31,14 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, KP2, KG, stride_wn,
     if IS_MX:
         sf = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     else:
-        sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (16384.0 * tl.load(gs_ptr))
+        sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    # (code * s_block) is exact; the global scale then rounds once, as in the reference.
     lo = tl.reshape(lo, (BN, BK // G, G // 2)) * sf[:, :, None]
     hi = tl.reshape(hi, (BN, BK // G, G // 2)) * sf[:, :, None]
-    w = tl.reshape(tl.join(lo, hi), (BN, BK)).to(out_ptr.dtype.element_ty)
+    w = tl.reshape(tl.join(lo, hi), (BN, BK))
+    if not IS_MX:
+        w = w * tl.load(gs_ptr)
+    w = w.to(out_ptr.dtype.element_ty)
     offs_k = k0 + tl.arange(0, BK)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w,
              mask=n_ok[:, None] & (offs_k < K)[None, :])

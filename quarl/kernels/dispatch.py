@@ -15,8 +15,10 @@ from quarl.kernels.w8a8_gemm import X_FUSED, X_PREQUANT, X_RAW, w8a8_matmul
 _X_MODES = {"raw": X_RAW, "fused": X_FUSED, "prequant": X_PREQUANT}
 
 
-def _gemm_config(cfg: Cfg) -> GemmConfig:
-    return GemmConfig(cfg.bm, cfg.bn, cfg.bk, cfg.split_k, cfg.warps, cfg.stages, cfg.group_m, cfg.native)
+def _gemm_config(cfg: Cfg, fmt: str) -> GemmConfig:
+    # fp8-block steps one 128-deep scale group at a time, whatever depth the shared table names.
+    bk = 128 if fmt == "fp8-block" else cfg.bk
+    return GemmConfig(cfg.bm, cfg.bn, bk, cfg.split_k, cfg.warps, cfg.stages, cfg.group_m, cfg.native)
 
 
 def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -24,22 +26,25 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
     n = qweight.shape[0]
     codes, sx = quantize_activation(x, qweight.fmt, qweight.data.shape[1])
     sw = qweight.scale.reshape(1, n) if qweight.scale.dim() else qweight.scale
+    # cuBLAS/CUTLASS rowwise scaling produces bf16 only: fp16 callers get one extra rounding.
+    out_dtype = torch.bfloat16 if qweight.fmt == "fp8" else x.dtype
     if bias is not None:
-        bias = bias.to(x.dtype)
+        bias = bias.to(out_dtype)
     # b must be column-major: the [N, Kp] row-major codes transposed are exactly that, without a copy.
-    return torch._scaled_mm(codes, qweight.data.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype)
+    y = torch._scaled_mm(codes, qweight.data.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=out_dtype)
+    return y.to(x.dtype)
 
 
 def run_plan(plan: Plan, x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] bf16/fp16 (rows contiguous), qweight [N, K] on x's device -> [M, N] in x.dtype."""
     if plan.kind == "fp4":
-        return fp4_matmul(x, qweight, bias, _gemm_config(plan.cfg))
+        return fp4_matmul(x, qweight, bias, _gemm_config(plan.cfg, qweight.fmt))
     if plan.kind == "deq_mm":
         return F.linear(x, dequantize_fp4_weight(qweight, x.dtype), bias)
     if plan.kind == "w8a8":
         mode = _X_MODES[plan.x_mode]
         xq = quantize_activation(x, qweight.fmt, qweight.data.shape[1]) if mode == X_PREQUANT else None
-        return w8a8_matmul(x, qweight, bias, _gemm_config(plan.cfg), mode, xq)
+        return w8a8_matmul(x, qweight, bias, _gemm_config(plan.cfg, qweight.fmt), mode, xq)
     if plan.kind == "scaled_mm":
         return _scaled_mm(x, qweight, bias)
     raise ValueError(f"unknown kernel plan kind {plan.kind!r}")

@@ -119,7 +119,7 @@ def _w8a8_kernel(
             else:
                 acc += part * (sg[:, None] * sw[None, :])
         else:
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype)
         w_ptrs += BK
 
     if BLOCKWISE:
@@ -169,7 +169,8 @@ def w8a8_matmul(
     kp = w.shape[1]
     ws = qweight.scale
     if blockwise:
-        assert cfg.bk == 128, "fp8-block GEMM tiles must be 128 deep (one scale group per step)"
+        if cfg.bk != 128:
+            raise ValueError(f"fp8-block GEMM tiles must be 128 deep (one scale group per step), got bk={cfg.bk}")
         stride_wsn = ws.stride(0)
     else:
         stride_wsn = 0 if ws.dim() == 0 else ws.stride(0)

@@ -1,0 +1,498 @@
+"""B1 — low-precision GEMM benchmark (`quarl bench gemm`, BENCHMARKS.md).
+
+Times out = Q(x) @ dequant(W)^T through `quarl.kernels.try_quantized_matmul`'s plans (activation quantization
+included) against the bf16 GEMM (F.linear, cuBLAS) on the linear shapes of Qwen2.5-7B, for M in
+{1, 16, 64, 256, 1024, 4096}, and reports time, speed-up over bf16 and % of the roofline measured in the same run.
+
+Timing: every call is captured M_REPS times into a CUDA graph (no launch gaps from the host, as in a
+graph-captured decode step) cycling over enough copies of the weight to exceed 3x the L2 cache (so weights
+stream from HBM as they do layer after layer), and the graph is replayed `--repeats` times: the reported time
+is the median replay divided by the calls per replay. Ceilings, measured first: copy bandwidth (1 GiB
+device-to-device copy, bytes read + written) and the bf16 matrix rate (8192^3 torch.matmul); int8/fp8 get
+twice the bf16 rate (Hopper's 8-bit tensor cores). Roofline time = max(bytes / bandwidth, flops / rate) with
+bytes = weight codes + scales + x + out.
+
+`--sweep` times every candidate plan of `SWEEP_CANDIDATES` and prints the best per shape and M (used to fill
+`quarl.kernels.tuning`). Kernels are compiled, and checked against the float32 reference, first in parallel
+worker processes (Triton's on-disk cache then serves the timing process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+M_VALUES = (1, 16, 64, 256, 1024, 4096)
+DEFAULT_FORMATS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
+ALL_FORMATS = ("bf16", "int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
+TARGETS = "M<=64: int8/fp8 >= 1.7x, nvfp4 >= 3x; M>=1024: int8/fp8 >= 1.6x; never slower than bf16"
+DEFAULT_RESULTS = os.path.join("bench", "results", "gemm.md")
+_L2_BYTES = 60 * 2**20  # H100/H200; weights rotate over >= 3x this
+
+
+def _sweep_candidates():
+    """family -> {M bucket -> [Plan]}: what `--sweep` times (nvfp4 stands for w4a16)."""
+    from quarl.kernels.tuning import Cfg, Plan
+
+    dec = [Cfg(16, 64, 256, warps=4, stages=4), Cfg(16, 128, 128, warps=4, stages=4),
+           Cfg(16, 32, 256, warps=4, stages=4), Cfg(16, 64, 256, split_k=2, warps=4, stages=4),
+           Cfg(16, 128, 256, warps=8, stages=3)]
+    w4 = {
+        1: [Plan("fp4", c) for c in dec],
+        64: [Plan("fp4", c) for c in (Cfg(64, 64, 128, warps=4, stages=3), Cfg(32, 128, 128, warps=4, stages=4),
+                                       Cfg(64, 128, 128, warps=8, stages=3), Cfg(16, 64, 256, warps=4, stages=4))],
+        256: [Plan("fp4", Cfg(64, 128, 128, warps=4, stages=3)), Plan("fp4", Cfg(128, 128, 64, warps=8, stages=3)),
+              Plan("fp4", Cfg(128, 128, 128, warps=8, stages=3)), Plan("deq_mm")],
+        1024: [Plan("fp4", Cfg(128, 128, 64, warps=8, stages=3)), Plan("fp4", Cfg(128, 256, 64, warps=8, stages=3)),
+               Plan("deq_mm")],
+    }
+    w4[16] = w4[1]
+    w4[4096] = w4[1024]
+    w8_dec = [Cfg(16, 64, 256, warps=4, stages=4), Cfg(16, 128, 256, warps=4, stages=4),
+              Cfg(16, 32, 256, warps=4, stages=4), Cfg(16, 64, 256, split_k=2, warps=4, stages=4)]
+    w8 = {
+        1: [Plan("w8a8", c, "fused") for c in w8_dec] + [Plan("w8a8", Cfg(64, 64, 256, native=True, stages=4), "fused")],
+        64: [Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "prequant"),
+             Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
+             Plan("w8a8", Cfg(64, 64, 256, warps=4, stages=3, native=True), "prequant"),
+             Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "fused"),
+             Plan("w8a8", Cfg(16, 64, 256, warps=4, stages=4), "fused")],
+        256: [Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
+              Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
+              Plan("w8a8", Cfg(128, 256, 128, warps=8, stages=3, native=True), "prequant")],
+        1024: [Plan("w8a8", Cfg(128, 256, 128, warps=8, stages=3, native=True), "prequant"),
+               Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant"),
+               Plan("w8a8", Cfg(128, 256, 64, warps=8, stages=4, native=True), "prequant")],
+    }
+    w8[16] = w8[1]
+    w8[4096] = w8[1024]
+    fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 64 else []) for b, v in w8.items()}
+    blk_dec = [Cfg(16, 64, 128, warps=4, stages=4), Cfg(16, 128, 128, warps=4, stages=4),
+               Cfg(16, 32, 128, warps=4, stages=4), Cfg(16, 64, 128, split_k=2, warps=4, stages=4)]
+    blk = {
+        1: [Plan("w8a8", c, "fused") for c in blk_dec],
+        64: [Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "prequant"),
+             Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
+             Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "fused"),
+             Plan("w8a8", Cfg(16, 64, 128, warps=4, stages=4), "fused")],
+        256: [Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
+              Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
+              Plan("w8a8", Cfg(128, 64, 128, warps=4, stages=4, native=True), "prequant")],
+        1024: [Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
+               Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant"),
+               Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant")],
+    }
+    blk[16] = blk[1]
+    blk[4096] = blk[1024]
+    return {"nvfp4": w4, "int8": w8, "fp8": fp8, "fp8-block": blk}
+
+
+def add_bench_gemm_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quarl bench gemm`."""
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of row counts M")
+    parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help=f"comma list of {', '.join(ALL_FORMATS)}")
+    parser.add_argument("--weight-only", action="store_true", help="8-bit formats as W8A16 (x not quantized)")
+    parser.add_argument("--repeats", type=int, default=7, help="graph replays per measurement (median taken)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes that compile and check the kernels before timing (0 = none)")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate plan (tuning), not the dispatch")
+    parser.add_argument("--json", default=None, help="also write every measurement to this JSON file")
+    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _parse_list(text: str, allowed, what: str, cast=str) -> list:
+    items = [cast(t.strip()) for t in text.split(",") if t.strip()]
+    if allowed is not None:
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise ValueError(f"unknown {what} {bad}; choose from {', '.join(map(str, allowed))}")
+    if not items:
+        raise ValueError(f"no {what} given")
+    return items
+
+
+# ---------------------------------------------------------------- measurement helpers (GPU)
+
+
+def measure_ceilings(torch) -> tuple[float, float]:
+    """(copy bandwidth bytes/s counting read + write, bf16 matmul FLOP/s), medians of 10 after warm-up."""
+    n = 2**30 // 2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t_copy = _median_time(torch, lambda: dst.copy_(src), 10)
+    bw = 2 * src.numel() * src.element_size() / t_copy
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_mm = _median_time(torch, lambda: torch.matmul(a, b), 10)
+    return bw, 2 * 8192**3 / t_mm
+
+
+def _median_time(torch, fn, reps: int) -> float:
+    """Median seconds of fn over reps event-timed calls, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+def time_graph(torch, fn, n_variants: int, repeats: int) -> float:
+    """Median seconds per call of fn(i), i cycling over n_variants inputs, from CUDA-graph replays."""
+    for i in range(n_variants):
+        fn(i)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for i in range(n_variants):
+        fn(i)
+    e.record()
+    e.synchronize()
+    est = max(s.elapsed_time(e) / 1e3 / n_variants, 1e-6)
+    calls = max(n_variants, min(400, int(3e-3 / est)))
+    calls = -(-calls // n_variants) * n_variants
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn(0)  # allocations of the first call outside the capture
+        with torch.cuda.graph(g, stream=stream):
+            for c in range(calls):
+                fn(c % n_variants)
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def _copies(qt, n: int) -> list:
+    """n independent copies of a QuantizedTensor (separate memory, so each call streams its own weights)."""
+    from quarl.formats import QuantizedTensor
+
+    out = [qt]
+    for _ in range(n - 1):
+        gs = None if qt.global_scale is None else qt.global_scale.clone()
+        out.append(QuantizedTensor(qt.fmt, qt.role, qt.data.clone(), qt.scale.clone(), gs, qt.shape))
+    return out
+
+
+def _n_copies(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(3 * _L2_BYTES / max(nbytes, 1))))
+
+
+def _make_inputs(torch, n: int, k: int, m: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    return w, x
+
+
+def _reference(torch, x, qw, weight_only: bool):
+    from quarl.formats import quantize
+
+    xr = x.float() if weight_only else quantize(x, qw.fmt, "activation").dequantize(torch.float32)
+    return xr @ qw.dequantize(torch.float32).T
+
+
+def _rel_err(torch, y, ref) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _check_job(job: dict) -> dict:
+    """Worker: compile one plan on its shapes/M values and return its relative errors vs the float32 reference."""
+    import torch
+
+    from quarl.formats import quantize
+    from quarl.kernels.dispatch import run_plan
+
+    out = {}
+    for n, k, m in job["problems"]:
+        key = f"{n}x{k}x{m}"
+        try:
+            w, x = _make_inputs(torch, n, k, m, job["seed"])
+            qw = quantize(w, job["fmt"])
+            y = run_plan(job["plan"], x, qw, None)
+            out[key] = _rel_err(torch, y, _reference(torch, x, qw, job["weight_only"]))
+            del w, x, qw, y
+        except Exception as e:  # report, do not crash the benchmark
+            out[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return out
+
+
+def _precompile(jobs: list[dict], workers: int) -> list[dict]:
+    """Run _check_job for every job, in `workers` spawned processes (0: in this process)."""
+    if workers <= 0 or len(jobs) <= 1:
+        return [_check_job(j) for j in jobs]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(_check_job, jobs))
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def _weight_bytes(torch, qw_or_w) -> int:
+    if isinstance(qw_or_w, torch.Tensor):
+        return qw_or_w.numel() * qw_or_w.element_size()
+    return qw_or_w.nbytes()
+
+
+def run_bench_gemm(args) -> int:
+    """Run B1; print the table; append a dated entry to args.out unless args.no_save. Returns 0 (1 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("quarl bench gemm needs a CUDA GPU (none found)", file=sys.stderr)
+        return 1
+    import triton
+    import torch.nn.functional as F
+
+    from quarl.formats import quantize
+    from quarl.kernels import plan_for
+    from quarl.kernels.dispatch import run_plan
+    from quarl.kernels.tuning import family, m_bucket
+
+    shapes = _parse_list(args.shapes, SHAPES, "shapes")
+    ms = _parse_list(args.m, None, "M values", int)
+    formats = _parse_list(args.formats, ALL_FORMATS, "formats")
+    quant_formats = [f for f in formats if f != "bf16"]
+    weight_only = {f: (args.weight_only or f in ("nvfp4", "mxfp4")) for f in quant_formats}
+    candidates = _sweep_candidates() if args.sweep else None
+
+    # Which plans to run per (format, shape, M).
+    plans: dict[tuple[str, str, int], list] = {}
+    for f in quant_formats:
+        for s in shapes:
+            n, k = SHAPES[s]
+            for m in ms:
+                if candidates is not None and f in candidates:
+                    plans[(f, s, m)] = list(candidates[f][m_bucket(m)])
+                else:
+                    p = plan_for(f, weight_only[f], m, n, k)
+                    plans[(f, s, m)] = [p] if p.kind != "bf16" else []
+                    if p.kind == "bf16" and family(f, weight_only[f]) is not None:
+                        # Still time the best kernel we have, to report what bf16 beat.
+                        from quarl.kernels.tuning import DEFAULT_PLANS
+
+                        alt = DEFAULT_PLANS[family(f, weight_only[f])][m_bucket(m)]
+                        plans[(f, s, m)] = [alt] if alt.kind != "bf16" else []
+
+    t0 = time.time()
+    jobs: dict[tuple, dict] = {}
+    for (f, s, m), ps in plans.items():
+        for p in ps:
+            j = jobs.setdefault((f, p), {"fmt": f, "plan": p, "weight_only": weight_only[f], "seed": args.seed,
+                                         "problems": []})
+            j["problems"].append((*SHAPES[s], m))
+    job_list = list(jobs.values())
+    errors = {}
+    for j, res in zip(job_list, _precompile(job_list, args.workers)):
+        for key, v in res.items():
+            errors[(j["fmt"], j["plan"], key)] = v
+    t_compile = time.time() - t0
+    print(f"compiled and checked {len(job_list)} plans in {t_compile:.1f} s", flush=True)
+
+    bw, rate = measure_ceilings(torch)
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    rows = []
+    for s in shapes:
+        n, k = SHAPES[s]
+        w_bf16, _ = _make_inputs(torch, n, k, 1, args.seed)
+        qws = {f: quantize(w_bf16, f) for f in quant_formats}
+        for m in ms:
+            _, x = _make_inputs(torch, n, k, m, args.seed + m)
+            io_bytes = (m * k + m * n) * 2
+            flops = 2 * m * n * k
+            wb = _weight_bytes(torch, w_bf16)
+            nc = _n_copies(wb)
+            ws = [w_bf16] + [w_bf16.clone() for _ in range(nc - 1)]
+            t_bf16 = time_graph(torch, lambda i: F.linear(x, ws[i]), nc, args.repeats)
+            del ws
+            t_roof = max((wb + io_bytes) / bw, flops / rate)
+            rows.append(dict(shape=s, n=n, k=k, m=m, fmt="bf16", path="cuBLAS", time_us=t_bf16 * 1e6,
+                             speedup=1.0, roof=t_roof / t_bf16, err=0.0, dispatch="-"))
+            for f in quant_formats:
+                qw = qws[f]
+                wq = _weight_bytes(torch, qw)
+                nc = _n_copies(wq)
+                cps = _copies(qw, nc)
+                f_rate = rate if weight_only[f] else 2 * rate
+                t_roof = max((wq + io_bytes) / bw, flops / f_rate)
+                dispatched = plan_for(f, weight_only[f], m, n, k)
+                for p in plans[(f, s, m)]:
+                    err = errors.get((f, p, f"{n}x{k}x{m}"))
+                    if isinstance(err, str):
+                        t, note = float("nan"), err
+                    else:
+                        try:
+                            t = time_graph(torch, lambda i, p=p: run_plan(p, x, cps[i], None), nc, args.repeats)
+                            note = ""
+                        except Exception as e:  # a config that does not fit (shared memory), etc.
+                            t, note = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    rows.append(dict(shape=s, n=n, k=k, m=m, fmt=f, path=_plan_name(p), time_us=t * 1e6,
+                                     speedup=t_bf16 / t, roof=t_roof / t, err=err,
+                                     dispatch="kernel" if dispatched.kind != "bf16" else "bf16", note=note,
+                                     plan=_plan_dict(p)))
+                del cps
+            print(f"  {s} M={m} done ({time.time() - t0:.0f} s)", flush=True)
+        del qws, w_bf16
+        torch.cuda.empty_cache()
+
+    table = _format_table(rows, best_only=args.sweep)
+    print(table)
+    if args.sweep:
+        print(_sweep_summary(rows))
+    summary = "" if args.sweep else _targets_summary(rows)
+    if summary:
+        print(summary)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(bw=bw, rate=rate, rows=rows), fh, indent=1, default=str)
+    if not args.no_save and not args.sweep:
+        _append_results(args.out, torch, triton, bw, rate, table, summary)
+        print(f"appended to {args.out}")
+    return 0
+
+
+def _plan_name(p) -> str:
+    if p.cfg is None:
+        return p.kind
+    c = p.cfg
+    tag = f"{c.bm}x{c.bn}x{c.bk}" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f" w{c.warps}p{c.stages}"
+    mode = {"w8a8": f" {p.x_mode}" + (" native" if c.native else " f16")}.get(p.kind, "")
+    return f"{p.kind} {tag}{mode}"
+
+
+def _plan_dict(p) -> dict:
+    return {"kind": p.kind, "x_mode": p.x_mode, "cfg": None if p.cfg is None else asdict(p.cfg)}
+
+
+def _fmt_err(err) -> str:
+    if err is None:
+        return "-"
+    if isinstance(err, str):
+        return "FAIL"
+    return f"{err:.1e}"
+
+
+def _format_table(rows: list[dict], best_only: bool) -> str:
+    """Markdown table; with best_only, all candidates plus a marker on the fastest per (shape, M, format)."""
+    best = {}
+    for r in rows:
+        key = (r["shape"], r["m"], r["fmt"])
+        if r["time_us"] == r["time_us"] and (key not in best or r["time_us"] < best[key]["time_us"]):
+            best[key] = r
+    lines = ["| shape (N x K) | M | format | path | time (us) | vs bf16 | % roofline | rel. err | dispatch |",
+             "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        mark = " **best**" if best_only and best.get((r["shape"], r["m"], r["fmt"])) is r and r["fmt"] != "bf16" else ""
+        t = r["time_us"]
+        tt = f"{t:.1f}" if t == t else "n/a"
+        sp = f"{r['speedup']:.2f}x" if t == t else "-"
+        rf = f"{100 * r['roof']:.0f}%" if t == t else "-"
+        note = f" ({r['note']})" if r.get("note") else ""
+        lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | {r['fmt']} | {r['path']}{mark}{note} | "
+                     f"{tt} | {sp} | {rf} | {_fmt_err(r['err'])} | {r['dispatch']} |")
+    return "\n".join(lines)
+
+
+def _sweep_summary(rows: list[dict]) -> str:
+    """One line per (format, shape, M): the fastest plan, its speed-up, and the runner-up."""
+    groups: dict[tuple, list] = {}
+    bf16 = {(r["shape"], r["m"]): r["time_us"] for r in rows if r["fmt"] == "bf16"}
+    for r in rows:
+        if r["fmt"] != "bf16":
+            groups.setdefault((r["fmt"], r["shape"], r["m"]), []).append(r)
+    out = ["best plans (format shape M: time us, vs bf16 | runner-up):"]
+    for (f, s, m), rs in groups.items():
+        ok = sorted((r for r in rs if r["time_us"] == r["time_us"]), key=lambda r: r["time_us"])
+        fails = sum(1 for r in rs if isinstance(r["err"], str) or r["time_us"] != r["time_us"])
+        if not ok:
+            out.append(f"{f} {s} {m}: all {len(rs)} failed")
+            continue
+        b = ok[0]
+        nxt = f" | {ok[1]['path']} {ok[1]['time_us']:.1f}" if len(ok) > 1 else ""
+        out.append(f"{f} {s} {m}: {b['path']} {b['time_us']:.1f} ({bf16[(s, m)] / b['time_us']:.2f}x, "
+                   f"err {_fmt_err(b['err'])}){nxt}" + (f" [{fails} failed]" if fails else ""))
+    return "\n".join(out)
+
+
+def _targets_summary(rows: list[dict]) -> str:
+    """Worst speed-up per format in the decode (M <= 64) and prefill (M >= 1024) ranges vs BENCHMARKS.md targets."""
+    want = {("int8", "decode"): 1.7, ("fp8", "decode"): 1.7, ("nvfp4", "decode"): 3.0,
+            ("int8", "prefill"): 1.6, ("fp8", "prefill"): 1.6}
+    out = [f"targets ({TARGETS}); worst case over shapes:"]
+    fmts = sorted({r["fmt"] for r in rows if r["fmt"] != "bf16"})
+    for f in fmts:
+        for rng, sel in (("decode", lambda m: m <= 64), ("mid", lambda m: 64 < m < 1024), ("prefill", lambda m: m >= 1024)):
+            rs = [r for r in rows if r["fmt"] == f and sel(r["m"]) and r["time_us"] == r["time_us"]]
+            if not rs:
+                continue
+            worst = min(rs, key=lambda r: r["speedup"])
+            kern = [r for r in rs if r["dispatch"] == "kernel"]
+            slower = [r for r in rs if r["speedup"] < 1.0]
+            goal = want.get((f, rng))
+            verdict = "" if goal is None else (" MET" if worst["speedup"] >= goal else f" missed (target {goal}x)")
+            fb = f"; bf16 fallback on {len(rs) - len(kern)} of {len(rs)}" if len(kern) < len(rs) else ""
+            where = ", ".join(f"{r['shape']}/M={r['m']}" for r in slower)
+            slow = f"; slower than bf16 at {where}" if slower else ""
+            out.append(f"- {f} {rng}: min {worst['speedup']:.2f}x ({worst['shape']}, M={worst['m']}), "
+                       f"max {max(r['speedup'] for r in rs):.2f}x{verdict}{fb}{slow}")
+    return "\n".join(out)
+
+
+def _append_results(path: str, torch, triton, bw: float, rate: float, table: str, summary: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    cmd = " ".join(["quarl bench gemm"] + sys.argv[sys.argv.index("gemm") + 1:] if "gemm" in sys.argv else sys.argv)
+    with open(path, "a") as fh:
+        if new:
+            fh.write("# B1 — low-precision GEMM (`quarl bench gemm`)\n\nAppended by `quarl bench gemm`; newest last. "
+                     "Times are CUDA-graph replay medians per call, activation quantization included.\n")
+        fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
+        fh.write(f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}\n")
+        fh.write(f"- command: `{cmd}`\n")
+        fh.write(f"- ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+                 f"{rate / 1e12:.0f} TFLOP/s (int8/fp8 roofline: 2x)\n\n")
+        fh.write(table + "\n\n")
+        if summary:
+            fh.write(summary + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quarl bench gemm", description=__doc__.split("\n")[0])
+    add_bench_gemm_arguments(parser)
+    return run_bench_gemm(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

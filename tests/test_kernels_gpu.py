@@ -1,0 +1,231 @@
+"""GPU kernels of `quarl.kernels` against the float64 reference `dequant(Q(x)) @ dequant(W)^T`.
+
+Tolerances (relative Frobenius error vs the float64 reference computed from the same quantized codes):
+  5e-3 for kernels whose operands are exact (codes and scales are reproduced bit for bit and multiplied with
+  fp32 accumulation; what remains is the final rounding to bf16, ~2^-9 per element, and fp32 summation);
+  1.5e-2 for the dequantize-then-cuBLAS path (the weight itself is rounded to bf16 once).
+Activation quantization must match `quarl.formats.quantize(x, fmt, "activation")` exactly.
+The tuning-table checks at the end run on any machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quarl.formats import quantize
+from quarl.kernels import plan_for, try_quantized_matmul
+from quarl.kernels.tuning import DEFAULT_PLANS, M_BUCKETS, SHAPE_PLANS, Cfg, Plan, choose_plan
+
+EXACT_TOL = 5e-3
+DEQ_TOL = 1.5e-2
+gpu = pytest.mark.gpu
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Fill freed allocator memory with NaN so that an output element the kernel never writes shows up."""
+    t = torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+    del t
+
+
+def _reference(x: torch.Tensor, qw, weight_only: bool, bias=None) -> torch.Tensor:
+    xr = x.double() if weight_only else quantize(x, qw.fmt, "activation").dequantize(torch.float64)
+    ref = xr @ qw.dequantize(torch.float64).T
+    return ref if bias is None else ref + bias.double()
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "kernel output has NaN/Inf (unwritten or overflowed elements)"
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def _inputs(m, n, k, dtype=torch.bfloat16, bias=False):
+    w = torch.randn(n, k, device="cuda") * 0.05
+    x = (torch.randn(m, k, device="cuda") * 2).to(dtype)
+    b = (torch.randn(n, device="cuda") * 0.1).to(dtype) if bias else None
+    return w, x, b
+
+
+# Shapes with M = 1, M not a multiple of any tile, N not a multiple of the tile, K not a multiple of the block.
+SHAPES = [(1, 256, 512), (7, 300, 1000), (33, 96, 272), (130, 512, 768), (67, 160, 200)]
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("cfg", [Cfg(16, 64, 256, stages=4), Cfg(16, 32, 64, split_k=3), Cfg(64, 64, 128),
+                                 Cfg(128, 128, 64, warps=8)])
+def test_fp4_gemm_matches_reference(fmt, cfg):
+    from quarl.kernels.dispatch import run_plan
+
+    for m, n, k in SHAPES:
+        w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
+        qw = quantize(w, fmt)
+        _poison_allocator(m * n * 4 * 4)
+        y = run_plan(Plan("fp4", cfg), x, qw, b)
+        assert y.shape == (m, n) and y.dtype == x.dtype
+        err = _rel_err(y, _reference(x, qw, True, b))
+        assert err < EXACT_TOL, f"{fmt} {cfg} M={m} N={n} K={k}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_dequant_then_matmul(fmt):
+    from quarl.kernels.dequant import dequantize_fp4_weight
+    from quarl.kernels.dispatch import run_plan
+
+    for m, n, k in SHAPES:
+        w, x, b = _inputs(m, n, k, bias=True)
+        qw = quantize(w, fmt)
+        dense = dequantize_fp4_weight(qw, torch.float32)  # fp32: must be exact
+        assert torch.equal(dense, qw.dequantize(torch.float32)), f"{fmt} dequant differs at N={n} K={k}"
+        err = _rel_err(run_plan(Plan("deq_mm"), x, qw, b), _reference(x, qw, True, b))
+        assert err < DEQ_TOL, f"{fmt} deq_mm M={m} N={n} K={k}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
+def test_activation_quantization_is_exact(fmt):
+    from quarl.kernels.act_quant import quantize_activation
+
+    for m, k in [(1, 512), (5, 1000), (64, 200), (300, 3584)]:
+        x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 10).to(torch.bfloat16)
+        x[0, : k // 2] = 0  # a zero 1x128 group / half row
+        if m > 1:
+            x[1] = 0  # an all-zero row: scale 1
+        ref = quantize(x, fmt, "activation")
+        codes, scales = quantize_activation(x, fmt, ref.data.shape[-1])
+        assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape
+        assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), f"{fmt} scales differ (M={m} K={k})"
+        assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), f"{fmt} codes differ (M={m} K={k})"
+
+
+W8_CASES = [
+    ("raw", Cfg(16, 64, 256, stages=4)),
+    ("raw", Cfg(64, 64, 128)),
+    ("fused", Cfg(16, 64, 256, stages=4)),
+    ("fused", Cfg(16, 32, 128, split_k=2)),
+    ("fused", Cfg(64, 64, 128, native=True)),
+    ("prequant", Cfg(64, 128, 128, native=True, stages=4)),
+    ("prequant", Cfg(128, 128, 128, warps=8, native=True)),
+    ("prequant", Cfg(16, 64, 128)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
+@pytest.mark.parametrize("x_mode,cfg", W8_CASES)
+def test_w8a8_gemm_matches_reference(fmt, x_mode, cfg):
+    from quarl.kernels.dispatch import run_plan
+
+    if fmt == "fp8-tensor" and x_mode == "fused":
+        pytest.skip("a per-tensor activation scale needs the whole tensor first: always prequant")
+    if fmt == "fp8-block" and cfg.bk != 128:
+        cfg = Cfg(cfg.bm, cfg.bn, 128, cfg.split_k, cfg.warps, cfg.stages, cfg.group_m, cfg.native)
+    weight_only = x_mode == "raw"
+    for m, n, k in SHAPES:
+        w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
+        qw = quantize(w, fmt)
+        _poison_allocator(m * n * 4 * 4)
+        y = run_plan(Plan("w8a8", cfg, x_mode), x, qw, b)
+        assert y.shape == (m, n) and y.dtype == x.dtype
+        err = _rel_err(y, _reference(x, qw, weight_only, b))
+        assert err < EXACT_TOL, f"{fmt} {x_mode} {cfg} M={m} N={n} K={k}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-tensor"])
+def test_scaled_mm_path(fmt):
+    from quarl.kernels.dispatch import run_plan
+
+    for m, n, k in [(1, 256, 512), (70, 320, 1024), (257, 512, 768)]:
+        w, x, b = _inputs(m, n, k, bias=True)
+        qw = quantize(w, fmt)
+        err = _rel_err(run_plan(Plan("scaled_mm"), x, qw, b), _reference(x, qw, False, b))
+        assert err < EXACT_TOL, f"{fmt} scaled_mm M={m}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dispatch_matches_reference(fmt, dtype):
+    """The public entry point on the tuned plans, every M bucket, with and without bias."""
+    n, k = 512, 1000
+    for weight_only in (True, False):
+        for m in (1, 16, 50, 200, 1100):
+            w, x, b = _inputs(m, n, k, dtype=dtype, bias=(m % 2 == 0))
+            qw = quantize(w, fmt)
+            y = try_quantized_matmul(x, qw, weight_only, b)
+            plan = plan_for(fmt, weight_only, m, n, k)
+            if fmt in ("nvfp4", "mxfp4") and not weight_only:
+                assert y is None, "there is no W4A4 kernel: must fall back"
+                continue
+            if fmt == "mxfp4" and dtype == torch.float16:
+                assert y is None
+                continue
+            assert (y is None) == (plan.kind == "bf16"), f"{fmt} M={m}: result does not follow the plan {plan}"
+            if y is None:
+                continue
+            assert y.dtype == dtype and y.shape == (m, n)
+            tol = DEQ_TOL if plan.kind == "deq_mm" else EXACT_TOL
+            err = _rel_err(y, _reference(x, qw, weight_only, b))
+            assert err < tol, f"{fmt} weight_only={weight_only} M={m} {dtype} {plan}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block", "nvfp4"])
+def test_in_place_requantize_is_seen(fmt):
+    """quantize(..., out=qt) (the per-step sync) changes the next product: no stale kernel-side cache."""
+    n, k = 256, 512
+    w1, x, _ = _inputs(4, n, k)
+    qw = quantize(w1, fmt)
+    weight_only = fmt == "nvfp4"
+    y1 = try_quantized_matmul(x, qw, weight_only)
+    quantize(torch.randn(n, k, device="cuda") * 0.05, fmt, out=qw)
+    y2 = try_quantized_matmul(x, qw, weight_only)
+    assert y1 is not None and y2 is not None
+    assert _rel_err(y2, _reference(x, qw, weight_only)) < EXACT_TOL
+    assert (y1 - y2).abs().max() > 0
+
+
+@gpu
+def test_bad_inputs_raise_clear_errors():
+    qw = quantize(torch.randn(64, 256, device="cuda"), "int8")
+    with pytest.raises(ValueError, match="input features"):
+        try_quantized_matmul(torch.randn(3, 128, device="cuda", dtype=torch.bfloat16), qw, False)
+    with pytest.raises(ValueError, match="bias"):
+        try_quantized_matmul(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), qw, False,
+                             torch.zeros(63, device="cuda"))
+    act = quantize(torch.randn(3, 256, device="cuda"), "int8", "activation")
+    with pytest.raises(ValueError, match="weight"):
+        try_quantized_matmul(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), act, False)
+
+
+# ---------------------------------------------------------------- any machine
+
+
+def test_cpu_tensors_get_no_kernel():
+    qw = quantize(torch.randn(32, 64), "int8")
+    assert try_quantized_matmul(torch.randn(2, 64), qw, False) is None
+
+
+@pytest.mark.parametrize("family", sorted(DEFAULT_PLANS))
+def test_tuning_tables_are_consistent(family):
+    """Every bucket has a plan; tile shapes respect the kernels' constraints."""
+    plans = [DEFAULT_PLANS[family][b] for b in M_BUCKETS]
+    plans += [p for (fam, *_), p in SHAPE_PLANS.items() if fam == family]
+    for p in plans:
+        assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "bf16")
+        if p.cfg is None:
+            assert p.kind in ("deq_mm", "scaled_mm", "bf16")
+            continue
+        c = p.cfg
+        for v in (c.bm, c.bn, c.bk):
+            assert v >= 16 and v & (v - 1) == 0, f"{family}: tile sizes must be powers of two >= 16: {c}"
+        if family == "fp8-block":
+            assert c.bk == 128, "fp8-block tiles are one 128-deep scale group"
+        if family == "w4a16":
+            assert p.kind in ("fp4", "deq_mm") and c.bk % 32 == 0
+        if c.native:
+            assert p.kind == "w8a8" and p.x_mode != "raw" and c.bm >= 64
+    assert choose_plan("nvfp4", False, 1, 64, 64).kind == "bf16"  # no W4A4
+    assert choose_plan("int8", False, 5000, 64, 64) == DEFAULT_PLANS["int8"][4096]
