@@ -35,11 +35,12 @@ class SamplingParams:
 
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The sampling distribution as log-probs: float32 [N, V], -inf outside the top-k / top-p support.
+    """The sampling distribution as log-probs: [N, V], -inf outside the top-k / top-p support.
 
-    logits: [N, V] (any float dtype). For greedy params, the log-softmax of the raw logits.
+    logits: [N, V] (any float dtype; computed in float32, or float64 for float64 logits). For greedy params, the
+    log-softmax of the raw logits.
     """
-    logits = logits.float()
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
     scaled = logits / params.temperature
