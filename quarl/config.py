@@ -233,7 +233,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return tuple(_coerce(v, args[0], key) for v in value)
         if len(args) != len(value):
             raise ConfigError(f"{key} must have {len(args)} elements, got {value!r}")
-        return tuple(_coerce(v, a, key) for v, a in zip(args, value))
+        return tuple(_coerce(v, a, key) for a, v in zip(args, value))
     if tp is bool:
         if isinstance(value, bool):
             return value

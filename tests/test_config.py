@@ -12,7 +12,7 @@ def write(tmp_path, text):
 
 
 def test_yaml_and_overrides_are_typed(tmp_path):
-    path = write(tmp_path, "train:\n  steps: 3\n  lr: 1.0e-5\nrollout:\n  stop: ['\\n\\n']\n")
+    path = write(tmp_path, 'train:\n  steps: 3\n  lr: 1.0e-5\nrollout:\n  stop: ["\\n\\n"]\n')
     cfg = load_config(path, ["train.steps=7", "precision.flow=split", "precision.format=fp8", "rollout.top_p=0.9"])
     assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
     assert cfg.train.lr == pytest.approx(1e-5)
