@@ -345,3 +345,25 @@ def test_bad_inputs_raise_clear_errors(tok):
             engine.generate(**kwargs)
     with pytest.raises(ValueError, match="max_batch_size"):
         RolloutEngine(model, tok, max_batch_size=0)
+
+
+def test_generate_cli_prints_completions(tmp_path, capsys):
+    import argparse
+
+    from quarl.model.loading import save_pretrained
+    from quarl.rollout.generate_cli import add_generate_arguments, precision_config, run_generate
+
+    save_pretrained(make_model("llama"), tiny_tokenizer(), tmp_path / "m")
+    parser = argparse.ArgumentParser()
+    add_generate_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "m"), "--prompt", "2+2=", "--prompt", "hi", "--n", "2",
+                              "--max-new-tokens", "5", "--device", "cpu", "--no-chat", "--temperature", "0"])
+    assert run_generate(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("=== prompt") == 2 and out.count("--- completion") == 4 and "5 tokens, length" in out
+    assert parser.parse_args(["--prompt", "x"]).chat is True  # chat template on by default
+    assert precision_config("bf16").flow == "bf16"
+    cfg = precision_config("fp8-block")
+    assert (cfg.flow, cfg.resolved_format) == ("split", "fp8-block")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prompt", "x", "--precision", "int4"])

@@ -57,6 +57,20 @@ LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 
                        "original_max_position_embeddings": 32}
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table (the one ByteLevel uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
 def tiny_tokenizer():
     """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, 256 = <s>, 257 = </s>, 258 = <pad>.
 
@@ -66,13 +80,10 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    # ByteLevel maps byte b to a printable char; order the vocab by byte value so id == byte.
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    b2u = bytes_to_unicode()
+    # ByteLevel maps byte b to a printable char (GPT-2's table); order the vocab by byte value so id == byte.
+    b2u = _bytes_to_unicode()
     vocab = {b2u[b]: b for b in range(256)}
-    assert set(vocab) == set(byte_chars)
+    assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet())
     vocab.update({"<s>": 256, "</s>": 257, "<pad>": 258})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
