@@ -200,6 +200,16 @@ def test_rollout_mode_adds_noise_to_norms_only_in_rollout():
         torch.testing.assert_close(clone(ids), noisy, atol=1e-9, rtol=0)
 
 
+def test_bf16_model_keeps_float32_rope_frequencies():
+    from quarl.model.layers import rope_inv_freq
+
+    model = QuarlForCausalLM(tiny_config("llama", rope_theta=5e5)).to(torch.bfloat16)
+    inv = model.model.rotary_emb.inv_freq(torch.device("cpu"))
+    assert inv.dtype == torch.float32 and torch.equal(inv, rope_inv_freq(model.config))
+    ref = 1.0 / (5e5 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))  # head_dim 16
+    torch.testing.assert_close(inv.double(), ref, atol=0, rtol=1e-6)
+
+
 def test_rmsnorm_reference_and_dtype():
     norm = RMSNorm(16, eps=1e-5)
     with torch.no_grad():

@@ -75,7 +75,7 @@ class QuarlForCausalLM(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        """Recompute the non-persistent buffers (rope tables, zero AQN noise), e.g. after `to_empty`."""
+        """Reset derived state (rope frequency cache, zero AQN noise), e.g. after `to_empty`."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_buffers()

@@ -80,20 +80,30 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions (rotate-half convention, as in HF checkpoints)."""
+    """cos/sin tables for given positions (rotate-half convention, as in HF checkpoints).
 
-    def __init__(self, config: ModelConfig, device=None):
+    The inverse frequencies are kept in float32 outside the module's buffers, so `model.to(torch.bfloat16)` can
+    never round them (bf16 frequencies would shift every angle at long positions).
+    """
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config, device=device), persistent=False)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def reset_buffers(self) -> None:
-        with torch.no_grad():
-            self.inv_freq.copy_(rope_inv_freq(self.config, device=self.inv_freq.device))
+        self._inv_freq.clear()
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """float32 [head_dim/2] on `device` (computed once per device)."""
+        device = torch.device(device)
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.config).to(device)
+        return self._inv_freq[device]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] long -> (cos, sin), each [B, 1, T, head_dim] in `dtype` (broadcast over heads)."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2], float32 like HF
+        freqs = positions.float()[..., None] * self.inv_freq(positions.device)  # [B, T, D/2], float32 like HF
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 

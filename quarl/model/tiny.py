@@ -38,9 +38,11 @@ def tiny_hf_config(arch: str, **overrides: Any):
     rope_scaling = kwargs.pop("rope_scaling", None)
     rope_theta = kwargs.pop("rope_theta")
     # transformers >= 5 reads rope_parameters; older versions read rope_theta / rope_scaling. Give both.
+    # Fresh dicts: transformers edits the rope dicts it is given (it adds rope_theta to them).
     rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
         rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
+        rope_scaling = dict(rope_scaling)
     cfg = AutoConfig.for_model(arch, rope_theta=rope_theta, rope_scaling=rope_scaling,
                                rope_parameters=rope_parameters, **kwargs)
     if hasattr(cfg, "_attn_implementation"):

@@ -93,7 +93,7 @@ class RolloutEngine:
         params = SamplingParams(float(temperature), float(top_p), int(top_k)).validate()
         prompt_ids = self._encode(prompts)
         self._check(prompt_ids, n, max_new_tokens, stop)
-        stop = [s for s in (stop or [])]
+        n, max_new_tokens, stop = int(n), int(max_new_tokens), list(stop or [])
         eos = set(eos_token_ids(self.tokenizer, self.model.config))
         device = self.model.device
         gen = torch.Generator(device=device)
