@@ -1,7 +1,20 @@
-"""Quantization-aware linear layer used by every linear of the decoder.
+"""Quantization-aware linear layer used by every linear of the decoder (BRIEF §2, §3, §5).
 
-PLACEHOLDER: full-precision behaviour only; the quantized modes are being implemented
-(see the docstrings for the contract).
+One class serves every precision flow; `configure(**PrecisionConfig.linear_settings())` picks the behaviour:
+
+| mode                                   | forward                                                            |
+|----------------------------------------|--------------------------------------------------------------------|
+| training, no train_format (bf16/split) | x @ W^T + b                                                        |
+| rollout, rollout_format set            | Q_act(x) @ deq(Q_w(W))^T + b  (Q_act skipped when weight_only)     |
+| training, train_format set (unified)   | the same values as rollout, gradients straight-through to W and x  |
+| frozen_base (qlora)                    | deq(base) (+ Q_act) in both modes; the master weight is dropped    |
+
+plus, in every mode, the LoRA term dropout(x) @ A^T @ B^T * (alpha / r) in the compute dtype, never quantized.
+
+The rollout copy of the weight is a `QuantizedTensor` whose buffers are registered on the module (so `.to(device)`
+moves them) and re-quantized in place by `refresh()` — the per-step "sync" is a few in-place kernels, no new
+memory. Its float buffers are stored under integer views (float32 scales as int32, FP8 codes as uint8) so that a
+`model.to(torch.bfloat16)` cannot cast them; `qweight` rebuilds the typed views on each call (no copy).
 """
 
 from __future__ import annotations
@@ -12,15 +25,46 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from quarl import kernels
+from quarl.formats import FORMATS, QuantizedTensor, fake_quantize, get_format, quantize
+
+# Storage dtypes for the rollout buffers: integer types, which nn.Module.to(dtype) leaves alone.
+_STORAGE = {torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
+
+
+def _as_storage(t: torch.Tensor) -> torch.Tensor:
+    target = _STORAGE.get(t.dtype)
+    return t if target is None else t.view(target)
+
+
+def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Forward value `value`, gradient of the identity wrt `source`.
+
+    Written value + (source - source.detach()) rather than source + (value - source).detach(): the latter rounds
+    (value - source) in the compute dtype (bf16) and would not reproduce `value` exactly, so the unified-flow
+    training forward would drift from the rollout forward.
+    """
+    if not (torch.is_grad_enabled() and source.requires_grad):
+        return value.detach()  # nothing to differentiate: skip the extra elementwise ops
+    return value.detach() + (source - source.detach())
+
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T + b with a trainable master weight W [out_features, in_features].
+    """y = x @ W^T + b with a master weight W [out_features, in_features]; quantized modes via `configure`.
 
-    Contract (stable API used by the model, engine and trainer):
-      - `configure(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout)`
-        (the keyword arguments of `PrecisionConfig.linear_settings()`).
-      - `set_rollout(on: bool)`: rollout forward (quantized rollout copy) vs training forward.
-      - `refresh()`: re-quantize the master weight into the rollout copy in place.
+    Attributes after `configure`:
+      weight: nn.Parameter [out, in] (the master weight), or None when frozen_base=True dropped it (qlora);
+        None (not a 0-size placeholder) so that any code that still reads it fails loudly.
+      bias: nn.Parameter [out] or None (kept in full precision, never quantized).
+      lora_A: nn.Parameter [r, in] (kaiming-uniform), lora_B: nn.Parameter [out, r] (zeros), or None when r = 0;
+        float32 for 16-bit models (small adapter updates would vanish in bf16), cast to the compute dtype in
+        the forward. scaling = lora_alpha / r.
+      qweight: the rollout copy as a QuantizedTensor (None without rollout_format).
+      weight_dequant: buffer [out, in] in the compute dtype caching deq(qweight) (see cache_dequantized).
+      rollout: True after set_rollout(True).
+    cache_dequantized: True/False, or None (default) = cache when the weight lives on the CPU at configure
+      time (the CPU reference path would otherwise dequantize every forward; on GPUs the kernels read the
+      codes directly and a cache would cost the memory quantization saves).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
@@ -30,16 +74,264 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.rollout = False
+        self.cache_dequantized: bool | None = None
+        self.rollout_format: str | None = None
+        self.train_format: str | None = None
+        self.weight_only = False
+        self.frozen_base = False
+        self.lora_rank = 0
+        self.lora_alpha = 0.0
+        self.lora_dropout = 0.0
+        self.scaling = 0.0
+        self.register_parameter("lora_A", None)
+        self.register_parameter("lora_B", None)
+        for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
+            self.register_buffer(name, None)
+        self._qdtypes: tuple[torch.dtype, torch.dtype] | None = None  # (code dtype, scale dtype) of qweight
+        self._base_dtype = dtype if dtype is not None else self.weight.dtype
+        self._frozen_by_lora = False
+        self._settings: dict | None = None
 
-    def configure(self, **settings) -> None:
-        if settings.get("rollout_format") or settings.get("lora_rank"):
-            raise NotImplementedError("quantized / LoRA modes are not implemented yet")
+    # ------------------------------------------------------------------------------------------- configuration
+    def configure(
+        self,
+        *,
+        rollout_format: str | None = None,
+        train_format: str | None = None,
+        weight_only: bool = False,
+        frozen_base: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
+        lora_dropout: float = 0.0,
+    ) -> None:
+        """Set the precision behaviour (the keyword arguments of `PrecisionConfig.linear_settings()`).
+
+        rollout_format / train_format: a key of `quarl.formats.FORMATS` or None (full precision).
+        weight_only: do not quantize activations (W4A16 / W8A16). frozen_base: quantize the base once, drop the
+        master weight (qlora); needs rollout_format, and train_format must be None or the same format.
+        lora_rank r >= 0, lora_alpha (None -> r), lora_dropout in [0, 1).
+        Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
+        again replaces the previous configuration (LoRA adapters are re-initialised) — except after
+        frozen_base dropped the master weight, where only the identical configuration is accepted (a no-op).
+        """
+        settings = dict(rollout_format=rollout_format, train_format=train_format, weight_only=bool(weight_only),
+                        frozen_base=bool(frozen_base), lora_rank=lora_rank, lora_alpha=lora_alpha,
+                        lora_dropout=lora_dropout)
+        self._validate(settings)
+        if self.weight is None:
+            if settings == self._settings:
+                return
+            raise ValueError(
+                "this layer's master weight was dropped by configure(frozen_base=True) (qlora), so it cannot be "
+                f"reconfigured to {settings}; load the model again to change its precision"
+            )
+        self._reset()
+        self._settings = settings
+        self.rollout_format, self.train_format = rollout_format, train_format
+        self.weight_only, self.frozen_base = bool(weight_only), bool(frozen_base)
+        self._base_dtype = self.weight.dtype
+        if rollout_format is not None:
+            self._allocate_rollout_copy()
+        if frozen_base:
+            self.weight = None  # the quantized copy is now the base; free the master weight
+        self._init_lora(lora_rank, lora_alpha, lora_dropout)
+
+    def _validate(self, s: dict) -> None:
+        for key in ("rollout_format", "train_format"):
+            if s[key] is not None:
+                get_format(s[key])  # raises with the list of valid names
+        if s["frozen_base"]:
+            if s["rollout_format"] is None:
+                raise ValueError("frozen_base=True (qlora) quantizes the base weight, so it needs a rollout_format "
+                                 f"(one of {', '.join(FORMATS)})")
+            if s["train_format"] not in (None, s["rollout_format"]):
+                raise ValueError(
+                    f"frozen_base=True keeps one quantized base for rollout and training, but rollout_format="
+                    f"{s['rollout_format']!r} and train_format={s['train_format']!r} differ; use the same format"
+                )
+        r = s["lora_rank"]
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"lora_rank must be an integer >= 0, got {r!r}")
+        if r > 0 and s["lora_alpha"] is not None and not s["lora_alpha"] > 0:
+            raise ValueError(f"lora_alpha must be > 0 (usually = lora_rank), got {s['lora_alpha']!r}")
+        if not 0.0 <= float(s["lora_dropout"]) < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {s['lora_dropout']!r}")
+
+    def _reset(self) -> None:
+        """Forget a previous configuration: adapters, rollout buffers, LoRA freezing."""
+        self.lora_A = None
+        self.lora_B = None
+        self.lora_rank, self.lora_alpha, self.scaling, self.lora_dropout = 0, 0.0, 0.0, 0.0
+        for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
+            setattr(self, name, None)
+        self._qdtypes = None
+        if self._frozen_by_lora:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    p.requires_grad_(True)
+            self._frozen_by_lora = False
+
+    @torch.no_grad()
+    def _allocate_rollout_copy(self) -> None:
+        qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight")
+        self._qdtypes = (qt.data.dtype, qt.scale.dtype)
+        # The rollout copy is derived from the master weight (refresh() rebuilds it), so it is not saved in the
+        # state dict — except with a frozen base, where it IS the weight.
+        persistent = self.frozen_base
+        self.register_buffer("qweight_data", _as_storage(qt.data), persistent=persistent)
+        self.register_buffer("qweight_scale", _as_storage(qt.scale), persistent=persistent)
+        gs = None if qt.global_scale is None else _as_storage(qt.global_scale)
+        self.register_buffer("qweight_global_scale", gs, persistent=persistent)
+        cache = self.cache_dequantized
+        if cache is None:
+            cache = self.weight.device.type == "cpu"
+        if cache:
+            self.register_buffer("weight_dequant", qt.dequantize(self.compute_dtype), persistent=False)
+
+    def _init_lora(self, rank: int, alpha: float | None, dropout: float) -> None:
+        if rank == 0:
+            return
+        ref = self.qweight_data if self.weight is None else self.weight
+        dtype = torch.promote_types(self.compute_dtype, torch.float32)  # fp32 adapters under a bf16 model
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=ref.device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=ref.device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as PEFT: B = 0 makes the adapter a no-op
+        self.lora_rank = rank
+        self.lora_alpha = float(alpha) if alpha is not None else float(rank)
+        self.scaling = self.lora_alpha / rank
+        self.lora_dropout = float(dropout)
+        for p in (self.weight, self.bias):
+            if p is not None and p.requires_grad:
+                p.requires_grad_(False)
+                self._frozen_by_lora = True
+
+    # ------------------------------------------------------------------------------------------- state
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the base is rounded to before quantization and the dequantized base is kept in."""
+        if self.weight is not None:
+            return self.weight.dtype
+        if self.weight_dequant is not None:
+            return self.weight_dequant.dtype
+        return self._base_dtype
+
+    @property
+    def qweight(self) -> QuantizedTensor | None:
+        """The rollout copy [out, in] as a QuantizedTensor viewing this module's buffers (no copy), or None."""
+        if self.qweight_data is None:
+            return None
+        data_dtype, scale_dtype = self._qdtypes
+        gs = self.qweight_global_scale
+        return QuantizedTensor(
+            self.rollout_format, "weight", self.qweight_data.view(data_dtype), self.qweight_scale.view(scale_dtype),
+            None if gs is None else gs.view(torch.float32), torch.Size((self.out_features, self.in_features)),
+        )
 
     def set_rollout(self, on: bool) -> None:
+        """Rollout forward (quantized rollout copy) when on, training forward when off."""
         self.rollout = bool(on)
 
+    @torch.no_grad()
     def refresh(self) -> None:
-        pass
+        """Re-quantize the master weight into the rollout copy in place (same buffers): the per-step sync.
 
+        Quantizes the master values as rounded to the compute dtype (BRIEF §7: both sides must see the same
+        bf16-rounded values). No-op without a rollout format and for a frozen (qlora) base.
+        """
+        if self.qweight_data is None or self.frozen_base:
+            return
+        qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight", out=self.qweight)
+        if self.weight_dequant is not None:
+            self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The base weight [out, in] the training forward uses, detached: the master weight, or for a frozen
+        base the dequantized quantized base. dtype: default the compute dtype."""
+        dtype = dtype or self.compute_dtype
+        if self.weight is not None:
+            return self.weight.detach().to(dtype)
+        return self._dequantized_base(dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """Full-precision weight [out, in] (compute dtype) of an equivalent plain linear: base + scaling * B @ A.
+
+        The base is the master weight, or the dequantized base when frozen_base dropped it (qlora).
+        """
+        w = self.base_weight(torch.float32)
+        if self.lora_rank:
+            w = w + self.scaling * (self.lora_B.float() @ self.lora_A.float())
+        return w.to(self.compute_dtype)
+
+    def _dequantized_base(self, dtype: torch.dtype) -> torch.Tensor:
+        """deq(qweight) [out, in] in dtype, from the cache when there is one."""
+        if self.weight_dequant is not None:
+            w = self.weight_dequant
+            return w if w.dtype == dtype else w.to(dtype)
+        return self.qweight.dequantize(dtype)
+
+    # ------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        """x [..., in_features] -> [..., out_features] in x.dtype (see the module docstring for the modes)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear expects inputs [..., {self.in_features}], got shape {tuple(x.shape)}")
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        if self.rollout and self.rollout_format is not None:
+            y = self._rollout_forward(x, bias)
+        elif self.train_format is not None:
+            y = self._quantized_training_forward(x, bias)
+        elif self.frozen_base:
+            y = F.linear(x, self._dequantized_base(x.dtype), bias)
+        else:
+            y = F.linear(x, self.weight, bias)
+        if self.lora_rank:
+            y = y + self._lora(x)
+        return y
+
+    def _rollout_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Q_act(x) @ deq(qweight)^T + b: a GPU kernel when one applies, else the reference (dequant + matmul).
+
+        No gradient reaches the master weight here (the rollout copy is a buffer); the kernels have no
+        backward, so they are skipped when autograd needs the input's gradient.
+        """
+        x2d = x.reshape(-1, self.in_features)
+        y = None
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        if not needs_grad:
+            y = kernels.try_quantized_matmul(x2d, self.qweight, self.weight_only, bias)
+        if y is None:
+            xq = x2d if self.weight_only else _straight_through(
+                fake_quantize(x2d, self.rollout_format, "activation"), x2d)
+            y = F.linear(xq, self._dequantized_base(x.dtype), bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _quantized_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Unified / qlora training forward: the rollout values, straight-through gradients (Jet-RL)."""
+        fmt = self.train_format
+        if self.frozen_base:
+            w = self._dequantized_base(x.dtype)
+        else:
+            w = self.weight
+            w = _straight_through(fake_quantize(w.detach(), fmt, "weight"), w)
+        if not self.weight_only:
+            x = _straight_through(fake_quantize(x.detach(), fmt, "activation"), x)
+        return F.linear(x, w, bias)
+
+    def _lora(self, x: torch.Tensor) -> torch.Tensor:
+        """dropout(x) @ A^T @ B^T * scaling in x.dtype. Dropout only in training (never in rollout: the
+        behaviour policy must be the deterministic adapter)."""
+        p = self.lora_dropout if (self.training and not self.rollout) else 0.0
+        h = F.dropout(x, p, training=True) if p > 0 else x
+        return F.linear(F.linear(h, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scaling
+
+    def extra_repr(self) -> str:
+        parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
+                 f"bias={self.bias is not None}", f"rollout={self.rollout_format or 'full'}",
+                 f"train={self.train_format or 'full'}"]
+        if self.weight_only:
+            parts.append("weight_only=True")
+        if self.frozen_base:
+            parts.append("frozen_base=True")
+        if self.lora_rank:
+            parts.append(f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha:g}")
+        return ", ".join(parts)

@@ -1,0 +1,111 @@
+"""Model-level precision helpers: configure every QuantLinear from a PrecisionConfig, sync, rollout mode, checks.
+
+They work on any nn.Module tree and find layers by type and name, so they serve the decoder, tests and
+user-built models alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch.nn as nn
+
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import PrecisionConfig
+
+LM_HEAD = "lm_head"
+
+
+def _last(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """RMSNorm / LayerNorm modules of any origin (ours, Hugging Face's LlamaRMSNorm, torch.nn.RMSNorm)."""
+    return "norm" in type(module).__name__.lower()
+
+
+def _wants_quantization(name: str, precision: PrecisionConfig) -> bool:
+    return precision.resolved_format is not None and (_last(name) != LM_HEAD or precision.quantize_lm_head)
+
+
+def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
+    """Configure every QuantLinear of `model` for `precision`, quantize the rollout copies, freeze for LoRA.
+
+    - A module whose name ends in `lm_head` is left untouched (full precision, no LoRA) unless
+      precision.quantize_lm_head.
+    - LoRA adapters go only on linears whose last name part is in precision.lora.targets; the others get the
+      same quantization with lora_rank 0.
+    - With LoRA on, every parameter except the adapters is frozen; norm weights stay trainable iff
+      precision.lora.train_norms.
+    Returns the names of the configured linears (in module order).
+    """
+    settings = precision.linear_settings()  # validates
+    configured = []
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        if _last(name) == LM_HEAD and not precision.quantize_lm_head:
+            continue
+        layer_settings = dict(settings)
+        if _last(name) not in precision.lora.targets:
+            layer_settings["lora_rank"] = 0
+        module.configure(**layer_settings)
+        configured.append(name)
+    if precision.lora.enabled:
+        _freeze_for_lora(model, precision.lora.train_norms)
+    refresh_rollout_weights(model)
+    return configured
+
+
+def _freeze_for_lora(model: nn.Module, train_norms: bool) -> None:
+    for module in model.modules():
+        norm = _is_norm(module)
+        for pname, param in module.named_parameters(recurse=False):
+            if pname in ("lora_A", "lora_B"):
+                param.requires_grad_(True)
+            else:
+                param.requires_grad_(bool(norm and train_norms))
+
+
+def refresh_rollout_weights(model: nn.Module) -> None:
+    """Re-quantize every QuantLinear's master weight into its rollout copy, in place (the per-step sync)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.refresh()
+
+
+@contextlib.contextmanager
+def rollout_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block every module with a `set_rollout` method runs its rollout forward (quantized linears,
+    AQN noise); on exit, also on an exception, every one of them is set back to training mode (False)."""
+    modules = [m for m in model.modules() if callable(getattr(m, "set_rollout", None))]
+    try:
+        for m in modules:
+            m.set_rollout(True)
+        yield model
+    finally:
+        for m in modules:
+            m.set_rollout(False)
+
+
+def unquantized_linears(model: nn.Module, precision: PrecisionConfig) -> list[str]:
+    """Names of linear layers (nn.Linear or QuantLinear) that this precision should quantize but that are not
+    quantized in its format (BRIEF §7: a linear silently left in bf16 by a name-matching bug).
+
+    Empty for the bf16 flow. lm_head counts only when precision.quantize_lm_head.
+    """
+    fmt = precision.validate().resolved_format
+    missing = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, QuantLinear)) or not _wants_quantization(name, precision):
+            continue
+        if not isinstance(module, QuantLinear) or module.rollout_format != fmt:
+            missing.append(name)
+    return missing
+
+
+def trainable_parameter_count(model: nn.Module) -> int:
+    """Number of scalar parameters with requires_grad (shared parameters counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
