@@ -42,57 +42,59 @@ def _sweep_candidates():
     """family -> {M bucket -> [Plan]}: what `--sweep` times (nvfp4 stands for w4a16)."""
     from quarl.kernels.tuning import Cfg, Plan
 
-    dec = [Cfg(16, 64, 256, warps=4, stages=4), Cfg(16, 128, 128, warps=4, stages=4),
-           Cfg(16, 32, 256, warps=4, stages=4), Cfg(16, 64, 256, split_k=2, warps=4, stages=4),
-           Cfg(16, 128, 256, warps=8, stages=3)]
+    def fp4(*cfgs):
+        return [Plan("fp4", c) for c in cfgs]
+
+    def w8(mode, *cfgs):
+        return [Plan("w8a8", c, mode) for c in cfgs]
+
     w4 = {
-        1: [Plan("fp4", c) for c in dec],
-        64: [Plan("fp4", c) for c in (Cfg(64, 64, 128, warps=4, stages=3), Cfg(32, 128, 128, warps=4, stages=4),
-                                       Cfg(64, 128, 128, warps=8, stages=3), Cfg(16, 64, 256, warps=4, stages=4))],
-        256: [Plan("fp4", Cfg(64, 128, 128, warps=4, stages=3)), Plan("fp4", Cfg(128, 128, 64, warps=8, stages=3)),
-              Plan("fp4", Cfg(128, 128, 128, warps=8, stages=3)), Plan("deq_mm")],
-        1024: [Plan("fp4", Cfg(128, 128, 64, warps=8, stages=3)), Plan("fp4", Cfg(128, 256, 64, warps=8, stages=3)),
-               Plan("deq_mm")],
+        1: fp4(Cfg(16, 64, 256, split_k=2, stages=4), Cfg(16, 64, 256, split_k=4, stages=4),
+               Cfg(16, 32, 256, split_k=4, stages=4), Cfg(16, 64, 128, split_k=4, stages=4),
+               Cfg(16, 64, 256, split_k=4, warps=8, stages=3), Cfg(16, 128, 128, split_k=4, warps=8, stages=4),
+               Cfg(16, 32, 128, split_k=8, stages=4), Cfg(16, 64, 256, split_k=8, stages=3)),
+        64: fp4(Cfg(64, 64, 128, split_k=2), Cfg(64, 64, 128, split_k=4, warps=8), Cfg(32, 64, 256, split_k=4, stages=4),
+                Cfg(64, 128, 128, split_k=4, warps=8), Cfg(16, 64, 256, split_k=4, stages=4)) + [Plan("deq_mm")],
+        256: [Plan("deq_mm"), Plan("fp4", Cfg(128, 128, 128, warps=8))],
+        1024: [Plan("deq_mm")],
     }
     w4[16] = w4[1]
     w4[4096] = w4[1024]
-    w8_dec = [Cfg(16, 64, 256, warps=4, stages=4), Cfg(16, 128, 256, warps=4, stages=4),
-              Cfg(16, 32, 256, warps=4, stages=4), Cfg(16, 64, 256, split_k=2, warps=4, stages=4)]
-    w8 = {
-        1: [Plan("w8a8", c, "fused") for c in w8_dec] + [Plan("w8a8", Cfg(64, 64, 256, native=True, stages=4), "fused")],
-        64: [Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "prequant"),
-             Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
-             Plan("w8a8", Cfg(64, 64, 256, warps=4, stages=3, native=True), "prequant"),
-             Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "fused"),
-             Plan("w8a8", Cfg(16, 64, 256, warps=4, stages=4), "fused")],
-        256: [Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
-              Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
-              Plan("w8a8", Cfg(128, 256, 128, warps=8, stages=3, native=True), "prequant")],
-        1024: [Plan("w8a8", Cfg(128, 256, 128, warps=8, stages=3, native=True), "prequant"),
-               Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant"),
-               Plan("w8a8", Cfg(128, 256, 64, warps=8, stages=4, native=True), "prequant")],
+    nat = dict(native=True)
+    dec = (w8("prequant", Cfg(64, 64, 256, split_k=2, **nat), Cfg(64, 64, 256, split_k=4, **nat),
+              Cfg(64, 32, 256, split_k=4, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
+              Cfg(64, 128, 256, split_k=4, **nat), Cfg(16, 64, 256, split_k=4, stages=4))
+           + w8("fused", Cfg(16, 64, 128, split_k=4, stages=4), Cfg(64, 64, 128, split_k=4, stages=4, **nat)))
+    mid = w8("prequant", Cfg(64, 64, 256, split_k=2, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
+             Cfg(64, 32, 256, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat),
+             Cfg(64, 64, 256, split_k=4, **nat))
+    w8_ = {
+        1: dec,
+        64: mid,
+        256: w8("prequant", Cfg(64, 128, 128, stages=4, **nat), Cfg(64, 128, 128, split_k=2, stages=4, **nat),
+                Cfg(128, 128, 128, warps=8, **nat), Cfg(64, 64, 256, split_k=2, **nat)),
+        1024: w8("prequant", Cfg(128, 256, 128, warps=8, **nat), Cfg(128, 256, 128, warps=8, stages=4, **nat),
+                 Cfg(128, 128, 128, warps=8, stages=4, **nat)),
     }
-    w8[16] = w8[1]
-    w8[4096] = w8[1024]
-    fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 64 else []) for b, v in w8.items()}
-    blk_dec = [Cfg(16, 64, 128, warps=4, stages=4), Cfg(16, 128, 128, warps=4, stages=4),
-               Cfg(16, 32, 128, warps=4, stages=4), Cfg(16, 64, 128, split_k=2, warps=4, stages=4)]
+    w8_[16] = w8_[1]
+    w8_[4096] = w8_[1024]
+    fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 16 else []) for b, v in w8_.items()}
+    blk_dec = (w8("prequant", Cfg(64, 64, 128, split_k=2, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
+                  Cfg(64, 32, 128, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat))
+               + w8("fused", Cfg(16, 64, 128, split_k=2, stages=4), Cfg(16, 128, 128, split_k=4, stages=4),
+                    Cfg(64, 64, 128, split_k=4, stages=4, **nat)))
     blk = {
-        1: [Plan("w8a8", c, "fused") for c in blk_dec],
-        64: [Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "prequant"),
-             Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
-             Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "fused"),
-             Plan("w8a8", Cfg(16, 64, 128, warps=4, stages=4), "fused")],
-        256: [Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
-              Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
-              Plan("w8a8", Cfg(128, 64, 128, warps=4, stages=4, native=True), "prequant")],
-        1024: [Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
-               Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant"),
-               Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant")],
+        1: blk_dec,
+        64: w8("prequant", Cfg(64, 64, 128, stages=4, **nat), Cfg(64, 64, 128, split_k=2, stages=4, **nat),
+               Cfg(64, 32, 128, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat))
+        + [Plan("scaled_mm")],
+        256: w8("prequant", Cfg(128, 64, 128, stages=4, **nat), Cfg(64, 128, 128, split_k=2, stages=4, **nat))
+        + [Plan("scaled_mm")],
+        1024: w8("prequant", Cfg(128, 128, 128, warps=8, stages=4, **nat)) + [Plan("scaled_mm")],
     }
-    blk[16] = blk[1]
+    blk[16] = blk[1] + [Plan("scaled_mm")]
     blk[4096] = blk[1024]
-    return {"nvfp4": w4, "int8": w8, "fp8": fp8, "fp8-block": blk}
+    return {"nvfp4": w4, "int8": w8_, "fp8": fp8, "fp8-block": blk}
 
 
 def add_bench_gemm_arguments(parser: argparse.ArgumentParser) -> None:

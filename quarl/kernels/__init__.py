@@ -61,8 +61,8 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
             from dataclasses import replace
 
             return replace(plan, cfg=replace(plan.cfg, native=False))
-    if plan.kind == "scaled_mm" and (n % 16 or k % 16):
-        return Plan("bf16")  # cuBLAS FP8 needs N and K multiples of 16
+    if plan.kind == "scaled_mm" and (n % 16 or k % 16 or (fmt == "fp8-block" and n % 128)):
+        return Plan("bf16")  # cuBLAS FP8 needs N, K multiples of 16 (and whole 128-row tiles for blockwise)
     return plan
 
 

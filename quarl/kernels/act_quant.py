@@ -19,10 +19,11 @@ MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_sm,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_sm, stride_sg,
                       IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
-    (MODE 0: [M] at stride_sm, written; 1: [M, KP/128], written; 2: one scale read from s_ptr)."""
+    (MODE 0: [M] at stride_sm, written; 1: [M, KP/128] at strides (stride_sm, stride_sg), written;
+    2: one scale read from s_ptr)."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
     row = tl.program_id(0)
     ar = tl.arange(0, BLOCK)
@@ -45,7 +46,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
             sg = safe_scale(tl.max(tl.abs(vg), axis=1), QMAX)
             q = tl.reshape(quantize_tile(vg, sg[:, None], IS_INT8), (BLOCK,))
             ar_g = tl.arange(0, BLOCK // 128)
-            tl.store(s_ptr + row * stride_sm + k // 128 + ar_g, sg, mask=k // 128 + ar_g < KP // 128)
+            tl.store(s_ptr + row * stride_sm + (k // 128 + ar_g) * stride_sg, sg, mask=k // 128 + ar_g < KP // 128)
         else:
             q = quantize_tile(v, s, IS_INT8)
         if IS_INT8:
@@ -55,14 +56,23 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
         tl.store(q_row + k + ar, q, mask=k + ar < KP)
 
 
-def quantize_activation(x: torch.Tensor, fmt: str, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in
-    "int8", "fp8" (scales [M, 1]), "fp8-block" (scales [M, kp/128]), "fp8-tensor" (scale 0-dim)."""
+    "int8", "fp8" (scales [M, 1]), "fp8-block" (scales [M, kp/128]), "fp8-tensor" (scale 0-dim).
+
+    scales_column_major: fp8-block scales laid out column-major (a transposed [kp/128, M] buffer), the layout
+    torch._scaled_mm's blockwise scaling expects.
+    """
     M, K = x.shape
     is_int8 = fmt == "int8"
     codes = torch.empty((M, kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
     if fmt == "fp8-block":
-        mode, scales = MODE_GROUP128, torch.empty((M, kp // 128), dtype=torch.float32, device=x.device)
+        mode = MODE_GROUP128
+        if scales_column_major:
+            scales = torch.empty((kp // 128, M), dtype=torch.float32, device=x.device).t()
+        else:
+            scales = torch.empty((M, kp // 128), dtype=torch.float32, device=x.device)
     elif fmt == "fp8-tensor":
         amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
         scales = amax / 448.0
@@ -74,6 +84,7 @@ def quantize_activation(x: torch.Tensor, fmt: str, kp: int) -> tuple[torch.Tenso
     if M > 0:
         _act_quant_kernel[(M,)](
             x, codes, scales, K, kp, x.stride(0), codes.stride(0), scales.stride(0) if scales.dim() else 0,
+            scales.stride(1) if scales.dim() == 2 else 1,
             IS_INT8=is_int8, MODE=mode, BLOCK=block, num_warps=4,
         )
     return (codes if is_int8 else codes.view(torch.float8_e4m3fn)), scales

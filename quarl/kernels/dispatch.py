@@ -22,12 +22,21 @@ def _gemm_config(cfg: Cfg, fmt: str) -> GemmConfig:
 
 
 def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp8 rowwise / per-tensor W8A8 through cuBLAS: activation codes from `act_quant`, scales in the epilogue."""
-    n = qweight.shape[0]
-    codes, sx = quantize_activation(x, qweight.fmt, qweight.data.shape[1])
-    sw = qweight.scale.reshape(1, n) if qweight.scale.dim() else qweight.scale
-    # cuBLAS/CUTLASS rowwise scaling produces bf16 only: fp16 callers get one extra rounding.
-    out_dtype = torch.bfloat16 if qweight.fmt == "fp8" else x.dtype
+    """FP8 W8A8 through cuBLAS: activation codes from `act_quant`, scales applied by torch._scaled_mm.
+
+    fp8 (rowwise): scale_a [M, 1], scale_b [1, N]; fp8-tensor: 0-dim scales; fp8-block: scale_a [M, Kp/128]
+    column-major, scale_b the [ceil(N/128), Kp/128] tile scales transposed (the layouts cuBLAS's blockwise
+    scaling reads). Rowwise and blockwise scaling produce bf16 only: fp16 callers get one extra rounding.
+    """
+    fmt, n = qweight.fmt, qweight.shape[0]
+    codes, sx = quantize_activation(x, fmt, qweight.data.shape[1], scales_column_major=fmt == "fp8-block")
+    if fmt == "fp8-block":
+        sw = qweight.scale.t()
+    elif qweight.scale.dim():
+        sw = qweight.scale.reshape(1, n)
+    else:
+        sw = qweight.scale
+    out_dtype = x.dtype if fmt == "fp8-tensor" else torch.bfloat16
     if bias is not None:
         bias = bias.to(out_dtype)
     # b must be column-major: the [N, Kp] row-major codes transposed are exactly that, without a copy.

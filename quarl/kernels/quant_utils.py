@@ -1,6 +1,6 @@
 """Triton device functions shared by the 8-bit kernels: exact code conversions and activation quantization.
 
-They reproduce `quarl.formats` bit for bit: scale = amax / qmax (IEEE division, 1 when amax = 0),
+They reproduce `quarl.formats` on a GPU bit for bit: scale = amax * float32(1 / qmax) (1 when amax = 0),
 code = round_half_even(x / scale) clamped to +-127 (int8) or e4m3(clamp(x / scale, +-448)) (fp8).
 """
 
@@ -41,10 +41,19 @@ def codes_to(w, IS_INT8: tl.constexpr, dtype: tl.constexpr):
         return w.to(tl.float8e4nv, bitcast=True).to(dtype)
 
 
+# float32(1 / qmax): PyTorch's CUDA kernels divide a tensor by a Python scalar as a multiplication by the
+# float32 reciprocal, so `amax / 127` in `quarl.formats` on a GPU is amax * INV_127 (bit for bit).
+INV_127 = tl.constexpr(0.007874015718698502)
+INV_448 = tl.constexpr(0.0022321429569274187)
+
+
 @triton.jit
 def safe_scale(amax, QMAX: tl.constexpr):
-    """amax / QMAX (IEEE division, as the reference), 1 where that is 0 (an all-zero row or group)."""
-    s = tl.math.div_rn(amax, QMAX)
+    """amax / QMAX exactly as `quarl.formats` computes it on a GPU, 1 where that is 0 (an all-zero row/group)."""
+    if QMAX == 127.0:
+        s = amax * INV_127
+    else:
+        s = amax * INV_448
     return tl.where(s > 0, s, 1.0)
 
 
