@@ -1,0 +1,211 @@
+"""precision_apply on a small decoder-shaped module tree made of QuantLinear layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from quarl.formats import quantize
+from quarl.model.precision_apply import (
+    apply_precision,
+    refresh_rollout_weights,
+    rollout_mode,
+    trainable_parameter_count,
+    unquantized_linears,
+)
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import LoraConfig, PrecisionConfig
+
+H, I, V = 64, 96, 50
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class TinyRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.rollout = False
+
+    def set_rollout(self, on):
+        self.rollout = bool(on)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (QuantLinear(H, H) for _ in range(4))
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = QuantLinear(H, I), QuantLinear(H, I)
+        self.down_proj = QuantLinear(I, H)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = TinyRMSNorm(H), TinyRMSNorm(H)
+        self.self_attn, self.mlp = Attn(), Mlp()
+
+    def forward(self, x):
+        h = self.input_layernorm(x)
+        a = self.self_attn
+        x = x + a.o_proj(a.q_proj(h) * torch.sigmoid(a.k_proj(h)) + a.v_proj(h))
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(torch.nn.functional.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class TinyModel(nn.Module):
+    def __init__(self, n_layers=2):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(Layer() for _ in range(n_layers))
+        self.norm = TinyRMSNorm(H)
+        self.lm_head = QuantLinear(H, V)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def linear_names(model, cls=QuantLinear):
+    return [n for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def expected_names(n_layers=2):
+    return [f"layers.{i}.{'self_attn' if p in PROJ[:4] else 'mlp'}.{p}" for i in range(n_layers) for p in PROJ]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block", "nvfp4"])
+def test_split_configures_every_decoder_linear_and_skips_lm_head(fmt):
+    model = TinyModel()
+    names = apply_precision(model, PrecisionConfig(flow="split", format=fmt))
+    assert names == expected_names()
+    mods = dict(model.named_modules())
+    for n in names:
+        assert mods[n].rollout_format == fmt and mods[n].train_format is None and mods[n].qweight is not None
+        assert mods[n].weight_only == (fmt == "nvfp4")
+    assert model.lm_head.rollout_format is None and model.lm_head.qweight is None
+    assert unquantized_linears(model, PrecisionConfig(flow="split", format=fmt)) == []
+    # no LoRA: everything stays trainable
+    assert trainable_parameter_count(model) == sum(p.numel() for p in model.parameters())
+
+
+def test_quantize_lm_head_includes_it():
+    model = TinyModel(1)
+    cfg = PrecisionConfig(flow="unified", quantize_lm_head=True)
+    names = apply_precision(model, cfg)
+    assert names == expected_names(1) + ["lm_head"]
+    assert model.lm_head.rollout_format == "fp8-block" and model.lm_head.train_format == "fp8-block"
+
+
+def test_lora_targets_and_freezing():
+    model = TinyModel()
+    lora = LoraConfig(rank=4, targets=("q_proj", "v_proj", "down_proj"))
+    names = apply_precision(model, PrecisionConfig(flow="split", format="int8", lora=lora))
+    assert names == expected_names()
+    mods = dict(model.named_modules())
+    lora_params = 0
+    for n in names:
+        m = mods[n]
+        assert m.rollout_format == "int8"  # every decoder linear is quantized, with or without an adapter
+        if n.split(".")[-1] in lora.targets:
+            assert m.lora_rank == 4
+            lora_params += m.lora_A.numel() + m.lora_B.numel()
+        else:
+            assert m.lora_rank == 0 and m.lora_A is None
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    assert trainable_parameter_count(model) == lora_params
+    assert model.lm_head.lora_A is None and not model.lm_head.weight.requires_grad
+    assert not model.embed_tokens.weight.requires_grad
+
+
+def test_lora_train_norms_keeps_norm_weights_trainable():
+    model = TinyModel()
+    apply_precision(model, PrecisionConfig(flow="split", lora=LoraConfig(rank=2, train_norms=True)))
+    norms = {n for n, p in model.named_parameters() if p.requires_grad and "norm" in n}
+    assert norms == {"layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
+                     "layers.1.input_layernorm.weight", "layers.1.post_attention_layernorm.weight", "norm.weight"}
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert trainable_parameter_count(model) == lora + 5 * H
+
+
+def test_qlora_flow_drops_master_weights_and_trains_only_adapters():
+    model = TinyModel()
+    cfg = PrecisionConfig(flow="qlora", lora=LoraConfig(rank=4))
+    names = apply_precision(model, cfg)
+    mods = dict(model.named_modules())
+    for n in names:
+        assert mods[n].weight is None and mods[n].frozen_base and mods[n].rollout_format == "nvfp4"
+    ids = torch.randint(0, V, (2, 5))
+    y_train = model(ids)
+    with rollout_mode(model), torch.no_grad():
+        y_roll = model(ids)
+    assert torch.equal(y_train, y_roll)
+    y_train.sum().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+
+
+def test_refresh_rollout_weights_syncs_every_layer():
+    model = TinyModel()
+    apply_precision(model, PrecisionConfig(flow="split", format="fp8"))
+    ptrs = {n: m.qweight_data.data_ptr() for n, m in model.named_modules() if isinstance(m, QuantLinear)
+            and m.qweight is not None}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    refresh_rollout_weights(model)
+    for n, m in model.named_modules():
+        if n in ptrs:
+            assert m.qweight_data.data_ptr() == ptrs[n]
+            assert torch.equal(m.qweight.dequantize(), quantize(m.weight, "fp8").dequantize())
+
+
+def test_rollout_mode_sets_and_restores_flags():
+    model = TinyModel()
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    flagged = [m for m in model.modules() if hasattr(m, "set_rollout")]
+    assert len(flagged) == 2 * 7 + 1 + 2 * 2 + 1  # linears, lm_head, norms
+    with rollout_mode(model):
+        assert all(m.rollout for m in flagged)
+    assert not any(m.rollout for m in flagged)
+    with pytest.raises(RuntimeError, match="boom"):
+        with rollout_mode(model):
+            raise RuntimeError("boom")
+    assert not any(m.rollout for m in flagged)
+    # and it changes the output: rollout uses the quantized copies
+    ids = torch.randint(0, V, (1, 4))
+    with torch.no_grad(), rollout_mode(model):
+        y_roll = model(ids)
+    assert not torch.allclose(model(ids), y_roll, atol=1e-6)
+
+
+def test_unquantized_linears_finds_plain_and_unconfigured_layers():
+    model = TinyModel()
+    cfg = PrecisionConfig(flow="split", format="int8")
+    model.layers[1].self_attn.q_proj = nn.Linear(H, H, bias=False)  # the name-matching bug: a plain linear
+    apply_precision(model, cfg)
+    model.layers[0].mlp.extra_proj = QuantLinear(H, H)  # added after apply_precision: never configured
+    assert unquantized_linears(model, cfg) == ["layers.0.mlp.extra_proj", "layers.1.self_attn.q_proj"]
+    assert unquantized_linears(model, PrecisionConfig(flow="bf16")) == []
+    # a layer in another format counts too; lm_head counts only when it should be quantized
+    assert "lm_head" in unquantized_linears(model, PrecisionConfig(flow="split", format="int8",
+                                                                   quantize_lm_head=True))
+    assert len(unquantized_linears(model, PrecisionConfig(flow="split", format="fp8"))) == len(expected_names()) + 1
+
+
+def test_bad_precision_is_rejected_before_touching_the_model():
+    model = TinyModel(1)
+    with pytest.raises(ValueError, match="lora.rank"):
+        apply_precision(model, PrecisionConfig(flow="qlora"))
+    assert all(m.rollout_format is None for m in model.modules() if isinstance(m, QuantLinear))

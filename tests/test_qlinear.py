@@ -1,0 +1,321 @@
+"""QuantLinear: every mode's forward vs a float64 reference, in-place refresh, straight-through gradients, LoRA,
+qlora (no master weight), dtype/device safety of the rollout buffers, the kernel hook.
+
+Tolerances: a float32 matmul over K terms differs from the float64 result by at most ~K * 2^-24 * sum|x_k w_k|
+(recursive summation bound); the checks use that bound elementwise. bf16 layers use 2^-7 instead of 2^-24 K
+(one bf16 rounding of the output plus bf16 products).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quarl.kernels
+from quarl.formats import FORMATS, fake_quantize, quantize
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import LoraConfig, PrecisionConfig
+
+ALL = list(FORMATS)
+
+
+def make_layer(k=300, n=200, bias=True, dtype=torch.float32, **settings) -> QuantLinear:
+    layer = QuantLinear(k, n, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k) * 0.05)
+        layer.weight[3] *= 40  # an outlier row
+        if bias:
+            layer.bias.copy_(torch.randn(n))
+    if settings:
+        layer.configure(**settings)
+    return layer
+
+
+def assert_matmul_close(y: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, b64: torch.Tensor | None,
+                        dtype=torch.float32) -> None:
+    """y ~= x64 @ w64^T + b64 within the summation error bound of `dtype`."""
+    ref = x64 @ w64.T + (0 if b64 is None else b64)
+    mag = x64.abs() @ w64.abs().T + (0 if b64 is None else b64.abs())
+    k = x64.shape[-1]
+    tol = (k * 2.0**-24 if dtype == torch.float32 else 2.0**-7) * mag + 1e-30
+    err = (y.double() - ref).abs()
+    assert bool((err <= tol).all()), float((err / tol).max())
+
+
+def test_full_precision_forward_and_unconfigured_layer():
+    layer = make_layer()
+    x = torch.randn(4, 7, 300)
+    assert_matmul_close(layer(x), x.double(), layer.weight.double(), layer.bias.double())
+    layer.configure()  # the bf16 flow: everything off
+    assert layer.qweight is None and layer.lora_A is None
+    layer.set_rollout(True)
+    assert_matmul_close(layer(x), x.double(), layer.weight.double(), layer.bias.double())
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_rollout_forward_matches_float64_reference(fmt, weight_only):
+    layer = make_layer(rollout_format=fmt, weight_only=weight_only)
+    layer.set_rollout(True)
+    x = torch.randn(2, 9, 300) * torch.exp(torch.randn(2, 9, 1))
+    y = layer(x)
+    assert y.shape == (2, 9, 200) and y.dtype == torch.float32
+    w64 = quantize(layer.weight, fmt).dequantize(torch.float64)
+    x64 = x.double() if weight_only else quantize(x, fmt, "activation").dequantize(torch.float64)
+    assert_matmul_close(y, x64, w64, layer.bias.double())
+    # the quantization is really applied: the full-precision output differs by more than the tolerance
+    layer.set_rollout(False)
+    assert not torch.allclose(layer(x), y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block", "nvfp4"])
+def test_rollout_forward_bf16_layer(fmt):
+    layer = make_layer(dtype=torch.bfloat16, rollout_format=fmt, weight_only=fmt == "nvfp4")
+    layer.set_rollout(True)
+    x = torch.randn(5, 300, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    # the rollout copy quantizes the bf16 master values (what the training side sees too)
+    w64 = quantize(layer.weight, fmt).dequantize(torch.bfloat16).double()
+    x64 = x.double() if fmt == "nvfp4" else fake_quantize(x, fmt, "activation").double()
+    assert_matmul_close(y, x64, w64, layer.bias.double(), dtype=torch.bfloat16)
+    assert layer.qweight_data is not None and layer.weight_dequant.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_refresh_is_in_place_and_follows_the_master_weight(fmt):
+    layer = make_layer(rollout_format=fmt)
+    bufs = [b for b in (layer.qweight_data, layer.qweight_scale, layer.qweight_global_scale, layer.weight_dequant)
+            if b is not None]
+    ptrs = [b.data_ptr() for b in bufs]
+    x = torch.randn(6, 300)
+    layer.set_rollout(True)
+    y_old = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(1.7).add_(0.01 * torch.randn_like(layer.weight))
+    assert torch.equal(layer(x), y_old)  # the rollout copy only changes at the sync
+    layer.refresh()
+    assert [b.data_ptr() for b in bufs] == ptrs
+    fresh = quantize(layer.weight, fmt)
+    assert torch.equal(layer.qweight.dequantize(), fresh.dequantize())
+    assert torch.equal(layer.weight_dequant, fresh.dequantize())
+    y_new = layer(x)
+    assert not torch.equal(y_new, y_old)
+    ref = make_layer(rollout_format=None)
+    with torch.no_grad():
+        ref.weight.copy_(layer.weight)
+        ref.bias.copy_(layer.bias)
+    ref.configure(rollout_format=fmt)
+    ref.set_rollout(True)
+    assert torch.equal(ref(x), y_new)  # same as a layer configured from scratch
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_rollout_equals_training_and_gradients_are_straight_through(fmt, dtype):
+    weight_only = FORMATS[fmt].weight_only_default
+    layer = make_layer(dtype=dtype, rollout_format=fmt, train_format=fmt, weight_only=weight_only)
+    x = torch.randn(3, 5, 300, dtype=dtype, requires_grad=True)
+    y_train = layer(x)
+    with torch.no_grad():
+        layer.set_rollout(True)
+        y_roll = layer(x)
+        layer.set_rollout(False)
+    assert torch.equal(y_train, y_roll)
+
+    g = torch.randn_like(y_train)
+    y_train.backward(g)
+    # reference: autograd of F.linear on the quantized values, same upstream gradient
+    xq = (x.detach() if weight_only else fake_quantize(x.detach(), fmt, "activation")).requires_grad_(True)
+    wq = fake_quantize(layer.weight.detach(), fmt).requires_grad_(True)
+    bq = layer.bias.detach().clone().requires_grad_(True)
+    y_ref = F.linear(xq, wq, bq)
+    # same values; BLAS may pick a differently blocked kernel for the reference, hence a few-ulp tolerance
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(y_ref, y_train.detach(), **tol)
+    y_ref.backward(g)
+    torch.testing.assert_close(layer.weight.grad, wq.grad, **tol)
+    torch.testing.assert_close(x.grad, xq.grad, **tol)
+    torch.testing.assert_close(layer.bias.grad, bq.grad, **tol)
+    assert layer.weight.grad.abs().sum() > 0
+
+
+def test_split_training_forward_is_full_precision_with_full_gradients():
+    layer = make_layer(**PrecisionConfig(flow="split", format="int8").linear_settings())
+    x = torch.randn(4, 300, requires_grad=True)
+    y = layer(x)
+    assert_matmul_close(y, x.double(), layer.weight.double(), layer.bias.double())
+    y.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, torch.ones(4, 200).T @ x.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_lora_starts_as_noop_then_learns_with_frozen_base():
+    torch.manual_seed(0)
+    base = make_layer(rollout_format="int8")
+    layer = copy.deepcopy(base)
+    layer.configure(rollout_format="int8", lora_rank=4, lora_alpha=8.0)
+    assert layer.lora_A.shape == (4, 300) and layer.lora_B.shape == (200, 4) and layer.scaling == 2.0
+    assert not layer.weight.requires_grad and not layer.bias.requires_grad
+    assert layer.lora_A.std() > 0 and torch.count_nonzero(layer.lora_B) == 0
+    x = torch.randn(8, 300)
+    for mode in (False, True):
+        layer.set_rollout(mode)
+        base.set_rollout(mode)
+        assert torch.equal(layer(x), base(x))
+    layer.set_rollout(False)
+    w0 = layer.weight.detach().clone()
+    y0 = layer(x).detach()
+    opt = torch.optim.SGD([layer.lora_A, layer.lora_B], lr=0.1)
+    target = torch.randn(8, 200)
+    losses = []
+    for _ in range(5):
+        loss = (layer(x) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+    assert not torch.equal(layer(x), y0)
+    assert torch.equal(layer.weight, w0) and layer.weight.grad is None
+    # the LoRA term is x @ A^T @ B^T * scaling, also in rollout mode (added to the quantized base)
+    layer.set_rollout(True)
+    lora64 = x.double() @ layer.lora_A.double().T @ layer.lora_B.double().T * 2.0
+    base.set_rollout(True)
+    torch.testing.assert_close((layer(x) - base(x)).double(), lora64, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_dropout_only_in_training_forward():
+    layer = make_layer(lora_rank=4, lora_dropout=0.5)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(16, 300)
+    layer.train()
+    assert not torch.equal(layer(x), layer(x))  # random masks
+    layer.set_rollout(True)
+    assert torch.equal(layer(x), layer(x))  # the behaviour policy is deterministic
+    layer.set_rollout(False)
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
+def test_qlora_drops_master_weight_and_matches_across_modes(fmt):
+    settings = PrecisionConfig(flow="qlora", format=fmt, lora=LoraConfig(rank=8)).linear_settings()
+    assert settings["frozen_base"] and settings["weight_only"]
+    w = torch.randn(200, 300) * 0.05
+    layer = make_layer(rollout_format=None)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    layer.configure(**settings)
+    assert layer.weight is None
+    assert "weight" not in dict(layer.named_parameters())
+    assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"lora_A", "lora_B"}
+    sd = layer.state_dict()
+    assert "qweight_data" in sd and "qweight_scale" in sd  # the quantized base IS the weight now
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(2, 4, 300, requires_grad=True)
+    y_train = layer(x)
+    with torch.no_grad():
+        layer.set_rollout(True)
+        y_roll = layer(x)
+        layer.set_rollout(False)
+    assert torch.equal(y_train, y_roll)
+    deq = quantize(w, fmt).dequantize(torch.float64)
+    lora = layer.lora_B.double() @ layer.lora_A.double() * layer.scaling
+    assert_matmul_close(y_train.detach(), x.detach().double(), deq + lora, layer.bias.double())
+    torch.testing.assert_close(layer.merged_weight().double(), deq + lora, rtol=1e-5, atol=1e-6)
+    y_train.sum().backward()
+    assert layer.lora_A.grad is not None and layer.lora_B.grad is not None and x.grad is not None
+    layer.refresh()  # a no-op: the base never changes
+    with pytest.raises(ValueError, match="dropped"):
+        layer.configure(rollout_format=fmt)
+    layer.configure(**settings)  # re-applying the same configuration is a no-op
+    assert layer.lora_B.grad is not None
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_module_dtype_and_device_moves_keep_the_quantized_copy(fmt):
+    layer = make_layer(rollout_format=fmt)
+    before = layer.qweight.dequantize()
+    dtypes = (layer.qweight.data.dtype, layer.qweight.scale.dtype)
+    layer.to(torch.bfloat16)
+    assert (layer.qweight.data.dtype, layer.qweight.scale.dtype) == dtypes
+    assert torch.equal(layer.qweight.dequantize(), before)
+    assert layer.weight_dequant.dtype == torch.bfloat16
+    layer.set_rollout(True)
+    assert layer(torch.randn(2, 300, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    layer.to("cpu")  # .to(device) moves the buffers (the same call moves them to a GPU)
+    clone = copy.deepcopy(layer)
+    assert torch.equal(clone.qweight.dequantize(), before)
+    clone.refresh()
+    assert clone.qweight_data.data_ptr() != layer.qweight_data.data_ptr()
+
+
+def test_cache_policy_gives_identical_outputs():
+    cached = make_layer(rollout_format="nvfp4")
+    uncached = copy.deepcopy(cached)
+    uncached.configure(rollout_format=None)
+    uncached.cache_dequantized = False
+    uncached.configure(rollout_format="nvfp4")
+    assert cached.weight_dequant is not None and uncached.weight_dequant is None
+    x = torch.randn(3, 300)
+    for m in (cached, uncached):
+        m.set_rollout(True)
+    assert torch.equal(cached(x), uncached(x))
+
+
+def test_kernel_hook_is_used_in_rollout_when_no_gradient_is_needed(monkeypatch):
+    layer = make_layer(rollout_format="fp8", bias=True)
+    calls = []
+
+    def fake_kernel(x, qweight, weight_only, bias=None):
+        calls.append((tuple(x.shape), qweight.fmt, weight_only, bias is layer.bias))
+        return torch.full((x.shape[0], qweight.shape[0]), 7.0)
+
+    monkeypatch.setattr(quarl.kernels, "try_quantized_matmul", fake_kernel)
+    layer.set_rollout(True)
+    with torch.no_grad():
+        y = layer(torch.randn(2, 3, 300))
+    assert calls == [((6, 300), "fp8", False, True)]
+    assert y.shape == (2, 3, 200) and bool((y == 7).all())
+    y = layer(torch.randn(2, 300, requires_grad=True))  # autograd needs the reference path
+    assert len(calls) == 1 and not bool((y == 7).all())
+
+
+def test_empty_batch():
+    layer = make_layer(rollout_format="fp8-block")
+    layer.set_rollout(True)
+    assert layer(torch.randn(0, 300)).shape == (0, 200)
+
+
+def test_bad_configuration_and_input():
+    layer = make_layer()
+    with pytest.raises(ValueError, match="unknown number format 'int4'.*valid formats"):
+        layer.configure(rollout_format="int4")
+    with pytest.raises(ValueError, match="needs a rollout_format"):
+        layer.configure(frozen_base=True, lora_rank=4)
+    with pytest.raises(ValueError, match="differ"):
+        layer.configure(rollout_format="nvfp4", train_format="int8", frozen_base=True)
+    with pytest.raises(ValueError, match="lora_rank"):
+        layer.configure(lora_rank=-1)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        layer.configure(lora_rank=2, lora_dropout=1.0)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 300\]"):
+        layer(torch.randn(2, 299))
+    with pytest.raises(TypeError):
+        layer.configure("int8")  # keyword-only, like PrecisionConfig.linear_settings()
+
+
+def test_reconfigure_restores_trainability_and_repr():
+    layer = make_layer(rollout_format="int8", lora_rank=4)
+    text = repr(layer)
+    assert "rollout=int8" in text and "lora_rank=4" in text
+    assert not layer.weight.requires_grad
+    layer.configure(rollout_format="fp8-block", train_format="fp8-block")
+    assert layer.weight.requires_grad and layer.lora_A is None
+    assert "train=fp8-block" in repr(layer) and "lora" not in repr(layer)
+    assert layer.qweight.fmt == "fp8-block"
