@@ -133,7 +133,27 @@ def test_w8a8_gemm_matches_reference(fmt, x_mode, cfg):
 
 
 @gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-tensor"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int8", "fp8", "fp8-block", "fp8-tensor"])
+@pytest.mark.parametrize("x_mode", ["raw", "fused", "prequant"])
+def test_gemv_matches_reference(fmt, x_mode):
+    """The M <= 4 kernels, every M they take, N and K not multiples of the tile."""
+    from quarl.kernels.dispatch import run_plan
+
+    if fmt in ("nvfp4", "mxfp4") and x_mode != "raw":
+        pytest.skip("fp4 formats are weight-only")
+    if fmt == "fp8-tensor" and x_mode == "fused":
+        pytest.skip("a per-tensor activation scale needs the whole tensor first: always prequant")
+    for m, n, k, bn, bk in [(1, 300, 1000, 16, 256), (2, 256, 512, 32, 256), (3, 130, 384, 8, 512), (4, 64, 200, 16, 128)]:
+        w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
+        qw = quantize(w, fmt)
+        y = run_plan(Plan("gemv", Cfg(1, bn, bk, warps=4, stages=3), x_mode), x, qw, b)
+        assert y.shape == (m, n) and y.dtype == x.dtype
+        err = _rel_err(y, _reference(x, qw, x_mode == "raw", b))
+        assert err < EXACT_TOL, f"{fmt} gemv {x_mode} M={m} N={n} K={k}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-tensor", "fp8-block"])
 def test_scaled_mm_path(fmt):
     from quarl.kernels.dispatch import run_plan
 
@@ -214,17 +234,20 @@ def test_tuning_tables_are_consistent(family):
     plans = [DEFAULT_PLANS[family][b] for b in M_BUCKETS]
     plans += [p for (fam, *_), p in SHAPE_PLANS.items() if fam == family]
     for p in plans:
-        assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "bf16")
+        assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "bf16")
         if p.cfg is None:
             assert p.kind in ("deq_mm", "scaled_mm", "bf16")
             continue
         c = p.cfg
+        if p.kind == "gemv":
+            assert c.bn <= 128 and 128 % c.bn == 0 and c.bk >= 128, f"{family}: GEMV tile {c}"
+            continue
         for v in (c.bm, c.bn, c.bk):
             assert v >= 16 and v & (v - 1) == 0, f"{family}: tile sizes must be powers of two >= 16: {c}"
         if family == "fp8-block":
             assert c.bk == 128, "fp8-block tiles are one 128-deep scale group"
         if family == "w4a16":
-            assert p.kind in ("fp4", "deq_mm") and c.bk % 32 == 0
+            assert p.kind == "fp4" and c.bk % 32 == 0
         if c.native:
             assert p.kind == "w8a8" and p.x_mode != "raw" and c.bm >= 64
     assert choose_plan("nvfp4", False, 1, 64, 64).kind == "bf16"  # no W4A4

@@ -60,6 +60,8 @@ def _sweep_candidates():
     }
     w4[16] = w4[1]
     w4[4096] = w4[1024]
+    g = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (8, 256, 2, 4), (16, 256, 8, 3)]
+    w4[1] = [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st)) for bn, bk, wp, st in g] + w4[1][:2]
     nat = dict(native=True)
     dec = (w8("prequant", Cfg(64, 64, 256, split_k=2, **nat), Cfg(64, 64, 256, split_k=4, **nat),
               Cfg(64, 32, 256, split_k=4, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
@@ -78,6 +80,9 @@ def _sweep_candidates():
     }
     w8_[16] = w8_[1]
     w8_[4096] = w8_[1024]
+    g8 = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (8, 256, 2, 4)]
+    w8_[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in g8]
+              + [Plan("gemv", Cfg(1, 16, 256, stages=3), "prequant")] + dec[:2] + dec[5:6])
     fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 16 else []) for b, v in w8_.items()}
     blk_dec = (w8("prequant", Cfg(64, 64, 128, split_k=2, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
                   Cfg(64, 32, 128, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat))
@@ -93,6 +98,8 @@ def _sweep_candidates():
         1024: w8("prequant", Cfg(128, 128, 128, warps=8, stages=4, **nat)) + [Plan("scaled_mm")],
     }
     blk[16] = blk[1] + [Plan("scaled_mm")]
+    gb = [(16, 128, 4, 3), (8, 128, 2, 4), (32, 128, 4, 4), (16, 128, 4, 5)]
+    blk[1] = [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in gb] + blk_dec[:1]
     blk[4096] = blk[1024]
     return {"nvfp4": w4, "int8": w8_, "fp8": fp8, "fp8-block": blk}
 

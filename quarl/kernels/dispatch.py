@@ -9,6 +9,7 @@ from quarl.kernels.act_quant import quantize_activation
 from quarl.kernels.common import GemmConfig
 from quarl.kernels.dequant import dequantize_fp4_weight
 from quarl.kernels.fp4_gemm import fp4_matmul
+from quarl.kernels.gemv import fp4_gemv, w8_gemv
 from quarl.kernels.tuning import Cfg, Plan
 from quarl.kernels.w8a8_gemm import X_FUSED, X_PREQUANT, X_RAW, w8a8_matmul
 
@@ -56,4 +57,11 @@ def run_plan(plan: Plan, x: torch.Tensor, qweight, bias: torch.Tensor | None) ->
         return w8a8_matmul(x, qweight, bias, _gemm_config(plan.cfg, qweight.fmt), mode, xq)
     if plan.kind == "scaled_mm":
         return _scaled_mm(x, qweight, bias)
+    if plan.kind == "gemv":
+        c = plan.cfg
+        if qweight.fmt in ("nvfp4", "mxfp4"):
+            return fp4_gemv(x, qweight, bias, c.bn, c.bk, c.warps, c.stages)
+        mode = _X_MODES[plan.x_mode]
+        xq = quantize_activation(x, qweight.fmt, qweight.data.shape[1]) if mode == X_PREQUANT else None
+        return w8_gemv(x, qweight, bias, c.bn, c.bk, c.warps, c.stages, mode, xq)
     raise ValueError(f"unknown kernel plan kind {plan.kind!r}")

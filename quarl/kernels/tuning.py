@@ -7,7 +7,9 @@ A `Plan` names the path:
   "deq_mm"     fp4 weight dequantized to bf16/fp16 by a Triton kernel, then the library GEMM;
   "w8a8"       8-bit Triton GEMM (`quarl.kernels.w8a8_gemm`), activation quantized in the GEMM (x_mode
                "fused"), beforehand by `quarl.kernels.act_quant` ("prequant"), or not at all ("raw", W8A16);
-  "scaled_mm"  activation quantized by `act_quant`, then torch._scaled_mm (cuBLAS FP8, rowwise/tensor scales);
+  "scaled_mm"  activation quantized by `act_quant`, then torch._scaled_mm (cuBLAS FP8: rowwise, per-tensor or
+               blockwise scales);
+  "gemv"       M <= 4 rows: one-launch FMA kernels (`quarl.kernels.gemv`; cfg.bn/bk/warps/stages, bm unused);
   "bf16"       no kernel wins: `try_quantized_matmul` returns None and the caller's reference path runs.
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and
 "w8a16" (8-bit formats with weight_only=True).
@@ -39,7 +41,7 @@ class Cfg:
 
 @dataclass(frozen=True)
 class Plan:
-    kind: str  # "fp4" | "deq_mm" | "w8a8" | "scaled_mm" | "bf16"
+    kind: str  # "fp4" | "deq_mm" | "w8a8" | "scaled_mm" | "gemv" | "bf16"
     cfg: Cfg | None = None
     x_mode: str = "fused"  # w8a8 only: "raw" | "fused" | "prequant"
 

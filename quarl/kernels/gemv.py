@@ -1,0 +1,197 @@
+"""Matrix-vector kernels for decode with very few rows (M <= 4): FMA on the CUDA cores, no tensor cores.
+
+Why: with one token per call a tensor-core tile wastes 15 of its 16 rows, a split-K reduction and a separate
+activation-quantization kernel each cost a launch (~2-3 us, as long as streaming a small weight), and the
+bytes per SM in flight matter more than arithmetic. Each program here owns BN output features for all M rows,
+streams their whole K once (no split, no second kernel), keeps per-lane partial sums [M, BN, BK] in registers
+and reduces them once at the end. For W8A8 the activation is quantized inside (x_mode "fused": the row amax
+over K first, then the same codes as `quarl.formats`), so one launch does everything.
+
+Same semantics and decodes as `fp4_gemm` / `w8a8_gemm` (see there); results differ only by fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quarl.kernels.quant_utils import codes_to_f16, quantize_tile, safe_scale
+
+MAX_ROWS = 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr,
+    M, N, K, KP, stride_xm, stride_wn, stride_sn, stride_om,
+    IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """x [M, K] bf16/fp16, w uint8 [N, KP/2], s uint8 [N, KP/G] (E4M3 / E8M0 bytes), gs float32 [] -> out [M, N]."""
+    G: tl.constexpr = 32 if IS_MX else 16
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    ar_k = tl.arange(0, BK)
+    ar_b = tl.arange(0, BK // 2)
+    ar_g = tl.arange(0, BK // G)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + ar_b[None, :]
+    s_ptrs = s_ptr + offs_n[:, None] * stride_sn + ar_g[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + ar_k[None, :]
+    acc = tl.zeros((BM, BN, BK // 2), dtype=tl.float32)
+    for it in range(0, tl.cdiv(KP, BK)):
+        kk = it * BK
+        if EVEN_K:
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            sc = tl.load(s_ptrs, mask=n_ok[:, None], other=0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            b = tl.load(w_ptrs, mask=n_ok[:, None] & (kk // 2 + ar_b < KP // 2)[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=n_ok[:, None] & (kk // G + ar_g < KP // G)[None, :], other=0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (kk + ar_k < K)[None, :], other=0.0)
+        b = b.to(tl.int32)
+        lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if IS_MX:
+            sf = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+        else:
+            sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+        lo = tl.reshape(tl.reshape(lo, (BN, BK // G, G // 2)) * sf[:, :, None], (BN, BK // 2))
+        hi = tl.reshape(tl.reshape(hi, (BN, BK // G, G // 2)) * sf[:, :, None], (BN, BK // 2))
+        xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BM, BK // 2, 2)))
+        acc += xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :]
+        w_ptrs += BK // 2
+        s_ptrs += BK // G
+        x_ptrs += BK
+    y = tl.sum(acc, axis=2)
+    if not IS_MX:
+        y = y * tl.load(gs_ptr)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8_gemv_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, K, KP, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+    W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """As `w8a8_gemm._w8a8_kernel` (same arguments and X_MODE), for M <= BM <= 4 rows; fp8-block needs BK == 128
+    and BN dividing 128 (one weight tile row per program, so its scale is one number per K step)."""
+    QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
+    pid = tl.program_id(0)
+    offs_n = pid * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    ar_k = tl.arange(0, BK)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + ar_k[None, :]
+    if X_MODE == 1 and not BLOCKWISE:
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for it in range(0, tl.cdiv(K, BK)):
+            v = tl.load(x_rows + (it * BK + ar_k)[None, :], mask=m_ok[:, None] & (it * BK + ar_k < K)[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        sx = safe_scale(amax, QMAX)
+    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    for it in range(0, tl.cdiv(KP, BK)):
+        kk = it * BK
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (kk + ar_k < KP)[None, :], other=0)
+        wf = codes_to_f16(w, W_INT8).to(tl.float32)
+        if X_MODE == 2:
+            q = tl.load(x_rows + (kk + ar_k)[None, :], mask=m_ok[:, None] & (kk + ar_k < KP)[None, :], other=0)
+            xv = codes_to_f16(q, W_INT8).to(tl.float32)
+            if BLOCKWISE:
+                xv = xv * tl.load(xs_ptr + offs_m * stride_xsm + kk // 128, mask=m_ok, other=0.0)[:, None]
+        else:
+            xv = tl.load(x_rows + (kk + ar_k)[None, :], mask=m_ok[:, None] & (kk + ar_k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            if X_MODE == 1:
+                if BLOCKWISE:
+                    sg = safe_scale(tl.max(tl.abs(xv), axis=1), QMAX)
+                    xv = quantize_tile(xv, sg[:, None], W_INT8).to(tl.float32) * sg[:, None]
+                else:
+                    xv = quantize_tile(xv, sx[:, None], W_INT8).to(tl.float32)
+        if BLOCKWISE:
+            # All BN rows lie in one 128-row weight tile: its scale for this K step is one number.
+            xv = xv * tl.load(ws_ptr + ((pid * BN) // 128) * stride_wsn + kk // 128)
+        acc += xv[:, None, :] * wf[None, :, :]
+        w_ptrs += BK
+    y = tl.sum(acc, axis=2)
+    if not BLOCKWISE:
+        y = y * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
+        if X_MODE == 1:
+            y = y * sx[:, None]
+        elif X_MODE == 2:
+            y = y * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _rows_block(m: int) -> int:
+    if m > MAX_ROWS:
+        raise ValueError(f"the GEMV kernels take at most {MAX_ROWS} rows, got M={m}; use the GEMM kernels")
+    return 1 if m <= 1 else triton.next_power_of_2(m)
+
+
+def fp4_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: int, warps: int, stages: int
+             ) -> torch.Tensor:
+    """x [M<=4, K] bf16/fp16 times an nvfp4/mxfp4 weight [N, K] -> [M, N] in x.dtype (weight-only)."""
+    is_mx = qweight.fmt == "mxfp4"
+    M, K = x.shape
+    N = qweight.shape[0]
+    data, scale = qweight.data, qweight.scale.view(torch.uint8)
+    kp = data.shape[1] * 2
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _fp4_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, data, scale, scale if is_mx else qweight.global_scale, bias if bias is not None else out, out,
+        M, N, K, kp, x.stride(0), data.stride(0), scale.stride(0), out.stride(0),
+        IS_MX=is_mx, HAS_BIAS=bias is not None, EVEN_K=K == kp and kp % bk == 0,
+        BM=_rows_block(M), BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def w8_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: int, warps: int, stages: int,
+            x_mode: int, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [M<=4, K] times an int8 / fp8 / fp8-tensor / fp8-block weight [N, K] -> [M, N] in x.dtype.
+
+    x_mode as in `w8a8_gemm` (0 raw, 1 fused, 2 prequant with xq from `act_quant.quantize_activation`).
+    """
+    fmt = qweight.fmt
+    blockwise = fmt == "fp8-block"
+    if blockwise:
+        bk = 128
+        if 128 % bn:
+            raise ValueError(f"fp8-block GEMV needs BN dividing 128, got {bn}")
+    M, K = x.shape
+    N = qweight.shape[0]
+    w = qweight.data.view(torch.uint8) if qweight.data.dtype == torch.float8_e4m3fn else qweight.data
+    kp = w.shape[1]
+    ws = qweight.scale
+    stride_wsn = ws.stride(0) if ws.dim() else 0
+    if x_mode == 2:
+        xin, xs = xq
+        xin = xin.view(torch.uint8) if xin.dtype == torch.float8_e4m3fn else xin
+        stride_xsm = xs.stride(0) if xs.dim() else 0
+    else:
+        xin, xs, stride_xsm = x, ws, 0
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _w8_gemv_kernel[(triton.cdiv(N, bn),)](
+        xin, xs, w, ws, bias if bias is not None else out, out,
+        M, N, K, kp, xin.stride(0), stride_xsm, w.stride(0), stride_wsn, out.stride(0),
+        W_INT8=fmt == "int8", BLOCKWISE=blockwise, X_MODE=x_mode, HAS_BIAS=bias is not None,
+        EVEN_K=K == kp and kp % bk == 0, BM=_rows_block(M), BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )
+    return out
