@@ -30,8 +30,10 @@ class KVCache:
         if batch_size < 1 or capacity < 1:
             raise ValueError(f"KVCache needs batch_size >= 1 and capacity >= 1, got {batch_size}, {capacity}")
         shape = (batch_size, num_kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialised on purpose: a column is always written (by the forward that fills it, padding included)
+        # before any attention reads it, so no column is ever read while it holds garbage.
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
@@ -85,10 +87,16 @@ class KVCache:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (long [B'], indices into the current batch), in that order. In place."""
         rows = rows.to(self.valid.device)
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        self.keys = [self._take(k, rows) for k in self.keys]
+        self.values = [self._take(v, rows) for v in self.values]
         self.valid = self.valid.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
+
+    def _take(self, buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of `buf` in a new buffer of the same capacity; only the filled columns are copied."""
+        out = buf.new_empty((rows.numel(),) + tuple(buf.shape[1:]))
+        out[:, :, :self.length] = buf[:, :, :self.length].index_select(0, rows)
+        return out
 
     def repeat_interleave(self, n: int) -> None:
         """Row i becomes rows i*n .. i*n+n-1 (a prompt's prefill shared by its n samples). In place."""
