@@ -345,6 +345,13 @@ def test_bad_inputs_raise_clear_errors(tok):
             engine.generate(**kwargs)
     with pytest.raises(ValueError, match="max_batch_size"):
         RolloutEngine(model, tok, max_batch_size=0)
+    no_tok = RolloutEngine(model, None)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        no_tok.generate(["hi"])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        no_tok.generate([[1, 2]], stop=["x"])
+    out = no_tok.generate([[1, 2]], max_new_tokens=3, temperature=0.0)[0].completions[0]
+    assert len(out.token_ids) == 3 and out.text == "" and out.finish_reason == "length"
 
 
 def test_generate_cli_prints_completions(tmp_path, capsys):

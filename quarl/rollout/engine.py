@@ -148,6 +148,8 @@ class RolloutEngine:
         if stop is not None:
             if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
                 raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+            if stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer to decode completions; give the engine one")
         context = self.model.config.max_position_embeddings
         limit = context - max_new_tokens
         for i, ids in enumerate(prompt_ids):
@@ -159,6 +161,8 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ decoding
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # token-id prompts without a tokenizer: completions carry ids only
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _generate_chunk(self, chunk: list[list[int]], n: int, max_new_tokens: int, params: SamplingParams,
