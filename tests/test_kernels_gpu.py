@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from quarl.formats import quantize
-from quarl.kernels import plan_for, try_quantized_matmul
-from quarl.kernels.tuning import DEFAULT_PLANS, M_BUCKETS, SHAPE_PLANS, Cfg, Plan, choose_plan
+from quarl.kernels import plan_for, quantized_matmul, try_quantized_matmul
+from quarl.kernels.tuning import MEASURED, M_BUCKETS, W8A16_PLANS, Cfg, Plan, choose_plan
 
 EXACT_TOL = 5e-3
 DEQ_TOL = 1.5e-2
@@ -157,7 +157,10 @@ def test_gemv_matches_reference(fmt, x_mode):
 def test_scaled_mm_path(fmt):
     from quarl.kernels.dispatch import run_plan
 
-    for m, n, k in [(1, 256, 512), (70, 320, 1024), (257, 512, 768)]:
+    shapes = [(1, 256, 512), (70, 320, 1024), (257, 512, 768)]
+    if fmt == "fp8-block":  # whole 128-row weight tiles (M is padded inside)
+        shapes = [(64, 256, 512), (70, 384, 1000), (257, 512, 768)]
+    for m, n, k in shapes:
         w, x, b = _inputs(m, n, k, bias=True)
         qw = quantize(w, fmt)
         err = _rel_err(run_plan(Plan("scaled_mm"), x, qw, b), _reference(x, qw, False, b))
@@ -192,6 +195,21 @@ def test_dispatch_matches_reference(fmt, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "nvfp4"])
+def test_quantized_matmul_always_runs_a_kernel(fmt):
+    """quantized_matmul ignores the bf16 policy: a result (matching the reference) on shapes bf16 wins."""
+    weight_only = fmt == "nvfp4"
+    for m in (1, 16, 300):
+        w, x, b = _inputs(m, 512, 1024, bias=True)
+        qw = quantize(w, fmt)
+        y = quantized_matmul(x, qw, weight_only, b)
+        assert y is not None
+        plan = plan_for(fmt, weight_only, m, 512, 1024, prefer_kernel=True)
+        tol = DEQ_TOL if plan.kind == "deq_mm" else EXACT_TOL
+        assert _rel_err(y, _reference(x, qw, weight_only, b)) < tol
+
+
+@gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8-block", "nvfp4"])
 def test_in_place_requantize_is_seen(fmt):
     """quantize(..., out=qt) (the per-step sync) changes the next product: no stale kernel-side cache."""
@@ -199,9 +217,9 @@ def test_in_place_requantize_is_seen(fmt):
     w1, x, _ = _inputs(4, n, k)
     qw = quantize(w1, fmt)
     weight_only = fmt == "nvfp4"
-    y1 = try_quantized_matmul(x, qw, weight_only)
+    y1 = quantized_matmul(x, qw, weight_only)
     quantize(torch.randn(n, k, device="cuda") * 0.05, fmt, out=qw)
-    y2 = try_quantized_matmul(x, qw, weight_only)
+    y2 = quantized_matmul(x, qw, weight_only)
     assert y1 is not None and y2 is not None
     assert _rel_err(y2, _reference(x, qw, weight_only)) < EXACT_TOL
     assert (y1 - y2).abs().max() > 0
@@ -228,13 +246,21 @@ def test_cpu_tensors_get_no_kernel():
     assert try_quantized_matmul(torch.randn(2, 64), qw, False) is None
 
 
-@pytest.mark.parametrize("family", sorted(DEFAULT_PLANS))
+@pytest.mark.parametrize("family", sorted(MEASURED) + ["w8a16"])
 def test_tuning_tables_are_consistent(family):
-    """Every bucket has a plan; tile shapes respect the kernels' constraints."""
-    plans = [DEFAULT_PLANS[family][b] for b in M_BUCKETS]
-    plans += [p for (fam, *_), p in SHAPE_PLANS.items() if fam == family]
-    for p in plans:
+    """Every measured shape has every bucket; tile shapes respect the kernels' constraints; the policy follows
+    the measured speed-ups."""
+    if family == "w8a16":
+        plans = [(W8A16_PLANS[b], None) for b in M_BUCKETS]
+    else:
+        assert len(MEASURED[family]) >= 4
+        for shape, table in MEASURED[family].items():
+            assert sorted(table) == sorted(M_BUCKETS), f"{family} {shape}: buckets {sorted(table)}"
+        plans = [e for table in MEASURED[family].values() for e in table.values()]
+    for p, speedup in plans:
         assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "bf16")
+        if speedup is not None:
+            assert p.kind != "bf16" and speedup > 0
         if p.cfg is None:
             assert p.kind in ("deq_mm", "scaled_mm", "bf16")
             continue
@@ -251,4 +277,10 @@ def test_tuning_tables_are_consistent(family):
         if c.native:
             assert p.kind == "w8a8" and p.x_mode != "raw" and c.bm >= 64
     assert choose_plan("nvfp4", False, 1, 64, 64).kind == "bf16"  # no W4A4
-    assert choose_plan("int8", False, 5000, 64, 64) == DEFAULT_PLANS["int8"][4096]
+    if family in MEASURED:
+        for (n, k), table in MEASURED[family].items():
+            for b, (plan, speedup) in table.items():
+                expected = plan if speedup >= 1.0 else Plan("bf16")
+                assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k) == expected
+                assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k,
+                                   prefer_kernel=True) == plan

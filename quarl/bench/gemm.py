@@ -319,7 +319,7 @@ def run_bench_gemm(args) -> int:
     from quarl.formats import quantize
     from quarl.kernels import plan_for
     from quarl.kernels.dispatch import run_plan
-    from quarl.kernels.tuning import family, m_bucket
+    from quarl.kernels.tuning import m_bucket
 
     shapes = _parse_list(args.shapes, SHAPES, "shapes")
     ms = _parse_list(args.m, None, "M values", int)
@@ -337,14 +337,9 @@ def run_bench_gemm(args) -> int:
                 if candidates is not None and f in candidates:
                     plans[(f, s, m)] = list(candidates[f][m_bucket(m)])
                 else:
-                    p = plan_for(f, weight_only[f], m, n, k)
+                    # The fastest kernel, also where the dispatch prefers bf16 (to report what bf16 beat).
+                    p = plan_for(f, weight_only[f], m, n, k, prefer_kernel=True)
                     plans[(f, s, m)] = [p] if p.kind != "bf16" else []
-                    if p.kind == "bf16" and family(f, weight_only[f]) is not None:
-                        # Still time the best kernel we have, to report what bf16 beat.
-                        from quarl.kernels.tuning import DEFAULT_PLANS
-
-                        alt = DEFAULT_PLANS[family(f, weight_only[f])][m_bucket(m)]
-                        plans[(f, s, m)] = [alt] if alt.kind != "bf16" else []
 
     t0 = time.time()
     jobs: dict[tuple, dict] = {}

@@ -14,9 +14,11 @@ import os
 
 import torch
 
-from quarl.kernels.tuning import Plan, choose_plan
+from dataclasses import replace
 
-__all__ = ["try_quantized_matmul", "kernels_available", "plan_for"]
+from quarl.kernels.tuning import Cfg, Plan, choose_plan
+
+__all__ = ["try_quantized_matmul", "quantized_matmul", "kernels_available", "plan_for"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -42,31 +44,40 @@ def kernels_available(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.device | None = None) -> Plan:
-    """The kernel plan `try_quantized_matmul` would use for x [m, k] and a weight [n, k] in `fmt`.
+def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.device | None = None,
+             prefer_kernel: bool = False) -> Plan:
+    """The kernel plan for x [m, k] and a weight [n, k] in `fmt` (see `quarl.kernels.tuning`).
 
-    Plan("bf16") means no kernel: the caller's reference path runs. FP8 needs compute capability >= 8.9;
-    the int8/fp8 tensor-core ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
+    Plan("bf16") means no kernel (try_quantized_matmul returns None); prefer_kernel=True keeps the fastest
+    quantized kernel where bf16 measured faster. FP8 needs compute capability >= 8.9; the int8/fp8 tensor-core
+    ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
     """
-    plan = choose_plan(fmt, weight_only, m, n, k)
+    plan = choose_plan(fmt, weight_only, m, n, k, prefer_kernel)
     if plan.kind == "bf16" or not torch.cuda.is_available():
         return plan
     cap = torch.cuda.get_device_capability(device)
     if fmt.startswith("fp8") and cap < (8, 9):
         return Plan("bf16")
-    if cap < (9, 0):
-        if plan.kind in ("scaled_mm",):
-            return Plan("bf16")
-        if plan.cfg is not None and plan.cfg.native:
-            from dataclasses import replace
-
-            return replace(plan, cfg=replace(plan.cfg, native=False))
-    if plan.kind == "scaled_mm" and (n % 16 or k % 16 or (fmt == "fp8-block" and n % 128)):
-        return Plan("bf16")  # cuBLAS FP8 needs N, K multiples of 16 (and whole 128-row tiles for blockwise)
+    if plan.kind == "scaled_mm" and (cap < (9, 0) or n % 16 or k % 16 or (fmt == "fp8-block" and n % 128)):
+        # cuBLAS FP8 needs Hopper, N and K multiples of 16, and whole 128-row tiles for blockwise scales.
+        plan = Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant")
+    if cap < (9, 0) and plan.cfg is not None and plan.cfg.native:
+        plan = replace(plan, cfg=replace(plan.cfg, native=False))
     return plan
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
+    """See `_quantized_matmul`; None also where the measured bf16 GEMM beats every quantized kernel."""
+    return _quantized_matmul(x, qweight, weight_only, bias, prefer_kernel=False)
+
+
+def quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
+    """As `try_quantized_matmul`, but runs the fastest quantized kernel even where bf16 measured faster (for a
+    caller that holds only the quantized weight). None only where no kernel applies (CPU, no Triton, W4A4)."""
+    return _quantized_matmul(x, qweight, weight_only, bias, prefer_kernel=True)
+
+
+def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None, prefer_kernel: bool):
     """y = Q(x) @ dequant(qweight)^T (+ bias) on a fast kernel, or None when none applies (CPU, unsupported).
 
     x: [M, K] activations in the compute dtype (bf16 or fp16; other dtypes -> None); qweight: a
@@ -102,7 +113,7 @@ def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torc
         return None  # E8M0 scales can leave fp16's range; the bf16 path is exact
     if not kernels_available(x.device):
         return None
-    plan = plan_for(fmt, weight_only, m, n, k, x.device)
+    plan = plan_for(fmt, weight_only, m, n, k, x.device, prefer_kernel)
     if plan.kind == "bf16":
         return None
     if m == 0:

@@ -30,19 +30,27 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
     scaling reads). Rowwise and blockwise scaling produce bf16 only: fp16 callers get one extra rounding.
     """
     fmt, n = qweight.fmt, qweight.shape[0]
+    m = x.shape[0]
+    if fmt == "fp8-block" and m % 16:
+        # Measured working with M a multiple of 16 only: pad rows (zero codes, scale 1), drop them after.
+        x = F.pad(x, (0, 0, 0, 16 - m % 16))
     codes, sx = quantize_activation(x, fmt, qweight.data.shape[1], scales_column_major=fmt == "fp8-block")
     if fmt == "fp8-block":
+        if n % 128:
+            raise ValueError(f"blockwise cuBLAS FP8 needs N a multiple of 128, got N={n}; use the Triton plan")
         sw = qweight.scale.t()
     elif qweight.scale.dim():
         sw = qweight.scale.reshape(1, n)
     else:
         sw = qweight.scale
     out_dtype = x.dtype if fmt == "fp8-tensor" else torch.bfloat16
-    if bias is not None:
-        bias = bias.to(out_dtype)
+    fused_bias = None if (bias is None or fmt == "fp8-block") else bias.to(out_dtype)  # blockwise: no bias
     # b must be column-major: the [N, Kp] row-major codes transposed are exactly that, without a copy.
-    y = torch._scaled_mm(codes, qweight.data.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=out_dtype)
-    return y.to(x.dtype)
+    y = torch._scaled_mm(codes, qweight.data.t(), scale_a=sx, scale_b=sw, bias=fused_bias, out_dtype=out_dtype)
+    y = y[:m].to(x.dtype)
+    if bias is not None and fused_bias is None:
+        y = y + bias.to(x.dtype)
+    return y
 
 
 def run_plan(plan: Plan, x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:

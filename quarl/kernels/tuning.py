@@ -1,6 +1,6 @@
-"""Which kernel and tile configuration each GEMM uses, by format family and number of rows M.
+"""Which kernel and tile configuration each GEMM uses, by format family, weight shape and number of rows M.
 
-No Triton import here (plain data), so the choice can be inspected and tested on any machine.
+Plain data (no Triton import), so the choice can be inspected and tested on any machine.
 
 A `Plan` names the path:
   "fp4"        fused W4A16 Triton GEMM (`quarl.kernels.fp4_gemm`);
@@ -10,17 +10,23 @@ A `Plan` names the path:
   "scaled_mm"  activation quantized by `act_quant`, then torch._scaled_mm (cuBLAS FP8: rowwise, per-tensor or
                blockwise scales);
   "gemv"       M <= 4 rows: one-launch FMA kernels (`quarl.kernels.gemv`; cfg.bn/bk/warps/stages, bm unused);
-  "bf16"       no kernel wins: `try_quantized_matmul` returns None and the caller's reference path runs.
-Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and
-"w8a16" (8-bit formats with weight_only=True).
+  "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster.
+Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"
+(8-bit formats with weight_only=True).
 
-The tables were tuned on one H200 (torch 2.11, Triton 3.6) with `quarl bench gemm --sweep` over the Qwen2.5-7B
-linear shapes; see bench/results/gemm.md. M is rounded up to the next tuned bucket.
+`MEASURED` holds, per family, weight shape (N, K) of Qwen2.5-7B and M bucket, the fastest quantized path and its
+speed-up over the bf16 GEMM (F.linear) from `quarl bench gemm --sweep` on one H200 (torch 2.11, Triton 3.6;
+activation quantization included; bench/results/gemm.md). Policy (`choose_plan`): where that speed-up is below
+1.0 the plan is "bf16" (no kernel), unless the caller asks for the kernel anyway (prefer_kernel=True: a layer
+that holds only the quantized weight has no faster bf16 path). Other shapes use the measured shape with the
+closest weight size N*K; M is rounded up to the next bucket. fp8-tensor follows the fp8 table (activation
+quantized beforehand: a per-tensor scale needs the whole tensor), w8a16 has hand-set plans (not swept).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
 
@@ -43,7 +49,7 @@ class Cfg:
 class Plan:
     kind: str  # "fp4" | "deq_mm" | "w8a8" | "scaled_mm" | "gemv" | "bf16"
     cfg: Cfg | None = None
-    x_mode: str = "fused"  # w8a8 only: "raw" | "fused" | "prequant"
+    x_mode: str = "fused"  # w8a8 / gemv only: "raw" | "fused" | "prequant"
 
 
 def m_bucket(m: int) -> int:
@@ -54,53 +60,157 @@ def m_bucket(m: int) -> int:
     return M_BUCKETS[-1]
 
 
-# Default plans per (family, M bucket).
-_W4A16 = {
-    1: Plan("fp4", Cfg(16, 64, 256, warps=4, stages=4)),
-    16: Plan("fp4", Cfg(16, 64, 256, warps=4, stages=4)),
-    64: Plan("fp4", Cfg(64, 64, 128, warps=4, stages=3)),
-    256: Plan("fp4", Cfg(64, 128, 128, warps=4, stages=3)),
-    1024: Plan("deq_mm"),
-    4096: Plan("deq_mm"),
-}
-_W8A8_DECODE = {
-    1: Plan("w8a8", Cfg(16, 64, 256, warps=4, stages=4), "fused"),
-    16: Plan("w8a8", Cfg(16, 64, 256, warps=4, stages=4), "fused"),
-    64: Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "prequant"),
-    256: Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
-    1024: Plan("w8a8", Cfg(128, 256, 128, warps=8, stages=3, native=True), "prequant"),
-    4096: Plan("w8a8", Cfg(128, 256, 128, warps=8, stages=3, native=True), "prequant"),
-}
-_W8A16 = {
-    1: Plan("w8a8", Cfg(16, 64, 256, warps=4, stages=4), "raw"),
-    16: Plan("w8a8", Cfg(16, 64, 256, warps=4, stages=4), "raw"),
-    64: Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=3), "raw"),
-    256: Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=3), "raw"),
-    1024: Plan("bf16"),
-    4096: Plan("bf16"),
-}
-_FP8_BLOCK = {
-    1: Plan("w8a8", Cfg(16, 64, 128, warps=4, stages=4), "fused"),
-    16: Plan("w8a8", Cfg(16, 64, 128, warps=4, stages=4), "fused"),
-    64: Plan("w8a8", Cfg(64, 64, 128, warps=4, stages=4, native=True), "prequant"),
-    256: Plan("w8a8", Cfg(64, 128, 128, warps=4, stages=4, native=True), "prequant"),
-    1024: Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
-    4096: Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=3, native=True), "prequant"),
-}
-_FP8_TENSOR = {b: Plan("scaled_mm") for b in M_BUCKETS}
+C, P = Cfg, Plan
 
-DEFAULT_PLANS: dict[str, dict[int, Plan]] = {
-    "w4a16": _W4A16,
-    "int8": _W8A8_DECODE,
-    "fp8": _W8A8_DECODE,
-    "fp8-tensor": _FP8_TENSOR,
-    "fp8-block": _FP8_BLOCK,
-    "w8a16": _W8A16,
+# family -> (N, K) -> M bucket -> (fastest quantized plan, its measured speed-up over bf16).
+MEASURED = {
+    "w4a16": {
+        (4608, 3584): {  # qkv
+            1: (P("gemv", C(1, 8, 512), "fused"), 0.90),
+            16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.76),
+            64: (P("deq_mm"), 0.53),
+            256: (P("deq_mm"), 0.55),
+            1024: (P("deq_mm"), 0.81),
+            4096: (P("deq_mm"), 0.94),
+        },
+        (3584, 3584): {  # o
+            1: (P("gemv", C(1, 8, 512), "fused"), 1.02),
+            16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.96),
+            64: (P("fp4", C(64, 64, 128, split_k=4, warps=8)), 0.57),
+            256: (P("deq_mm"), 0.57),
+            1024: (P("deq_mm"), 0.79),
+            4096: (P("deq_mm"), 0.90),
+        },
+        (37888, 3584): {  # gate_up
+            1: (P("gemv", C(1, 8, 256, warps=2, stages=4), "fused"), 1.12),
+            16: (P("fp4", C(16, 64, 256, split_k=2, stages=4)), 0.99),
+            64: (P("fp4", C(64, 64, 128, split_k=2)), 0.71),
+            256: (P("deq_mm"), 0.50),
+            1024: (P("deq_mm"), 0.74),
+            4096: (P("deq_mm"), 0.94),
+        },
+        (3584, 18944): {  # down
+            1: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.93),
+            16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.92),
+            64: (P("fp4", C(64, 64, 128, split_k=4, warps=8)), 0.65),
+            256: (P("deq_mm"), 0.53),
+            1024: (P("deq_mm"), 0.78),
+            4096: (P("deq_mm"), 0.90),
+        },
+    },
+    "int8": {
+        (4608, 3584): {  # qkv
+            1: (P("gemv", C(1, 8, 512), "fused"), 0.80),
+            16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.76),
+            64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 0.74),
+            256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.73),
+            1024: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 0.73),
+            4096: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 1.02),
+        },
+        (3584, 3584): {  # o
+            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.88),
+            16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.93),
+            64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.70),
+            256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.67),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 0.86),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 1.02),
+        },
+        (37888, 3584): {  # gate_up
+            1: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.43),
+            16: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.39),
+            64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.21),
+            256: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 1.23),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, native=True), "prequant"), 1.29),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 1.36),
+        },
+        (3584, 18944): {  # down
+            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.99),
+            16: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 0.99),
+            64: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 1.01),
+            256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.93),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 0.99),
+            4096: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 1.11),
+        },
+    },
+    "fp8": {
+        (4608, 3584): {  # qkv
+            1: (P("gemv", C(1, 8, 512), "fused"), 0.84),
+            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 0.72),
+            64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.67),
+            256: (P("scaled_mm"), 0.84),
+            1024: (P("scaled_mm"), 1.02),
+            4096: (P("scaled_mm"), 1.44),
+        },
+        (3584, 3584): {  # o
+            1: (P("gemv", C(1, 8, 512), "fused"), 0.91),
+            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 0.90),
+            64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.65),
+            256: (P("scaled_mm"), 0.72),
+            1024: (P("scaled_mm"), 1.14),
+            4096: (P("scaled_mm"), 1.38),
+        },
+        (37888, 3584): {  # gate_up
+            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.50),
+            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.36),
+            64: (P("scaled_mm"), 1.20),
+            256: (P("scaled_mm"), 1.46),
+            1024: (P("scaled_mm"), 1.62),
+            4096: (P("scaled_mm"), 1.79),
+        },
+        (3584, 18944): {  # down
+            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.04),
+            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.01),
+            64: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 0.95),
+            256: (P("scaled_mm"), 0.86),
+            1024: (P("scaled_mm"), 1.30),
+            4096: (P("scaled_mm"), 1.55),
+        },
+    },
+    "fp8-block": {
+        (4608, 3584): {  # qkv
+            1: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.59),
+            16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4), "fused"), 0.65),
+            64: (P("scaled_mm"), 0.64),
+            256: (P("scaled_mm"), 0.81),
+            1024: (P("scaled_mm"), 1.00),
+            4096: (P("scaled_mm"), 1.41),
+        },
+        (3584, 3584): {  # o
+            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.78),
+            16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.81),
+            64: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.59),
+            256: (P("scaled_mm"), 0.69),
+            1024: (P("scaled_mm"), 1.13),
+            4096: (P("scaled_mm"), 1.35),
+        },
+        (37888, 3584): {  # gate_up
+            1: (P("w8a8", C(64, 128, 128, split_k=4, stages=4, native=True), "prequant"), 1.15),
+            16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4), "fused"), 1.29),
+            64: (P("scaled_mm"), 1.43),
+            256: (P("scaled_mm"), 1.45),
+            1024: (P("scaled_mm"), 1.55),
+            4096: (P("scaled_mm"), 1.67),
+        },
+        (3584, 18944): {  # down
+            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.79),
+            16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.76),
+            64: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.74),
+            256: (P("scaled_mm"), 0.77),
+            1024: (P("scaled_mm"), 1.29),
+            4096: (P("scaled_mm"), 1.51),
+        },
+    },
 }
 
-# Measured exceptions per (family, N, K, M bucket): a better plan for that shape, or Plan("bf16") where the
-# bf16 GEMM beat every quantized path.
-SHAPE_PLANS: dict[tuple[str, int, int, int], Plan] = {}
+# Weight-only 8-bit (W8A16): not part of B1, set by hand from the W8A8 results (same weight streams).
+W8A16_PLANS = {
+    1: P("gemv", C(1, 8, 512), "raw"),
+    16: P("w8a8", C(16, 64, 256, split_k=4, stages=4), "raw"),
+    64: P("w8a8", C(64, 64, 128, split_k=2), "raw"),
+    256: P("w8a8", C(64, 128, 128), "raw"),
+    1024: P("bf16"),
+    4096: P("bf16"),
+}
 
 
 def family(fmt: str, weight_only: bool) -> str | None:
@@ -112,10 +222,38 @@ def family(fmt: str, weight_only: bool) -> str | None:
     return None
 
 
-def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int) -> Plan:
-    """The plan for an [m, k] x [n, k]^T product in `fmt` (Plan("bf16") when no kernel applies or wins)."""
+def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | None:
+    """(plan, speed-up) measured for this family at the shape nearest to (n, k) in weight size, M bucket of m."""
+    table = MEASURED.get("fp8" if fam == "fp8-tensor" else fam)
+    if not table:
+        return None
+    shape = (n, k) if (n, k) in table else min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
+    entry = table[shape].get(m_bucket(m))
+    if entry is None:
+        return None
+    plan, speedup = entry
+    if fam == "fp8-tensor" and plan.kind in ("w8a8", "gemv") and plan.x_mode == "fused":
+        plan = replace(plan, x_mode="prequant")
+    return plan, speedup
+
+
+def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kernel: bool = False) -> Plan:
+    """The plan for an [m, k] x [n, k]^T product in `fmt` (Plan("bf16") when no kernel applies or bf16 is faster).
+
+    prefer_kernel: return the fastest quantized plan even where the bf16 GEMM measured faster.
+    """
     fam = family(fmt, weight_only)
     if fam is None:
         return Plan("bf16")
-    b = m_bucket(m)
-    return SHAPE_PLANS.get((fam, n, k, b), DEFAULT_PLANS[fam][b])
+    if fam == "w8a16":
+        plan = W8A16_PLANS[m_bucket(m)]
+        if plan.kind == "bf16" and prefer_kernel:
+            plan = P("w8a8", C(128, 128, 128, warps=8), "raw")
+        return plan
+    entry = measured_entry(fam, n, k, m)
+    if entry is None:
+        return Plan("bf16")
+    plan, speedup = entry
+    if speedup < 1.0 and not prefer_kernel:
+        return Plan("bf16")
+    return plan
