@@ -152,6 +152,8 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         # LoRA lives at the top level in YAML; the precision flow needs it to check qlora.
         self.precision.lora = self.lora
+        if self.loss.max_new_tokens is None:  # Dr.GRPO divides by answers x max_new_tokens
+            self.loss.max_new_tokens = self.rollout.max_new_tokens
         for check in (self.precision.validate, self.loss.validate):
             try:
                 check()
@@ -194,8 +196,6 @@ class RunConfig:
             raise ConfigError(f"uaq.scale={self.uaq.scale} must be > 0 (1.0 = off; QuRL uses 1.5)")
         if self.uaq.scale != 1.0 and self.lora.enabled:
             raise ConfigError("uaq rescales the base weights for full fine-tuning; it has no effect with LoRA")
-        if self.loss.max_new_tokens is None:
-            self.loss.max_new_tokens = self.rollout.max_new_tokens
         return self
 
 
@@ -245,6 +245,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         return float(value)

@@ -123,13 +123,15 @@ def test_lora_adapters_export_to_peft(tmp_path):
     trainer.train()
     export_peft_adapters(trainer.model, cfg.lora, str(tmp_path / "base"), tmp_path / "adapter")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     ids = torch.randint(0, 256, (2, 10))
+    base_logits = base(input_ids=ids).logits  # before PEFT injects the adapters into `base` in place
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     trainer.model.eval()
     ours = trainer.model(ids)
     theirs = with_adapter(input_ids=ids).logits
-    assert not torch.allclose(ours, base(input_ids=ids).logits, atol=1e-4)  # the adapters do something
-    torch.testing.assert_close(theirs, ours.float(), atol=2e-4, rtol=1e-4)
+    effect = (ours - base_logits).abs().max().item()
+    assert effect > 1e-4  # the trained adapters change the output ...
+    assert (theirs - ours).abs().max().item() < effect / 100  # ... and PEFT reproduces that change (float32)
 
 
 def test_lr_schedule():
