@@ -469,3 +469,33 @@ def test_non_finite_values_are_reported(fmt):
     big[1, 1] = 1e300
     with pytest.raises(ValueError, match="overflow float32"):
         quantize(big, fmt, "activation")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: the same reference on CUDA tensors gives the same bits
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("role", ["weight", "activation"])
+def test_cuda_matches_cpu_bit_for_bit(fmt, role):
+    x = random_input((300, 576), torch.bfloat16)
+    a, b = quantize(x, fmt, role), quantize(x.cuda(), fmt, role)
+    assert b.data.is_cuda and b.scale.is_cuda
+    assert torch.equal(bits(a.data), bits(b.data.cpu()))
+    assert torch.equal(bits(a.scale), bits(b.scale.cpu()))
+    if a.global_scale is not None:
+        assert torch.equal(bits(a.global_scale), bits(b.global_scale.cpu()))
+    assert torch.equal(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16).cpu())
+    ptr = b.data.data_ptr()
+    quantize(x.cuda() * 2, fmt, role, out=b)
+    assert b.data.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("fmt,qmax", [("int8", 127.0), ("fp8", 448.0), ("fp8-tensor", 448.0)])
+def test_scale_is_amax_times_float32_reciprocal(fmt, qmax):
+    """The device-independent spelling of amax / qmax (what CUDA computes and the kernels reproduce)."""
+    x = random_input((64, 96))
+    amax = x.abs().amax(-1, keepdim=True) if fmt != "fp8-tensor" else x.abs().amax()
+    want = amax * torch.tensor(1.0 / qmax, dtype=torch.float32)
+    want = torch.where(want > 0, want, 1.0)
+    assert torch.equal(bits(quantize(x, fmt).scale), bits(want))

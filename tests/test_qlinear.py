@@ -319,3 +319,30 @@ def test_reconfigure_restores_trainability_and_repr():
     assert layer.weight.requires_grad and layer.lora_A is None
     assert "train=fp8-block" in repr(layer) and "lora" not in repr(layer)
     assert layer.qweight.fmt == "fp8-block"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ALL)
+def test_cuda_rollout_kernel_path_matches_reference(fmt):
+    """On a GPU the rollout forward may run a kernel; it must match the float64 product of the quantized
+    values (bf16 tolerance), as the CPU reference path does, and refresh must stay in place.
+    K = 576 (SmolLM2's hidden size) is not a multiple of 128: it exercises the padded fp8-block layout."""
+    weight_only = FORMATS[fmt].weight_only_default
+    layer = make_layer(k=576, n=384, dtype=torch.bfloat16).cuda()
+    layer.configure(rollout_format=fmt, weight_only=weight_only)
+    assert layer.weight_dequant is None  # no dequantized cache on a GPU by default
+    layer.set_rollout(True)
+    w64 = quantize(layer.weight.cpu(), fmt).dequantize(torch.float64)  # bit-identical to the GPU quantization
+    assert torch.equal(layer.qweight.dequantize(torch.float64).cpu(), w64)
+    for m in (1, 64, 300):
+        x = torch.randn(m, 576, dtype=torch.bfloat16)
+        with torch.no_grad():
+            y = layer(x.cuda()).cpu()
+        x64 = x.double() if weight_only else quantize(x, fmt, "activation").dequantize(torch.float64)
+        assert_matmul_close(y, x64, w64, layer.bias.detach().double().cpu(), dtype=torch.bfloat16)
+    ptr = layer.qweight_data.data_ptr()
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    layer.refresh()
+    assert layer.qweight_data.data_ptr() == ptr
+    assert torch.equal(layer.qweight.dequantize().cpu(), quantize(layer.weight.cpu(), fmt).dequantize())

@@ -1,7 +1,9 @@
 """Shared pieces of the number formats: the format description, the quantized-tensor container, input checks.
 
 Conventions (BRIEF §3): a tensor x [..., K] is quantized along its last dimension K (the reduction dimension of
-a GEMM). Scales are float32 and computed from x cast to float32. Rounding is round to nearest, ties to even.
+a GEMM). Scales are float32 and computed from x cast to float32; a division by a format constant (amax / 127,
+amax / 448, ...) is computed as a multiplication by the float32 reciprocal (`div_const`), identically on CPU and
+GPU; divisions by tensors (x / s) are exact IEEE divisions. Rounding is round to nearest, ties to even.
 A last dimension that is not a multiple of the format's block is zero-padded to Kp (zeros change neither a
 block's amax nor a dot product); `QuantizedTensor.dequantize` trims the padding.
 """
@@ -124,6 +126,17 @@ class QuantizedTensor:
         if self.global_scale is not None:
             n += self.global_scale.numel() * self.global_scale.element_size()
         return n
+
+
+def div_const(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t / c for a constant c, computed as t * float32(1 / c) on every device (within 1 ulp of the quotient).
+
+    Why: PyTorch's CUDA kernels divide a tensor by a Python scalar as a multiplication by the float32
+    reciprocal while its CPU kernels divide exactly, so `amax / 127` gave different last bits on the two
+    devices. Spelling out the multiplication makes the CPU reference, the CUDA reference and the Triton kernels
+    (quarl.kernels.quant_utils) agree bit for bit.
+    """
+    return t * (1.0 / c)
 
 
 def safe_scale(scale: torch.Tensor) -> torch.Tensor:

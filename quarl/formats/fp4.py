@@ -5,6 +5,7 @@ NVFP4 (blocks of 16 along K, two-level scaling):
     s_block  = e4m3(amax_block / 6 / s_global)      (float32 arithmetic, rounded to E4M3, saturating at 448)
     q        = e2m1(clamp(x / (s_block * s_global), -6, 6))
     dequant  = (q * s_block) * s_global
+  Divisions by the constants 448*6 and 6 are multiplications by their float32 reciprocals (base.div_const).
   The element step uses the ROUNDED block scale, so the codes are the best E2M1 codes for the scale the
   kernels actually see. A block whose rounded scale is 0 (all zeros, or amax_block below the smallest E4M3
   subnormal relative to the tensor) gets codes 0. For activations the global scale is taken over the whole
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from quarl.formats import e2m1
-from quarl.formats.base import QuantizedTensor, safe_scale
+from quarl.formats.base import QuantizedTensor, div_const, safe_scale
 from quarl.formats.fp8 import E4M3_MAX, _amax_all, to_e4m3
 
 NVFP4_BLOCK = 16
@@ -38,10 +39,10 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_nvfp4(x32: torch.Tensor, role: str):
     """x32 float32 [..., Kp] (Kp % 16 == 0) -> (packed uint8 [..., Kp/2], block scales float8_e4m3fn
     [..., Kp/16], global scale float32 0-dim)."""
-    global_scale = safe_scale(_amax_all(x32) / (E4M3_MAX * e2m1.E2M1_MAX))
+    global_scale = safe_scale(div_const(_amax_all(x32), E4M3_MAX * e2m1.E2M1_MAX))
     blocks = _blocks(x32, NVFP4_BLOCK)
     amax_block = blocks.abs().amax(dim=-1)
-    block_scale = to_e4m3(amax_block / e2m1.E2M1_MAX / global_scale)
+    block_scale = to_e4m3(div_const(amax_block, e2m1.E2M1_MAX) / global_scale)
     step = block_scale.to(torch.float32) * global_scale  # the rounded scale the kernels see
     nonzero = step > 0
     v = blocks / torch.where(nonzero, step, torch.ones_like(step)).unsqueeze(-1)

@@ -1,6 +1,6 @@
 """FP8 E4M3 formats (BRIEF §3): `fp8` (rowwise), `fp8-tensor` (one scale), `fp8-block` (DeepSeek-V3 style).
 
-All three: s = amax / 448 over the scaling group (1 when amax = 0), codes = e4m3(clamp(x / s, -448, 448))
+All three: s = amax / 448 over the scaling group (as amax * float32(1/448); 1 when amax = 0), codes = e4m3(clamp(x / s, -448, 448))
 (round to nearest even, saturating), dequant = code * s. Groups:
   fp8        one scale per row (weight: output channel, activation: token), scale [..., 1];
   fp8-tensor one scale for the whole tensor, scale 0-dim;
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quarl.formats.base import QuantizedTensor, safe_scale
+from quarl.formats.base import QuantizedTensor, div_const, safe_scale
 
 E4M3_MAX = 448.0
 FP8_BLOCK = 128
@@ -35,13 +35,13 @@ def _amax_all(x32: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8_rowwise(x32: torch.Tensor, role: str):
     """x32 float32 [..., K] -> (codes float8_e4m3fn [..., K], scale float32 [..., 1], None)."""
-    scale = safe_scale(x32.abs().amax(dim=-1, keepdim=True) / E4M3_MAX)
+    scale = safe_scale(div_const(x32.abs().amax(dim=-1, keepdim=True), E4M3_MAX))
     return to_e4m3(x32 / scale), scale, None
 
 
 def quantize_fp8_tensor(x32: torch.Tensor, role: str):
     """x32 float32 [..., K] -> (codes float8_e4m3fn [..., K], scale float32 0-dim, None)."""
-    scale = safe_scale(_amax_all(x32) / E4M3_MAX)
+    scale = safe_scale(div_const(_amax_all(x32), E4M3_MAX))
     return to_e4m3(x32 / scale), scale, None
 
 
@@ -68,11 +68,11 @@ def quantize_fp8_block(x32: torch.Tensor, role: str):
         padded = torch.zeros(nt * FP8_BLOCK, x32.shape[1], dtype=torch.float32, device=x32.device)
         padded[:n] = x32
         amax = padded.abs().reshape(nt, FP8_BLOCK, kt, FP8_BLOCK).amax(dim=(1, 3))
-        scale = safe_scale(amax / E4M3_MAX)
+        scale = safe_scale(div_const(amax, E4M3_MAX))
         full = _expand_tiles(scale, n)
     else:
         amax = x32.abs().reshape(*x32.shape[:-1], kt, FP8_BLOCK).amax(dim=-1)
-        scale = safe_scale(amax / E4M3_MAX)
+        scale = safe_scale(div_const(amax, E4M3_MAX))
         full = _expand_groups(scale)
     return to_e4m3(x32 / full), scale, None
 
