@@ -266,6 +266,26 @@ def test_cache_policy_gives_identical_outputs():
     for m in (cached, uncached):
         m.set_rollout(True)
     assert torch.equal(cached(x), uncached(x))
+    assert uncached.weight_dequant is None  # False means never
+    # automatic policy where no cache exists yet (a GPU layer): the first fallback forward builds it
+    lazy = copy.deepcopy(cached)
+    lazy.weight_dequant = None
+    y = lazy(x)
+    assert lazy.weight_dequant is not None and torch.equal(y, cached(x))
+    ptr = lazy.weight_dequant.data_ptr()
+    with torch.no_grad():
+        lazy.weight.mul_(2)
+    lazy.refresh()
+    assert lazy.weight_dequant.data_ptr() == ptr
+    assert torch.equal(lazy.weight_dequant, lazy.qweight.dequantize())
+
+
+def test_fake_quantize_unchecked_matches_fake_quantize():
+    from quarl.formats.registry import fake_quantize_unchecked
+
+    for fmt in ALL:
+        x = torch.randn(3, 4, 200, dtype=torch.bfloat16)
+        assert torch.equal(fake_quantize_unchecked(x, fmt, "activation"), fake_quantize(x, fmt, "activation"))
 
 
 def test_kernel_hook_is_used_in_rollout_when_no_gradient_is_needed(monkeypatch):

@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quarl import kernels
-from quarl.formats import FORMATS, QuantizedTensor, fake_quantize, get_format, quantize
+from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
+from quarl.formats.registry import fake_quantize_unchecked
 
 # Storage dtypes for the rollout buffers: integer types, which nn.Module.to(dtype) leaves alone.
 _STORAGE = {torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
@@ -62,9 +63,10 @@ class QuantLinear(nn.Module):
       qweight: the rollout copy as a QuantizedTensor (None without rollout_format).
       weight_dequant: buffer [out, in] in the compute dtype caching deq(qweight) (see cache_dequantized).
       rollout: True after set_rollout(True).
-    cache_dequantized: True/False, or None (default) = cache when the weight lives on the CPU at configure
-      time (the CPU reference path would otherwise dequantize every forward; on GPUs the kernels read the
-      codes directly and a cache would cost the memory quantization saves).
+    cache_dequantized: True (cache from configure on), False (never), or None (default, automatic): on the
+      CPU from configure on (the reference path would otherwise dequantize every forward); on a GPU only once
+      a rollout forward finds no kernel for its shape (the kernels read the codes directly, and a cache costs
+      memory), and never for a frozen (qlora) base, whose point is the memory saved.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
@@ -186,7 +188,12 @@ class QuantLinear(nn.Module):
         if cache is None:
             cache = self.weight.device.type == "cpu"
         if cache:
-            self.register_buffer("weight_dequant", qt.dequantize(self.compute_dtype), persistent=False)
+            self._build_dequant_cache()
+
+    @torch.no_grad()
+    def _build_dequant_cache(self) -> None:
+        """weight_dequant = deq(qweight) in the compute dtype; refresh() keeps it current in place."""
+        self.register_buffer("weight_dequant", self.qweight.dequantize(self.compute_dtype), persistent=False)
 
     def _init_lora(self, rank: int, alpha: float | None, dropout: float) -> None:
         if rank == 0:
@@ -301,7 +308,9 @@ class QuantLinear(nn.Module):
             y = kernels.try_quantized_matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
             xq = x2d if self.weight_only else _straight_through(
-                fake_quantize(x2d, self.rollout_format, "activation"), x2d)
+                fake_quantize_unchecked(x2d, self.rollout_format, "activation"), x2d)
+            if self.weight_dequant is None and self.cache_dequantized is None and not self.frozen_base:
+                self._build_dequant_cache()  # no kernel serves this layer: keep the fallback at matmul speed
             y = F.linear(xq, self._dequantized_base(x.dtype), bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -312,9 +321,9 @@ class QuantLinear(nn.Module):
             w = self._dequantized_base(x.dtype)
         else:
             w = self.weight
-            w = _straight_through(fake_quantize(w.detach(), fmt, "weight"), w)
+            w = _straight_through(fake_quantize_unchecked(w.detach(), fmt, "weight"), w)
         if not self.weight_only:
-            x = _straight_through(fake_quantize(x.detach(), fmt, "activation"), x)
+            x = _straight_through(fake_quantize_unchecked(x.detach(), fmt, "activation"), x)
         return F.linear(x, w, bias)
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
