@@ -158,8 +158,12 @@ def test_scaled_mm_path(fmt):
     from quarl.kernels.dispatch import run_plan
 
     shapes = [(1, 256, 512), (70, 320, 1024), (257, 512, 768)]
-    if fmt == "fp8-block":  # whole 128-row weight tiles (M is padded inside)
-        shapes = [(64, 256, 512), (70, 384, 1000), (257, 512, 768)]
+    if fmt == "fp8-block":  # whole 128-row weight tiles, Kp/128 % 4 == 0 (M is padded inside)
+        shapes = [(64, 256, 512), (70, 384, 1000), (257, 512, 1024), (1, 128, 2000)]
+        qw = quantize(torch.randn(256, 768, device="cuda"), fmt)
+        with pytest.raises(ValueError, match="multiple of 4"):
+            run_plan(Plan("scaled_mm"), torch.randn(64, 768, device="cuda", dtype=torch.bfloat16), qw, None)
+        assert plan_for(fmt, False, 4096, 256, 768).kind != "scaled_mm"  # the dispatch avoids that shape
     for m, n, k in shapes:
         w, x, b = _inputs(m, n, k, bias=True)
         qw = quantize(w, fmt)

@@ -44,6 +44,13 @@ def kernels_available(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def _blockwise_cublas_ok(n: int, k: int) -> bool:
+    """Shapes where cuBLAS blockwise FP8 was seen correct on the H200: whole 128-row weight tiles and a number
+    of 128-wide K groups divisible by 4 (Kp/128 = 6 returned garbage: the transposed weight-scale matrix then has
+    a leading dimension of 24 bytes, and cuBLAS appears to need 16-byte aligned scale rows)."""
+    return n % 128 == 0 and (-(-k // 128)) % 4 == 0
+
+
 def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.device | None = None,
              prefer_kernel: bool = False) -> Plan:
     """The kernel plan for x [m, k] and a weight [n, k] in `fmt` (see `quarl.kernels.tuning`).
@@ -58,8 +65,9 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     cap = torch.cuda.get_device_capability(device)
     if fmt.startswith("fp8") and cap < (8, 9):
         return Plan("bf16")
-    if plan.kind == "scaled_mm" and (cap < (9, 0) or n % 16 or k % 16 or (fmt == "fp8-block" and n % 128)):
-        # cuBLAS FP8 needs Hopper, N and K multiples of 16, and whole 128-row tiles for blockwise scales.
+    if plan.kind == "scaled_mm" and (cap < (9, 0) or n % 16 or k % 16 or (fmt == "fp8-block" and not
+                                                                     _blockwise_cublas_ok(n, k))):
+        # cuBLAS FP8 needs Hopper and N, K multiples of 16; blockwise scaling see _blockwise_cublas_ok.
         plan = Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant")
     if cap < (9, 0) and plan.cfg is not None and plan.cfg.native:
         plan = replace(plan, cfg=replace(plan.cfg, native=False))

@@ -36,8 +36,11 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
         x = F.pad(x, (0, 0, 0, 16 - m % 16))
     codes, sx = quantize_activation(x, fmt, qweight.data.shape[1], scales_column_major=fmt == "fp8-block")
     if fmt == "fp8-block":
-        if n % 128:
-            raise ValueError(f"blockwise cuBLAS FP8 needs N a multiple of 128, got N={n}; use the Triton plan")
+        if n % 128 or (qweight.data.shape[1] // 128) % 4:
+            raise ValueError(
+                f"blockwise cuBLAS FP8 is used only with N a multiple of 128 and Kp/128 a multiple of 4, got "
+                f"N={n}, Kp={qweight.data.shape[1]}; use a Triton plan (Plan('w8a8', ...)) for this shape"
+            )
         sw = qweight.scale.t()
     elif qweight.scale.dim():
         sw = qweight.scale.reshape(1, n)
