@@ -125,7 +125,9 @@ class ModelConfig:
 
         rope_params = d.get("rope_parameters") or {}
         if any(isinstance(v, dict) for v in rope_params.values()):
-            raise ValueError("per-layer-type rope_parameters are not supported by the decoder (one rope for all layers)")
+            raise ValueError(
+                "per-layer-type rope_parameters are not supported by the decoder (one rope for all layers)"
+            )
         rope_theta = d.get("rope_theta")
         if rope_theta is None:
             rope_theta = rope_params.get("rope_theta", 10000.0)

@@ -167,8 +167,8 @@ class QuarlForCausalLM(nn.Module):
                 each chunk is recomputed in backward (activation checkpointing), so memory holds at most one
                 chunk of [chunk_size, vocab] logits instead of [B, T, vocab].
         Returns:
-            float32 [B, T-1] (float64 for a float64 model); entry t is the log-prob of input_ids[:, t+1]. Positions where token t or t+1 is
-            padding are 0.
+            float32 [B, T-1] (float64 for a float64 model); entry t is the log-prob of input_ids[:, t+1].
+            Positions where token t or t+1 is padding are 0.
         """
         if temperature <= 0:
             raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")

@@ -178,7 +178,9 @@ def _safetensors_files(directory: str) -> list[str]:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
         if missing:
-            raise FileNotFoundError(f"{directory}: shards listed in model.safetensors.index.json are missing: {missing}")
+            raise FileNotFoundError(
+                f"{directory}: shards listed in model.safetensors.index.json are missing: {missing}"
+            )
         return [os.path.join(directory, s) for s in shards]
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(single):
