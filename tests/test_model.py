@@ -310,3 +310,36 @@ def test_smollm2_greedy_generation_matches_transformers(smollm2):
                           pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
         assert out.completions[0].token_ids == ref
         assert len(ref) >= 5
+
+
+@pytest.mark.slow
+def test_smollm2_every_linear_is_quantized_in_low_precision(smollm2):
+    """Walk the loaded model: every decoder linear carries a rollout copy in the asked format and its rollout
+    output differs from the training output (nothing silently left in full precision); lm_head stays full."""
+    import copy
+
+    from quarl.formats import QuantizedTensor
+    from quarl.model.precision_apply import apply_precision, rollout_mode, unquantized_linears
+    from quarl.model.qlinear import QuantLinear
+    from quarl.precision import PrecisionConfig
+
+    model = copy.deepcopy(smollm2[0])
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, torch.nn.Linear))}
+    decoder_linears = [n for n in linears if n != "lm_head"]
+    assert len(decoder_linears) == 30 * 7
+    for fmt in ("int8", "fp8-block", "nvfp4"):
+        precision = PrecisionConfig(flow="split", format=fmt)
+        configured = apply_precision(model, precision)
+        assert sorted(configured) == sorted(decoder_linears)
+        assert unquantized_linears(model, precision) == []
+        for name in decoder_linears:
+            assert isinstance(linears[name].qweight, QuantizedTensor) and linears[name].qweight.fmt == fmt, name
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"):
+            layer = linears[name]
+            x_in = torch.randn(3, layer.in_features)
+            with torch.no_grad():
+                train_out = layer(x_in)
+                with rollout_mode(model):
+                    roll_out = layer(x_in)
+            assert not torch.allclose(train_out, roll_out), (fmt, name)
+        assert linears["lm_head"].rollout_format is None
