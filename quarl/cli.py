@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from quarl.precision import QUANT_FORMATS
+
 
 def _train(args) -> int:
     from quarl.rl.trainer import train_from_config
@@ -23,15 +25,14 @@ def _eval(args) -> int:
     from quarl.config import DataSection, RewardSection
     from quarl.model.loading import load_model
     from quarl.model.precision_apply import apply_precision
-    from quarl.precision import PrecisionConfig
+    from quarl.devices import resolve_device
     from quarl.rl.evaluate import evaluate
-    from quarl.rl.trainer import resolve_device
     from quarl.rollout.engine import RolloutEngine
+    from quarl.rollout.generate_cli import precision_config
     from quarl.tasks.task import load_task
 
     device = resolve_device(args.device)
-    flow = "bf16" if args.precision == "bf16" else "split"
-    precision = PrecisionConfig(flow=flow, format=None if flow == "bf16" else args.precision)
+    precision = precision_config(args.precision)
     model, tok = load_model(args.model, device=str(device), dtype=precision.torch_dtype(device), gguf_file=args.gguf_file)
     apply_precision(model, precision)
     data = DataSection(train=args.data, eval=args.data, eval_split=args.split, train_split=args.split,
@@ -88,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-    p.add_argument("--precision", default="bf16",
-                   choices=["bf16", "int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", *QUANT_FORMATS])
     p.add_argument("--n", type=int, default=1, help="answers per problem (avg@n, pass@n)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from quarl.config import RunConfig, config_to_dict, load_config
+from quarl.devices import resolve_device
 from quarl.model.precision_apply import apply_precision, refresh_rollout_weights
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
@@ -29,15 +30,6 @@ from quarl.rl.objectives import policy_loss
 from quarl.rl.run_log import RunLog
 from quarl.rl.uaq import apply_uaq
 from quarl.tasks.task import TaskData, load_task
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={name!r} but no CUDA GPU is visible; use model.device=cpu or auto")
-    return device
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:

@@ -6,7 +6,10 @@ import argparse
 import sys
 import time
 
-PRECISIONS = ("bf16", "int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
+from quarl.devices import resolve_device
+from quarl.precision import QUANT_FORMATS
+
+PRECISIONS = ("bf16", *QUANT_FORMATS)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,17 +35,6 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
 
 
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} asked for a GPU but none is visible; use --device cpu or auto")
-    return device
-
-
 def precision_config(name: str):
     """The PrecisionConfig of a --precision choice: bf16 -> flow bf16, a format -> flow split with it."""
     from quarl.precision import PrecisionConfig
@@ -60,7 +52,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from quarl.model.tokenizer import apply_chat
     from quarl.rollout.engine import RolloutEngine
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     precision = precision_config(args.precision)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device, dtype=precision.torch_dtype(device),
