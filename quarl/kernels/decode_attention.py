@@ -1,0 +1,148 @@
+"""Decode attention over a slot KV cache (one query token per sequence), split-KV "flash decoding" in Triton.
+
+Each program handles one sequence, one key/value head and one range of cache columns: it loads the G query heads
+that share that kv head (grouped-query attention) once, streams the keys/values of its columns in blocks with an
+online softmax, and writes an unnormalised partial result. Only the columns a sequence has filled are read, so
+the cost follows the real context lengths, not the cache capacity. A short torch epilogue merges the column
+ranges (`num_splits` > 1 keeps the GPU busy when the batch is small).
+
+The cache may hold bf16/fp16 or FP8 E4M3 values (FP8 KV cache: stored value = x / kv_scale, read back as
+stored * kv_scale). Scores and the softmax are accumulated in float32.
+
+Imports Triton: load it only when `quarl.kernels.kernels_available()` says the kernels can run. The plain-torch
+semantics are `quarl.rollout.fast_attention.decode_attention_torch`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ab, stride_ah, stride_as,
+    stride_mb, stride_mh,
+    sm_scale, kv_scale, split_len,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(len_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * G + offs_g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    # Fold the softmax scale into q once (float32), then back to the operand dtype for the tensor cores.
+    q = (q.to(tl.float32) * sm_scale).to(q_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if k_ptr.dtype.element_ty != q_ptr.dtype.element_ty:  # FP8 cache: widen exactly, scale in float32
+            k = (k.to(tl.float32) * kv_scale).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * kv_scale).to(q_ptr.dtype.element_ty)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
+             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(m_ptr + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
+    tl.store(l_ptr + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int = 64,
+                      num_sms: int | None = None) -> int:
+    """Column ranges per sequence so that batch * kv_heads * splits fills the GPU about 4 times over (at least 1,
+    at most one range per `block_n` columns)."""
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+            if torch.cuda.is_available() else 132
+    target = 4 * num_sms
+    splits = max(1, -(-target // max(1, batch * num_kv_heads)))
+    return int(min(splits, max(1, -(-capacity // block_n))))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     num_splits: int = 1, kv_scale: float = 1.0, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for one query token per sequence over its first `lengths[b]` cache columns.
+
+    Args:
+        q: [B, Hq, D] bf16/fp16 (last dim contiguous); query head h reads kv head h // (Hq / Hkv).
+        k_cache, v_cache: [S >= B, Hkv, C, D] (last dim contiguous), q's dtype or torch.float8_e4m3fn; row b of
+            the batch is slot b of the cache.
+        lengths: int32/int64 [B], 1 <= lengths[b] <= C (columns to attend over, the current token included).
+        num_splits: column ranges per sequence (see `choose_num_splits`); kv_scale: FP8 dequantisation scale.
+    Returns:
+        [B, Hq, D] in q's dtype.
+    """
+    B, Hq, D = q.shape
+    S, Hkv, C, Dk = k_cache.shape
+    if Dk != D or v_cache.shape != k_cache.shape or S < B or Hq % Hkv:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k/v caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} (need the same head_dim, >= B slots, Hq a multiple of Hkv)")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention needs q, k_cache and v_cache contiguous in the last dimension")
+    G = Hq // Hkv
+    split_len = -(-C // num_splits)
+    split_len = -(-split_len // block_n) * block_n
+    num_splits = -(-C // split_len)
+    acc = torch.empty(B, Hq, num_splits, D, device=q.device, dtype=torch.float32)
+    m = torch.empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    grid = (B, Hkv, num_splits)
+    _decode_attention_kernel[grid](
+        q, k_cache, v_cache, lengths, acc, m, l_,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1),
+        1.0 / math.sqrt(D), float(kv_scale), split_len,
+        G=G, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
+    return merge_splits(acc, m, l_).to(q.dtype)
+
+
+def merge_splits(acc: torch.Tensor, m: torch.Tensor, l_: torch.Tensor) -> torch.Tensor:
+    """Combine per-range partials: acc [B, H, S, D], running max m and sum l [B, H, S] -> float32 [B, H, D].
+
+    Ranges past a sequence's length hold m = -inf, l = 0 and weigh nothing; range 0 is never empty.
+    """
+    if m.shape[-1] == 1:
+        return acc[:, :, 0] / l_
+    m_max = m.amax(-1, keepdim=True)
+    w = torch.exp(m - m_max)  # exp(-inf) = 0 for empty ranges
+    return (acc * w[..., None]).sum(2) / (l_ * w).sum(-1, keepdim=True)

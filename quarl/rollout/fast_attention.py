@@ -1,0 +1,120 @@
+"""Decode attention for the fast engine: one new query token per slot against that slot's cached keys/values.
+
+`decode_attention_torch` is the plain-PyTorch definition (any device, any float dtype, CUDA-graph safe: static
+shapes, no host synchronisation). `make_decode_attention` returns the function the engine uses: the Triton
+kernel (`quarl.kernels.decode_attention`, reads only the filled columns) where it runs and agrees with the torch
+definition on a self-check, the torch definition otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+# fn(q [B, Hq, D], k_cache [S, Hkv, C, D], v_cache, lengths long [B], kv_len: int) -> [B, Hq, D]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                           kv_len: int, kv_scale: float = 1.0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over the first lengths[b] columns of slot b.
+
+    Args:
+        q: [B, Hq, D] float; query head h uses kv head h // (Hq / Hkv) (grouped-query attention, as SDPA's
+            enable_gqa and Hugging Face's repeat_kv).
+        k_cache, v_cache: [S >= B, Hkv, C, D], q's dtype or FP8 E4M3 (read as stored * kv_scale).
+        lengths: long [B], 1 <= lengths[b] <= kv_len.
+        kv_len: static number of columns read (<= C); columns >= lengths[b] are masked out.
+    Returns:
+        [B, Hq, D] in q's dtype. Scores and softmax in float32 (float64 for float64 q).
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    k = k_cache[:B, :, :kv_len]
+    v = v_cache[:B, :, :kv_len]
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype) * kv_scale if kv_scale != 1.0 else k.to(q.dtype)
+        v = v.to(q.dtype) * kv_scale if kv_scale != 1.0 else v.to(q.dtype)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.view(B, Hkv, G, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).to(acc_dtype) * (1.0 / math.sqrt(D))  # [B, Hkv, G, kv_len]
+    cols = torch.arange(kv_len, device=q.device)
+    scores = scores.masked_fill((cols[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(B, Hq, D)
+
+
+def _triton_attention(kv_scale: float, num_sms: int) -> AttentionFn:
+    from quarl.kernels.decode_attention import choose_num_splits, decode_attention
+
+    def attention(q, k_cache, v_cache, lengths, kv_len):
+        splits = choose_num_splits(q.shape[0], k_cache.shape[1], kv_len, num_sms=num_sms)
+        return decode_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], lengths, splits, kv_scale)
+
+    return attention
+
+
+def _torch_attention(kv_scale: float) -> AttentionFn:
+    def attention(q, k_cache, v_cache, lengths, kv_len):
+        return decode_attention_torch(q, k_cache, v_cache, lengths, kv_len, kv_scale)
+
+    return attention
+
+
+def make_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                          head_dim: int, kv_dtype: torch.dtype, kv_scale: float = 1.0,
+                          backend: str = "auto") -> tuple[AttentionFn, str]:
+    """The decode attention function for the engine and its name ("triton" or "torch").
+
+    backend "auto": Triton on a CUDA device with the kernels available, after a self-check against the torch
+    definition on random data (a failure warns and falls back to torch); "triton" / "torch" force one.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"attention backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    torch_fn = _torch_attention(kv_scale)
+    if backend == "torch":
+        return torch_fn, "torch"
+    from quarl.kernels import kernels_available
+
+    usable = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and kernels_available(device)
+    if not usable:
+        if backend == "triton":
+            raise ValueError("the Triton decode attention needs a CUDA device (compute capability >= 8.0), Triton "
+                             "and a bf16/fp16 model; use attention_backend='torch'")
+        return torch_fn, "torch"
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    fn = _triton_attention(kv_scale, num_sms)
+    if backend == "triton":
+        return fn, "triton"
+    try:
+        err = _self_check(fn, torch_fn, device, dtype, num_heads, num_kv_heads, head_dim, kv_dtype)
+    except Exception as e:  # a compile or launch failure: the torch path still works
+        warnings.warn(f"Triton decode attention failed its self-check ({type(e).__name__}: {e}); using torch")
+        return torch_fn, "torch"
+    if not err < 2e-2:
+        warnings.warn(f"Triton decode attention disagrees with the torch definition (rel. error {err:.2e}); "
+                      "using torch")
+        return torch_fn, "torch"
+    return fn, "triton"
+
+
+@torch.no_grad()
+def _self_check(fn, ref_fn, device, dtype, hq, hkv, d, kv_dtype) -> float:
+    """Relative error of fn vs ref_fn on random inputs with ragged lengths (one sequence of length 1)."""
+    gen = torch.Generator(device=device).manual_seed(1234)
+    B, C = 5, 300
+    q = torch.randn(B, hq, d, device=device, generator=gen).to(dtype)
+    k = torch.randn(B + 2, hkv, C, d, device=device, generator=gen).to(kv_dtype)
+    v = torch.randn(B + 2, hkv, C, d, device=device, generator=gen).to(kv_dtype)
+    lengths = torch.tensor([1, 17, 64, 200, C], device=device)
+    out = fn(q, k, v, lengths, C).float()
+    ref = ref_fn(q.double(), k, v, lengths, C).float()  # the cache is widened to float64 inside
+    torch.cuda.synchronize(device)
+    return float((out - ref).norm() / ref.norm())

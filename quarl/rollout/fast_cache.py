@@ -1,0 +1,112 @@
+"""The fast engine's slot KV cache: one fixed row ("slot") per running sequence, preallocated once.
+
+Layout per layer: keys / values [num_slots, num_kv_heads, capacity, head_dim]. Slot s holds one sequence's
+tokens in columns 0 .. len-1 (no padding: a sequence starts at column 0 of its slot), so attention masks are
+plain length masks and a finished slot is reused by writing the next prompt over it. The cache never moves
+during decoding; only `move` (compaction of the running set into the lowest slots) copies slots.
+
+FP8 KV cache (kv_dtype=torch.float8_e4m3fn): values are stored as clamp(x / kv_scale, +-448) in E4M3 and read
+back as stored * kv_scale. kv_scale defaults to 1 (no calibration data in RL; vLLM's default too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quarl.rollout.fast_attention import FP8_KV_DTYPE, FP8_KV_MAX
+
+
+class SlotKVCache:
+    """Per-layer key/value slot buffers (see the module docstring).
+
+    Attributes:
+        keys, values: lists (one per layer) of [num_slots, num_kv_heads, capacity, head_dim] tensors in kv_dtype.
+        kv_scale: float; dequantisation scale of an FP8 cache (1.0 otherwise).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 kv_dtype: torch.dtype, device: torch.device | str, kv_scale: float = 1.0):
+        if num_slots < 1 or capacity < 1:
+            raise ValueError(f"SlotKVCache needs num_slots >= 1 and capacity >= 1, got {num_slots}, {capacity}")
+        shape = (num_slots, num_kv_heads, capacity, head_dim)
+        # Zeroed once: a length mask hides unwritten columns from the softmax, but the torch attention path still
+        # multiplies them by probability 0, and 0 * NaN (uninitialised memory) would be NaN.
+        self.keys = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
+        self.kv_scale = float(kv_scale)
+
+    @staticmethod
+    def nbytes_for(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
+                   kv_dtype: torch.dtype) -> int:
+        """Bytes the cache will take (keys + values, all layers)."""
+        item = torch.empty(0, dtype=kv_dtype).element_size()
+        return 2 * num_layers * num_slots * num_kv_heads * capacity * head_dim * item
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        """Model-dtype keys/values -> the cache dtype (scaled, saturated to +-448 for FP8; a cast that does not
+        saturate would turn large values into NaN)."""
+        if self.dtype != FP8_KV_DTYPE:
+            return x.to(self.dtype)
+        x = x.float() if self.kv_scale == 1.0 else x.float() / self.kv_scale
+        return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+    def write_tokens(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Decode write: k, v [B, Hkv, D] of slots 0..B-1 at columns positions [B] (long). CUDA-graph safe."""
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.keys[layer][rows, :, positions] = self.to_storage(k)
+        self.values[layer][rows, :, positions] = self.to_storage(v)
+
+    def write_prompts(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Prefill write: k, v [P, Hkv, T, D] (right-padded prompts); slot slots[i] gets prompt rows[i] at
+        columns 0..T-1 (padding columns are written too and masked by the slot's length later)."""
+        T = k.shape[2]
+        self.keys[layer][slots, :, :T] = self.to_storage(k.index_select(0, rows))
+        self.values[layer][slots, :, :T] = self.to_storage(v.index_select(0, rows))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, num_columns: int) -> None:
+        """Copy columns [0, num_columns) of slots src [M] into slots dst [M] (disjoint sets), every layer."""
+        for buf in self.keys + self.values:
+            buf[dst, :, :num_columns] = buf[src, :, :num_columns]
+
+
+class PrefillCacheWriter:
+    """A KV-cache stand-in for the decoder's prefill forward that writes the prompts straight into their slots.
+
+    It speaks the interface `QuarlForCausalLM.hidden_states` uses for a cache (`append_mask`, `write`,
+    `commit`) for one forward that starts at column 0: each layer's keys/values of the right-padded batch are
+    stored in the n slots of every prompt (prefill once per group, copy to its samples) and handed back for the
+    forward's own attention in the model dtype.
+    """
+
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, rows: torch.Tensor):
+        """slots: long [M] target slots; rows: long [M] the prompt row of the batch each slot copies."""
+        self.cache, self.slots, self.rows = cache, slots, rows
+        self.length = 0
+
+    def append_mask(self, attention_mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """attention_mask [P, T] (1 = real token, right padding) -> (0, key_valid bool [P, T], positions [P, T])."""
+        if self.length:
+            raise RuntimeError("PrefillCacheWriter serves a single forward from column 0")
+        mask = attention_mask.to(torch.bool)
+        positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+        return 0, mask, positions
+
+    def write(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache.write_prompts(layer_idx, self.slots, self.rows, k, v)
+        return k, v
+
+    def commit(self, num_columns: int) -> None:
+        self.length += num_columns

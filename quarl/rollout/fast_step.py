@@ -1,0 +1,129 @@
+"""One decode step of the fast engine for all slots 0..B-1: forward one token each, sample, record.
+
+Everything here has static shapes and never synchronises with the host, so a step can be captured in a CUDA
+graph and replayed. The forward calls the decoder's own submodules (norms, QuantLinear projections, rotary
+tables, MLPs) in the order of `DecoderLayer.forward`, so rollout-mode quantization, LoRA and AQN noise act
+exactly as in the reference engine; only the KV-cache layout (slots) and the attention kernel differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quarl.model.layers import apply_rope
+from quarl.rollout.fast_attention import AttentionFn
+from quarl.rollout.fast_cache import SlotKVCache
+from quarl.rollout.sampling import SamplingParams, filtered_logprobs
+
+
+def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                  attention: AttentionFn, kv_len: int) -> torch.Tensor:
+    """Next-token logits for slots 0..B-1, each fed one token; writes the tokens' keys/values into the cache.
+
+    Args:
+        model: a QuarlForCausalLM (already in rollout mode if wanted).
+        cache: the slot cache; slot b's token goes to column positions[b] (also its rotary position).
+        tokens, positions: long [B].
+        attention: decode attention function (see quarl.rollout.fast_attention).
+        kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
+    Returns:
+        float32 logits [B, vocab] (float64 for a float64 model).
+    """
+    B = tokens.shape[0]
+    x = model.model.embed_tokens(tokens)  # [B, hidden]
+    cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)  # [B, 1, 1, D]
+    lengths = positions + 1
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        h = layer.input_layernorm(x)
+        # One token per row: [B, H, 1, D] is both the [B, T, H, D] view and its transpose.
+        q = attn.q_proj(h).view(B, Hq, 1, D)
+        k = attn.k_proj(h).view(B, Hkv, 1, D)
+        v = attn.v_proj(h).view(B, Hkv, D)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write_tokens(attn.layer_idx, positions, k[:, :, 0], v)
+        out = attention(q[:, :, 0], cache.keys[attn.layer_idx], cache.values[attn.layer_idx], lengths, kv_len)
+        x = x + attn.o_proj(out.reshape(B, Hq * D))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = model.lm_head(model.model.norm(x))
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+@dataclass
+class DecodeState:
+    """Per-slot decode state on the device (S = number of slots, C = cache capacity).
+
+    last_token long [S]: the token the next step feeds; slot_len long [S]: columns filled = the position of that
+    token; num_generated long [S]; done bool [S] (finished or idle: such slots compute but record nothing);
+    out_tokens long [S, C], out_logprobs float32 [S, C]: the sampled tokens and behaviour log-probs;
+    max_new long [1]; eos_mask bool [V]: tokens that finish a completion; noise float32 [S, V]: uniform draws,
+    refilled before every sampling step (outside the graph, from the engine's seeded generator).
+    """
+
+    last_token: torch.Tensor
+    slot_len: torch.Tensor
+    num_generated: torch.Tensor
+    done: torch.Tensor
+    out_tokens: torch.Tensor
+    out_logprobs: torch.Tensor
+    max_new: torch.Tensor
+    eos_mask: torch.Tensor
+    noise: torch.Tensor | None
+
+    @classmethod
+    def allocate(cls, num_slots: int, capacity: int, vocab_size: int, device, logprob_dtype=torch.float32,
+                 with_noise: bool = True) -> "DecodeState":
+        long = dict(dtype=torch.long, device=device)
+        return cls(
+            last_token=torch.zeros(num_slots, **long),
+            slot_len=torch.zeros(num_slots, **long),
+            num_generated=torch.zeros(num_slots, **long),
+            done=torch.ones(num_slots, dtype=torch.bool, device=device),
+            out_tokens=torch.zeros(num_slots, capacity, **long),
+            out_logprobs=torch.zeros(num_slots, capacity, dtype=logprob_dtype, device=device),
+            max_new=torch.ones(1, **long),
+            eos_mask=torch.zeros(vocab_size, dtype=torch.bool, device=device),
+            noise=torch.empty(num_slots, vocab_size, device=device) if with_noise else None,
+        )
+
+    def counters(self) -> list[torch.Tensor]:
+        """The small tensors a step advances (saved and restored around a CUDA-graph warm-up)."""
+        return [self.last_token, self.slot_len, self.num_generated, self.done]
+
+
+def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: AttentionFn, batch: int, kv_len: int,
+                params: SamplingParams) -> None:
+    """Advance slots 0..batch-1 by one token (in place on `state` and `cache`); finished/idle slots only compute.
+
+    Sampling: greedy = argmax of the raw logits; otherwise Gumbel-max over the filtered log-probs
+    (argmax(log q - log(-log u)) with u = state.noise, an exact draw from q). The recorded behaviour log-prob
+    is log q(token) of the distribution the token was drawn from (`filtered_logprobs`).
+    """
+    C = cache.capacity
+    tokens = state.last_token[:batch]
+    positions = state.slot_len[:batch].clamp(max=C - 1)  # finished slots may sit at the last column
+    logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
+    logprobs = filtered_logprobs(logits, params)
+    if params.greedy:
+        new = logits.argmax(dim=-1)
+    else:
+        u = state.noise[:batch]
+        new = torch.argmax(logprobs - torch.log(-torch.log(u)), dim=-1)
+    new_lp = logprobs.gather(1, new[:, None]).squeeze(1).to(state.out_logprobs.dtype)
+
+    active = ~state.done[:batch]
+    rows = torch.arange(batch, device=tokens.device)
+    col = state.num_generated[:batch].clamp(max=state.out_tokens.shape[1] - 1)
+    state.out_tokens[rows, col] = torch.where(active, new, state.out_tokens[rows, col])
+    state.out_logprobs[rows, col] = torch.where(active, new_lp, state.out_logprobs[rows, col])
+    step = active.long()
+    state.num_generated[:batch] += step
+    state.slot_len[:batch] += step
+    state.last_token[:batch] = torch.where(active, new, tokens)
+    finished = active & (state.eos_mask[new] | (state.num_generated[:batch] >= state.max_new))
+    state.done[:batch] |= finished
