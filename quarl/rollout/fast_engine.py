@@ -302,7 +302,7 @@ class _Run:
 
     def run(self) -> list[list[Completion]]:
         e = self.e
-        e.last_stats = {"graph_captures": 0, "capture_s": 0.0}
+        e.last_stats = {"graph_captures": 0, "capture_s": 0.0, "slot_moves": 0}
         st = e.state
         st.done.fill_(True)  # idle slots record nothing
         t0 = time.perf_counter()
@@ -439,6 +439,7 @@ class _Run:
         dst = [s for s in range(m) if self.owner[s] is None][:len(src)]
         columns = max(self.bound[s] for s in src) + 1
         e.move_slots(src, dst, min(columns, e.cache.capacity), self.max_new)
+        e.last_stats["slot_moves"] = e.last_stats.get("slot_moves", 0) + len(src)
         for a, b in zip(src, dst):
             self.owner[b], self.owner[a] = self.owner[a], None
             for table in (self.bound, self.steps_left, self.checked, self.reported):

@@ -1,0 +1,326 @@
+"""B2 — rollout throughput benchmark (`quarl bench rollout`, BENCHMARKS.md).
+
+Qwen2.5-architecture model with seeded random weights built in bf16 directly on the GPU (throughput does not
+depend on the values); workload 64 prompts x 8 samples, 256 random prompt tokens, 1024 new tokens, EOS ignored,
+temperature 1, through `quarl.rollout.fast_engine.FastRolloutEngine`. For each setting (rollout precision x KV
+cache dtype; quantized precisions via `apply_precision(PrecisionConfig(flow="split", format=...))`) one warm-up
+call (graph capture, kernel compilation) is followed by `--repeats` timed calls (median reported).
+
+Reported: output tokens/s (all generated tokens / wall time of the call, prefill included), decode tokens/s,
+prefill time (CUDA events), peak GPU memory of the timed call, and % of the roofline: per decode step, bytes =
+rollout weights read (lm_head included; quantized codes + scales where quantized) + KV cache read at the current
+context, FLOPs = 2 * linear params * batch; roofline time = sum over steps of max(bytes / bandwidth,
+FLOPs / rate) + prefill of the unique prompt tokens at the matrix rate. Bandwidth (1 GiB device copy) and bf16
+matrix rate (8192^3 matmul) are measured in the same run; W8A8 formats (int8, fp8, fp8-block) get 2x the bf16
+rate, weight-only nvfp4 the bf16 rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+PRECISIONS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
+KV_CACHES = ("auto", "fp8")
+W8A8 = ("int8", "fp8", "fp8-block", "fp8-tensor")
+DEFAULT_SETTINGS = ("bf16:auto", "bf16:fp8", "int8:auto", "fp8:auto", "fp8-block:auto", "nvfp4:auto", "int8:fp8",
+                    "fp8:fp8", "fp8-block:fp8", "nvfp4:fp8")
+DEFAULT_RESULTS = os.path.join("bench", "results", "rollout.md")
+TARGETS = ("bf16 >= 12,000 output tok/s; best low-precision >= 1.6x bf16; moonshot >= 50% of roofline in every "
+           "precision")
+
+# Qwen2.5 shapes (config.json of the released checkpoints); qkv bias, no o_proj bias, rope theta 1e6.
+MODEL_SIZES = {
+    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+               num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                 num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                 num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+}
+
+
+def model_config(size: str):
+    """The ModelConfig of a Qwen2.5 size ("7b", "1.5b", "0.5b")."""
+    from quarl.model.config import ModelConfig
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"--model-size {size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}")
+    return ModelConfig(architecture="qwen2", attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, eos_token_ids=[151643, 151645], **MODEL_SIZES[size])
+
+
+def build_model(size: str, device: str = "cuda", seed: int = 0, std: float = 0.02):
+    """A QuarlForCausalLM of `size` with N(0, std) weights, bf16, built on `device` without a float32 copy."""
+    import torch
+
+    from quarl.model.decoder import QuarlForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = QuarlForCausalLM(model_config(size), init_std=None)
+    model = model.to(torch.bfloat16).to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(std)
+    return model.eval().requires_grad_(False)
+
+
+def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quarl bench rollout`."""
+    parser.add_argument("--model-size", default="7b", help=f"Qwen2.5 architecture: {', '.join(MODEL_SIZES)}")
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                        help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS) + "; KV auto|fp8)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--sync-every", type=int, default=16, help="decode steps between host syncs")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per setting (median reported)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; settings that would start after it are skipped (reported as skipped)")
+    parser.add_argument("--attention", default="auto", help="decode attention backend: auto | triton | torch")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_settings(text: str) -> list[tuple[str, str]]:
+    """'bf16:auto,int8:fp8' -> [("bf16", "auto"), ("int8", "fp8")] (KV defaults to auto)."""
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        prec, _, kv = item.partition(":")
+        kv = kv or "auto"
+        if prec not in PRECISIONS or kv not in KV_CACHES:
+            raise ValueError(f"setting {item!r}: precision must be one of {PRECISIONS} and KV one of {KV_CACHES}")
+        out.append((prec, kv))
+    if not out:
+        raise ValueError("no settings given (e.g. --settings bf16:auto,fp8:fp8)")
+    return out
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def linear_bytes_and_params(model) -> tuple[int, int]:
+    """(bytes the rollout forward reads for all linears, lm_head included; number of linear weights)."""
+    from quarl.model.qlinear import QuantLinear
+
+    nbytes = params = 0
+    for m in model.modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        params += m.in_features * m.out_features
+        if m.rollout_format is not None and m.qweight_data is not None:
+            parts = (m.qweight_data, m.qweight_scale, m.qweight_global_scale)
+            nbytes += sum(t.numel() * t.element_size() for t in parts if t is not None)
+        else:
+            nbytes += m.weight.numel() * m.weight.element_size()
+        if m.bias is not None:
+            nbytes += m.bias.numel() * m.bias.element_size()
+    return nbytes, params
+
+
+def roofline_seconds(weight_bytes: int, params: int, cfg, batch: int, prompt_len: int, new_tokens: int,
+                     unique_prompt_tokens: int, kv_bytes_per_elem: int, bandwidth: float, rate: float) -> float:
+    """BENCHMARKS.md B2 roofline: sum over decode steps of max(bytes / bw, flops / rate) + prefill at `rate`.
+
+    Step j (0-based) reads the weights and the KV cache of prompt_len + j columns for every sequence.
+    """
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_elem
+    flops_step = 2.0 * params * batch
+    total = 0.0
+    for j in range(new_tokens):
+        step_bytes = weight_bytes + batch * (prompt_len + j) * kv_per_token
+        total += max(step_bytes / bandwidth, flops_step / rate)
+    return total + 2.0 * params * unique_prompt_tokens / rate
+
+
+# ---------------------------------------------------------------- run
+
+
+def _sync_time(torch) -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate: float, cfg) -> dict:
+    """Configure `model` for `prec`, warm up, time `args.repeats` generate calls; returns one result row."""
+    from quarl.model.precision_apply import apply_precision
+    from quarl.precision import PrecisionConfig
+    from quarl.rollout.fast_engine import FastRolloutEngine
+
+    t_setup = time.perf_counter()
+    pc = PrecisionConfig(flow="bf16") if prec == "bf16" else PrecisionConfig(flow="split", format=prec)
+    apply_precision(model, pc)
+    batch = args.prompts * args.samples
+    engine = FastRolloutEngine(model, None, max_batch_size=batch,
+                               max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
+                               sync_every=args.sync_every, attention_backend=args.attention)
+    gen_kw = dict(n=args.samples, temperature=args.temperature, ignore_eos=True)
+    engine.generate(prompts, max_new_tokens=min(args.max_new_tokens, 2 * args.sync_every), seed=args.seed, **gen_kw)
+    warm = dict(engine.last_stats)
+    setup_s = _sync_time(torch) - t_setup
+    totals, stats = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for r in range(args.repeats):
+        t0 = _sync_time(torch)
+        outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, seed=args.seed + 1 + r, **gen_kw)
+        totals.append(_sync_time(torch) - t0)
+        stats.append(dict(engine.last_stats))
+    peak = torch.cuda.max_memory_allocated()
+    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
+    expected = batch * args.max_new_tokens
+    total = statistics.median(totals)
+    prefill = statistics.median(s["prefill_s"] for s in stats)
+    weight_bytes, params = linear_bytes_and_params(model)
+    kv_elem = 1 if kv == "fp8" else 2
+    prec_rate = rate * (2 if prec in W8A8 else 1)
+    roof = roofline_seconds(weight_bytes, params, cfg, batch, args.prompt_len, args.max_new_tokens,
+                            args.prompts * args.prompt_len, kv_elem, bw, prec_rate)
+    row = dict(precision=prec, kv_cache=kv, tokens=tokens, expected_tokens=expected, total_s=total,
+               all_totals_s=totals, prefill_s=prefill, output_tok_s=tokens / total,
+               decode_tok_s=tokens / max(total - prefill, 1e-9), peak_gib=peak / 2**30, roofline_s=roof,
+               roofline_pct=100.0 * roof / total, weight_gb=weight_bytes / 1e9, setup_s=setup_s,
+               warmup_captures=warm.get("graph_captures"), warmup_capture_s=warm.get("capture_s"),
+               timed_captures=stats[-1].get("graph_captures"), attention=stats[-1].get("attention"),
+               decode_steps=stats[-1].get("decode_steps"))
+    del engine, outs
+    return row
+
+
+def _format_row(r: dict, bf16_tok_s: float | None) -> str:
+    if "error" in r or "skipped" in r:
+        why = r.get("error") or r.get("skipped")
+        return f"| {r['precision']} | {r['kv_cache']} | - | - | - | - | - | - | - | - | {why} |"
+    vs = f"{r['output_tok_s'] / bf16_tok_s:.2f}x" if bf16_tok_s else "-"
+    note = "" if r["tokens"] == r["expected_tokens"] else f"{r['tokens']} of {r['expected_tokens']} tokens"
+    if r.get("timed_captures"):
+        note += f" {r['timed_captures']} graph captures in timed call"
+    return (f"| {r['precision']} | {r['kv_cache']} | {r['output_tok_s']:,.0f} | {r['decode_tok_s']:,.0f} | "
+            f"{r['prefill_s']:.2f} | {r['total_s']:.2f} | {r['peak_gib']:.1f} | {r['roofline_s']:.2f} | "
+            f"{r['roofline_pct']:.0f}% | {vs} | {r['attention']} {note}|")
+
+
+HEADER = ("| precision | KV cache | output tok/s | decode tok/s | prefill (s) | total (s) | peak mem (GiB) | "
+          "roofline (s) | % roofline | vs bf16 | attention / notes |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+
+def run_bench_rollout(args) -> int:
+    """Run B2 as configured by `add_bench_rollout_arguments`; prints rows as they finish. Returns 0 (2 = no GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("quarl bench rollout needs a CUDA GPU", file=sys.stderr)
+        return 2
+    settings = parse_settings(args.settings)
+    cfg = model_config(args.model_size)
+    for name in ("prompts", "samples", "prompt_len", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    from quarl.bench.gemm import measure_ceilings
+
+    t_start = time.perf_counter()
+    bw, rate = measure_ceilings(torch)
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    model = build_model(args.model_size, "cuda", args.seed)
+    print(f"model {args.model_size}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, built in "
+          f"{time.perf_counter() - t_start:.1f} s", flush=True)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
+    print(HEADER, flush=True)
+    rows, bf16_tok_s, last_duration = [], None, 0.0
+    for prec, kv in settings:
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget is not None and elapsed + last_duration > args.time_budget:
+            rows.append(dict(precision=prec, kv_cache=kv, skipped=f"skipped (time budget {args.time_budget:.0f} s)"))
+            print(_format_row(rows[-1], bf16_tok_s), flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = run_setting(torch, model, prec, kv, args, prompts, bw, rate, cfg)
+        except Exception as e:  # report and go on: one failing format must not hide the others
+            traceback.print_exc()
+            row = dict(precision=prec, kv_cache=kv, error=f"error: {type(e).__name__}: {str(e)[:200]}")
+        last_duration = time.perf_counter() - t0
+        gc.collect()
+        torch.cuda.empty_cache()
+        if prec == "bf16" and kv == "auto" and "output_tok_s" in row:
+            bf16_tok_s = row["output_tok_s"]
+        rows.append(row)
+        print(_format_row(row, bf16_tok_s), f"({last_duration:.0f} s with setup)", flush=True)
+
+    table = "\n".join([HEADER] + [_format_row(r, bf16_tok_s) for r in rows])
+    summary = _summary(rows, bf16_tok_s)
+    print("\n" + table + "\n\n" + summary, flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(ceilings=dict(copy_bytes_s=bw, bf16_flops=rate), rows=rows, args=vars(args)), fh,
+                      indent=1, default=str)
+    if not args.no_save:
+        _append_results(args.out, torch, bw, rate, args, table, summary)
+    return 0
+
+
+def _summary(rows: list[dict], bf16_tok_s: float | None) -> str:
+    ok = [r for r in rows if "output_tok_s" in r]
+    if not ok:
+        return "- no setting completed"
+    lines = [f"- targets: {TARGETS}"]
+    if bf16_tok_s:
+        lines.append(f"- bf16: {bf16_tok_s:,.0f} output tok/s ({'MET' if bf16_tok_s >= 12000 else 'missed'} "
+                     "12,000)")
+        low = [r for r in ok if r["precision"] != "bf16" or r["kv_cache"] != "auto"]
+        if low:
+            best = max(low, key=lambda r: r["output_tok_s"])
+            ratio = best["output_tok_s"] / bf16_tok_s
+            lines.append(f"- best low-precision setting: {best['precision']} / KV {best['kv_cache']} "
+                         f"{best['output_tok_s']:,.0f} tok/s = {ratio:.2f}x bf16 "
+                         f"({'MET' if ratio >= 1.6 else 'missed'} 1.6x)")
+    worst = min(ok, key=lambda r: r["roofline_pct"])
+    lines.append(f"- lowest % of roofline: {worst['roofline_pct']:.0f}% ({worst['precision']} / KV "
+                 f"{worst['kv_cache']}; moonshot 50%)")
+    return "\n".join(lines)
+
+
+def _append_results(path: str, torch, bw: float, rate: float, args, table: str, summary: str) -> None:
+    import triton
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    argv = sys.argv[sys.argv.index("rollout") + 1:] if "rollout" in sys.argv else sys.argv[1:]
+    cmd = " ".join(["quarl bench rollout"] + argv)
+    with open(path, "a") as fh:
+        if new:
+            fh.write("# B2 — rollout throughput (`quarl bench rollout`)\n\nAppended by `quarl bench rollout`; newest "
+                     "last. Random-weight Qwen2.5 architecture, FastRolloutEngine, EOS ignored.\n")
+        fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
+        fh.write(f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}\n")
+        fh.write(f"- command: `{cmd}`\n")
+        fh.write(f"- workload: Qwen2.5-{args.model_size} architecture, {args.prompts} prompts x {args.samples} "
+                 f"samples, {args.prompt_len} prompt tokens, {args.max_new_tokens} new tokens, temperature "
+                 f"{args.temperature}, sync every {args.sync_every} steps, {args.repeats} timed call(s) per setting\n")
+        fh.write(f"- ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+                 f"{rate / 1e12:.0f} TFLOP/s (W8A8 roofline: 2x)\n\n")
+        fh.write(table + "\n\n" + summary + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quarl bench rollout", description=__doc__.split("\n")[0])
+    add_bench_rollout_arguments(parser)
+    return run_bench_rollout(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
