@@ -54,6 +54,15 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
+def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One draw per row from q = exp(logprobs): argmax(log q + Gumbel noise), the noise -log(-log u).
+
+    logprobs: [B, V] (-inf outside the support); uniform: [B, V] in [0, 1). Returns long [B]. u = 0 gives -inf
+    noise (the token is skipped for that draw: probability 2^-24 per entry in float32).
+    """
+    return torch.argmax(logprobs - torch.log(-torch.log(uniform)), dim=-1)
+
+
 @dataclass
 class DecodeState:
     """Per-slot decode state on the device (S = number of slots, C = cache capacity).
@@ -109,11 +118,7 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     positions = state.slot_len[:batch].clamp(max=C - 1)  # finished slots may sit at the last column
     logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
     logprobs = filtered_logprobs(logits, params)
-    if params.greedy:
-        new = logits.argmax(dim=-1)
-    else:
-        u = state.noise[:batch]
-        new = torch.argmax(logprobs - torch.log(-torch.log(u)), dim=-1)
+    new = logits.argmax(dim=-1) if params.greedy else gumbel_max(logprobs, state.noise[:batch])
     new_lp = logprobs.gather(1, new[:, None]).squeeze(1).to(state.out_logprobs.dtype)
 
     active = ~state.done[:batch]
