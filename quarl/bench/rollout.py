@@ -260,17 +260,26 @@ def run_bench_rollout(args) -> int:
             bf16_tok_s = row["output_tok_s"]
         rows.append(row)
         print(_format_row(row, bf16_tok_s), f"({last_duration:.0f} s with setup)", flush=True)
+        if args.json:  # rewritten after every setting: a run cut short keeps what it measured
+            _write_json(args.json, bw, rate, rows, args)
 
     table = "\n".join([HEADER] + [_format_row(r, bf16_tok_s) for r in rows])
     summary = _summary(rows, bf16_tok_s)
     print("\n" + table + "\n\n" + summary, flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(ceilings=dict(copy_bytes_s=bw, bf16_flops=rate), rows=rows, args=vars(args)), fh,
-                      indent=1, default=str)
+        _write_json(args.json, bw, rate, rows, args)
     if not args.no_save:
         _append_results(args.out, torch, bw, rate, args, table, summary)
     return 0
+
+
+def _write_json(path: str, bw: float, rate: float, rows: list[dict], args) -> None:
+    import torch
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    with open(path, "w") as fh:
+        json.dump(dict(ceilings=dict(copy_bytes_s=bw, bf16_flops=rate), rows=rows, args=vars(args), **meta), fh,
+                  indent=1, default=str)
 
 
 def _summary(rows: list[dict], bf16_tok_s: float | None) -> str:

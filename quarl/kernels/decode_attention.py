@@ -37,7 +37,7 @@ def _decode_attention_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    length = tl.load(len_ptr + b)
+    length = tl.load(len_ptr + b).to(tl.int32)  # int32 loop bounds whatever the lengths' dtype
     start = split * split_len
     end = tl.minimum(start + split_len, length)
 

@@ -27,6 +27,7 @@ last one; the random stream differs (same seed -> same outputs within this engin
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from typing import Callable, Sequence
 
@@ -213,7 +214,15 @@ class FastRolloutEngine(RolloutEngine):
         key = (batch, kv_len, params)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(batch, kv_len, params)
+            try:
+                graph = self._capture(batch, kv_len, params)
+            except Exception as e:  # keep generating, eagerly, and say so
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding without graphs")
+                self.last_stats["graph_error"] = f"{type(e).__name__}: {e}"
+                self.use_cuda_graphs = False
+                torch.cuda.synchronize(self.model.device)
+                decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params)
+                return
         graph.replay()
 
     def _capture(self, batch: int, kv_len: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
