@@ -87,6 +87,9 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; settings that would start after it are skipped (reported as skipped)")
     parser.add_argument("--attention", default="auto", help="decode attention backend: auto | triton | torch")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead of timed generate calls, time one decode step and its parts (linears, "
+                             "attention, sampling) at context prompt-len + max-new-tokens / 2")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
     parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
@@ -171,6 +174,14 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     engine.generate(prompts, max_new_tokens=min(args.max_new_tokens, 2 * args.sync_every), seed=args.seed, **gen_kw)
     warm = dict(engine.last_stats)
     setup_s = _sync_time(torch) - t_setup
+    if getattr(args, "breakdown", False):
+        from quarl.bench.rollout_breakdown import step_breakdown
+        from quarl.rollout.sampling import SamplingParams
+
+        b = step_breakdown(torch, engine, model, batch, args.prompt_len + args.max_new_tokens // 2,
+                           SamplingParams(args.temperature), bw)
+        del engine
+        return dict(precision=prec, kv_cache=kv, breakdown=b, setup_s=setup_s)
     totals, stats = [], []
     torch.cuda.reset_peak_memory_stats()
     for r in range(args.repeats):
@@ -200,6 +211,10 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
 
 
 def _format_row(r: dict, bf16_tok_s: float | None) -> str:
+    if "breakdown" in r:
+        from quarl.bench.rollout_breakdown import format_breakdown
+
+        return f"- {r['precision']} / KV {r['kv_cache']}: {format_breakdown(r['breakdown'])}"
     if "error" in r or "skipped" in r:
         why = r.get("error") or r.get("skipped")
         return f"| {r['precision']} | {r['kv_cache']} | - | - | - | - | - | - | - | - | {why} |"
@@ -239,7 +254,8 @@ def run_bench_rollout(args) -> int:
           f"{time.perf_counter() - t_start:.1f} s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
-    print(HEADER, flush=True)
+    if not args.breakdown:
+        print(HEADER, flush=True)
     rows, bf16_tok_s, last_duration = [], None, 0.0
     for prec, kv in settings:
         elapsed = time.perf_counter() - t_start
@@ -263,8 +279,13 @@ def run_bench_rollout(args) -> int:
         if args.json:  # rewritten after every setting: a run cut short keeps what it measured
             _write_json(args.json, bw, rate, rows, args)
 
-    table = "\n".join([HEADER] + [_format_row(r, bf16_tok_s) for r in rows])
-    summary = _summary(rows, bf16_tok_s)
+    if args.breakdown:
+        table = "Decode-step breakdown (ms per step; floor = bytes read / copy bandwidth):\n\n" + "\n".join(
+            _format_row(r, None) for r in rows)
+        summary = ""
+    else:
+        table = "\n".join([HEADER] + [_format_row(r, bf16_tok_s) for r in rows])
+        summary = _summary(rows, bf16_tok_s)
     print("\n" + table + "\n\n" + summary, flush=True)
     if args.json:
         _write_json(args.json, bw, rate, rows, args)

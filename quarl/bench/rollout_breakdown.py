@@ -1,0 +1,109 @@
+"""Where a decode step's time goes (`quarl bench rollout --breakdown`): whole step vs its parts, on the GPU.
+
+With a warmed-up FastRolloutEngine, every slot is set mid-generation (`context` filled columns) and four pieces
+are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
+  step       the engine's captured decode step (noise refill included), as in generation;
+  linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path);
+  attention  the decode attention of every layer over `context` + 1 columns;
+  sampling   filtered log-probs + Gumbel-max + gather on [batch, vocab] float32 logits;
+  other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
+Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+
+def _graph_ms(torch, fn, reps: int = 20) -> float:
+    """Mean milliseconds of one replay of a CUDA graph of fn (one eager warm-up call first)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def step_breakdown(torch, engine, model, batch: int, context: int, params, bandwidth: float) -> dict:
+    """Times (ms) of the step and its parts at `batch` running slots of `context` filled columns; see above."""
+    from quarl.model.qlinear import QuantLinear
+    from quarl.rollout.fast_step import gumbel_max
+    from quarl.rollout.sampling import filtered_logprobs
+
+    cfg, st, cache = model.config, engine.state, engine.cache
+    dev, dtype = model.device, model.dtype
+    out: dict = {}
+    with torch.no_grad():
+        model.set_rollout(True)
+        try:
+            st.slot_len[:batch] = context
+            st.num_generated[:batch] = 0
+            st.done[:batch] = False
+            st.max_new.fill_(2**40)  # never finish while timed
+            gen = torch.Generator(device=dev).manual_seed(0)
+            kv_len = engine.kv_bound(context + 40)
+            reps = 20
+            for _ in range(2):
+                engine.step(batch, kv_len, params, gen)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                engine.step(batch, kv_len, params, gen)
+            end.record()
+            end.synchronize()
+            out["step_ms"] = start.elapsed_time(end) / reps
+
+            linears = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)] + [model.lm_head]
+            inputs = {k: torch.randn(batch, k, device=dev, dtype=dtype) for k in {m.in_features for m in linears}}
+            out["linears_ms"] = _graph_ms(torch, lambda: [m(inputs[m.in_features]) for m in linears])
+
+            q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
+            lengths = torch.full((batch,), context + 1, device=dev, dtype=torch.long)
+            att = engine._attention
+            out["attention_ms"] = _graph_ms(torch, lambda: [att(q, cache.keys[i], cache.values[i], lengths, kv_len)
+                                                            for i in range(cfg.num_layers)])
+
+            logits = torch.randn(batch, cfg.vocab_size, device=dev)
+            u = torch.rand(batch, cfg.vocab_size, device=dev)
+
+            def sample():
+                lp = filtered_logprobs(logits, params)
+                tok = logits.argmax(-1) if params.greedy else gumbel_max(lp, u)
+                return lp.gather(1, tok[:, None])
+
+            out["sampling_ms"] = _graph_ms(torch, sample)
+        finally:
+            model.set_rollout(False)
+            st.done.fill_(True)
+    out["other_ms"] = out["step_ms"] - out["linears_ms"] - out["attention_ms"] - out["sampling_ms"]
+    weight_bytes = sum(_linear_bytes(m) for m in linears)
+    kv_item = cache.keys[0].element_size()
+    kv_bytes = batch * (context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
+    out["linears_floor_ms"] = 1e3 * weight_bytes / bandwidth
+    out["attention_floor_ms"] = 1e3 * kv_bytes / bandwidth
+    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * 8 / bandwidth  # logits + noise read once
+    out["context"], out["batch"] = context, batch
+    return out
+
+
+def _linear_bytes(m) -> int:
+    if m.rollout_format is not None and m.qweight_data is not None:
+        parts = (m.qweight_data, m.qweight_scale, m.qweight_global_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    return m.weight.numel() * m.weight.element_size()
+
+
+def format_breakdown(b: dict) -> str:
+    """One line: each part's time and its bandwidth floor."""
+    return (f"step {b['step_ms']:.2f} ms at batch {b['batch']}, context {b['context']}: "
+            f"linears {b['linears_ms']:.2f} (floor {b['linears_floor_ms']:.2f}), "
+            f"attention {b['attention_ms']:.2f} (floor {b['attention_floor_ms']:.2f}), "
+            f"sampling {b['sampling_ms']:.2f} (floor {b['sampling_floor_ms']:.2f}), other {b['other_ms']:.2f}")
