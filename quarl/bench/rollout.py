@@ -179,7 +179,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
         from quarl.rollout.sampling import SamplingParams
 
         b = step_breakdown(torch, engine, model, batch, args.prompt_len + args.max_new_tokens // 2,
-                           SamplingParams(args.temperature), bw)
+                           SamplingParams(args.temperature), bw, rate * (2 if prec in W8A8 else 1))
         del engine
         return dict(precision=prec, kv_cache=kv, breakdown=b, setup_s=setup_s)
     totals, stats = [], []

@@ -7,7 +7,8 @@ are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
   attention  the decode attention of every layer over `context` + 1 columns;
   sampling   filtered log-probs + Gumbel-max + gather on [batch, vocab] float32 logits;
   other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
-Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth.
+Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth; the linears
+also their compute floor, 2 * weights * batch / matrix rate.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def _graph_ms(torch, fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def step_breakdown(torch, engine, model, batch: int, context: int, params, bandwidth: float) -> dict:
-    """Times (ms) of the step and its parts at `batch` running slots of `context` filled columns; see above."""
+def step_breakdown(torch, engine, model, batch: int, context: int, params, bandwidth: float,
+                   matrix_rate: float) -> dict:
+    """Times (ms) of the step and its parts at `batch` running slots of `context` filled columns; see above.
+
+    matrix_rate: FLOP/s of the linears' tensor cores (2x bf16 for W8A8) for their compute floor.
+    """
     from quarl.model.qlinear import QuantLinear
     from quarl.rollout.fast_step import gumbel_max
     from quarl.rollout.sampling import filtered_logprobs
@@ -88,6 +93,8 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     kv_item = cache.keys[0].element_size()
     kv_bytes = batch * (context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
     out["linears_floor_ms"] = 1e3 * weight_bytes / bandwidth
+    out["linears_compute_floor_ms"] = 1e3 * 2.0 * sum(m.in_features * m.out_features for m in linears) * batch \
+        / matrix_rate
     out["attention_floor_ms"] = 1e3 * kv_bytes / bandwidth
     out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * 8 / bandwidth  # logits + noise read once
     out["context"], out["batch"] = context, batch
@@ -104,6 +111,7 @@ def _linear_bytes(m) -> int:
 def format_breakdown(b: dict) -> str:
     """One line: each part's time and its bandwidth floor."""
     return (f"step {b['step_ms']:.2f} ms at batch {b['batch']}, context {b['context']}: "
-            f"linears {b['linears_ms']:.2f} (floor {b['linears_floor_ms']:.2f}), "
+            f"linears {b['linears_ms']:.2f} (floor {b['linears_floor_ms']:.2f}, compute "
+            f"{b.get('linears_compute_floor_ms', float('nan')):.2f}), "
             f"attention {b['attention_ms']:.2f} (floor {b['attention_floor_ms']:.2f}), "
             f"sampling {b['sampling_ms']:.2f} (floor {b['sampling_floor_ms']:.2f}), other {b['other_ms']:.2f}")
