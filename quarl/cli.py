@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
     p.set_defaults(fn=_export)
 
-    p = sub.add_parser("bench", help="benchmarks (GPU): gemm")
+    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout")
     bench = p.add_subparsers(dest="bench", required=True)
     g = bench.add_parser("gemm", help="B1: low-precision GEMMs vs bf16 on Qwen2.5-7B linear shapes")
     try:
@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         g.set_defaults(fn=run_bench_gemm)
     except ImportError as e:
         g.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench gemm is unavailable: {e}"))
+    r = bench.add_parser("rollout", help="B2: rollout throughput of the fast engine (Qwen2.5-7B architecture)")
+    try:
+        from quarl.bench.rollout import add_bench_rollout_arguments, run_bench_rollout
+
+        add_bench_rollout_arguments(r)
+        r.set_defaults(fn=run_bench_rollout)
+    except ImportError as e:
+        r.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench rollout is unavailable: {e}"))
     return parser
 
 
