@@ -90,7 +90,8 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
-    max_batch_size: int = 256
+    max_batch_size: int = 256  # sequences decoded at once (KV slots of the fast engine)
+    engine: str = "auto"  # auto (fast on a GPU, reference on a CPU) | fast | reference
 
 
 @dataclass
@@ -177,6 +178,15 @@ class RunConfig:
                 "rollout.num_generations must be >= 2: group-relative advantages compare answers to the same "
                 f"prompt (got {self.rollout.num_generations})"
             )
+        if self.rollout.engine not in ("auto", "fast", "reference"):
+            raise ConfigError(f"rollout.engine={self.rollout.engine!r}; choose auto, fast or reference")
+        if self.rollout.num_generations > self.rollout.max_batch_size:
+            raise ConfigError(
+                f"rollout.num_generations={self.rollout.num_generations} exceeds rollout.max_batch_size="
+                f"{self.rollout.max_batch_size}: a group is decoded together; raise max_batch_size"
+            )
+        if self.precision.kv_cache == "fp8" and self.rollout.engine == "reference":
+            raise ConfigError("precision.kv_cache=fp8 needs the fast engine; set rollout.engine=fast (or auto on a GPU)")
         if self.train.lr_schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.lr_schedule={self.train.lr_schedule!r}; choose constant, cosine or linear")
         batch = self.rollout.prompts_per_step * self.rollout.num_generations

@@ -44,6 +44,22 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return max(0.0, 1.0 - progress)  # linear
 
 
+def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
+    """The fast engine (slot KV cache, CUDA graphs) on a GPU, the reference engine on a CPU, unless configured."""
+    from quarl.rollout.engine import RolloutEngine
+    from quarl.rollout.fast_engine import FastRolloutEngine
+
+    kind = cfg.rollout.engine
+    if kind == "auto":
+        kind = "fast" if device.type == "cuda" else "reference"
+    if kind == "reference":
+        if cfg.precision.kv_cache == "fp8":
+            raise ValueError("precision.kv_cache=fp8 needs rollout.engine=fast")
+        return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+    kv = "fp8" if cfg.precision.kv_cache == "fp8" else "auto"
+    return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, kv_cache_dtype=kv)
+
+
 class GracefulInterrupt:
     """First Ctrl-C asks the loop to stop after the current step (and save); a second one stops at once."""
 
@@ -75,7 +91,6 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, model=None, tokenizer=None):
         from quarl.model.loading import load_model
-        from quarl.rollout.engine import RolloutEngine
 
         self.cfg = cfg
         self.device = resolve_device(cfg.model.device)
@@ -86,7 +101,7 @@ class Trainer:
                 cfg.model.name, device=str(self.device), dtype=self.dtype,
                 gguf_file=cfg.model.gguf_file, revision=cfg.model.revision,
             )
-        self.model, self.tokenizer = model.to(self.device), tokenizer
+        self.model, self.tokenizer = model.to(device=self.device, dtype=self.dtype), tokenizer
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
         self.quantized_linears = apply_precision(self.model, cfg.precision)
@@ -103,7 +118,7 @@ class Trainer:
             self.optimizer,
             lambda s: lr_factor(s, cfg.train.steps, cfg.train.warmup_steps, cfg.train.lr_schedule),
         )
-        self.engine = RolloutEngine(self.model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+        self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
         self.task: TaskData = load_task(cfg.data, cfg.reward, self.tokenizer, seed=cfg.train.seed)
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
