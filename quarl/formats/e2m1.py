@@ -18,10 +18,17 @@ E2M1_MAX = 6.0
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
 def _lut(device: torch.device) -> torch.Tensor:
-    """float32 [16]: the value of each 4-bit code."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])
+    """float32 [16]: the value of each 4-bit code. Cached per device: a host-to-device copy on every call would
+    also break CUDA-graph capture of the rollout step."""
+    lut = _LUTS.get(device)
+    if lut is None:
+        mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+        lut = _LUTS[device] = torch.cat([mags, -mags])
+    return lut
 
 
 def encode(v: torch.Tensor) -> torch.Tensor:
