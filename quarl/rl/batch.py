@@ -1,7 +1,9 @@
 """Turn rollout outputs into padded training tensors, and compute per-token log-probs of answers.
 
-Layout: each row is prompt + answer, right-padded. Column t of the [B, T-1] log-prob tensors scores token t+1,
-so answer token j of a row whose prompt has length P sits in column P-1+j.
+Layout: each row is prompt + answer, LEFT-padded so that every row ends in the last column. Column t of the
+[B, T-1] log-prob tensors scores token t+1, so all answer tokens lie in the last `answer_width` columns: the
+training forward only needs logits there (`logits_to_keep`), which saves most of the lm_head work and memory on
+long prompts. Answer token j of a row with an answer of length A sits in column T-1-A+j.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ class RolloutBatch:
 
     input_ids [B, T] int64; attention_mask [B, T] int64 (1 = real token); answer_mask [B, T-1] float32 (1 = answer
     token that counts in the loss); behaviour_logprobs [B, T-1] float32 (log μ, 0 outside answers);
-    advantages [B] float32; rewards [B] float32; group_index [B] int64 (which prompt the row answers).
+    advantages [B] float32; rewards [B] float32; group_index [B] int64 (which prompt the row answers);
+    answer_lengths [B] int64.
     """
 
     input_ids: torch.Tensor
@@ -29,22 +32,29 @@ class RolloutBatch:
     advantages: torch.Tensor
     rewards: torch.Tensor
     group_index: torch.Tensor
+    answer_lengths: torch.Tensor
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def answer_width(self) -> int:
+        """Number of trailing log-prob columns that hold every answer token of these rows (>= 1)."""
+        return max(1, int(self.answer_lengths.max())) if len(self.answer_lengths) else 1
+
     def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
-        """The given rows, trimmed to their longest real sequence (saves compute in micro-batches)."""
+        """The given rows, trimmed on the left to their longest real sequence (saves compute in micro-batches)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        length = int(self.attention_mask[rows].sum(1).max())
+        length = max(2, int(self.attention_mask[rows].sum(1).max()))
         return RolloutBatch(
-            input_ids=self.input_ids[rows, :length],
-            attention_mask=self.attention_mask[rows, :length],
-            answer_mask=self.answer_mask[rows, : length - 1],
-            behaviour_logprobs=self.behaviour_logprobs[rows, : length - 1],
+            input_ids=self.input_ids[rows, -length:],
+            attention_mask=self.attention_mask[rows, -length:],
+            answer_mask=self.answer_mask[rows, -(length - 1):],
+            behaviour_logprobs=self.behaviour_logprobs[rows, -(length - 1):],
             advantages=self.advantages[rows],
             rewards=self.rewards[rows],
             group_index=self.group_index[rows],
+            answer_lengths=self.answer_lengths[rows],
         )
 
 
@@ -71,16 +81,21 @@ def build_batch(
     for i, (p, a, lp) in enumerate(zip(prompt_ids, answer_ids, behaviour_logprobs)):
         if len(lp) != len(a):
             raise ValueError(f"row {i}: {len(a)} answer tokens but {len(lp)} behaviour log-probs")
+        if not p:
+            raise ValueError(f"row {i}: empty prompt (the first answer token needs a token to condition on)")
         n = len(p) + len(a)
-        input_ids[i, :n] = torch.tensor(p + a, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        start = len(p) - 1
-        behaviour[i, start : start + len(a)] = torch.tensor(lp, dtype=torch.float32)
+        input_ids[i, total - n :] = torch.tensor(p + a, dtype=torch.long)
+        attention_mask[i, total - n :] = 1
+        if not a:
+            continue
+        start = total - 1 - len(a)
+        behaviour[i, start:] = torch.tensor(lp, dtype=torch.float32)
         if counts[i]:
-            answer_mask[i, start : start + len(a)] = 1.0
+            answer_mask[i, start:] = 1.0
     return RolloutBatch(
         input_ids, attention_mask, answer_mask, behaviour,
         advantages.float(), rewards.float(), torch.tensor(group_index, dtype=torch.long),
+        torch.tensor([len(a) for a in answer_ids], dtype=torch.long),
     )
 
 
@@ -89,17 +104,20 @@ def answer_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float,
+    width: int,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of every next token under logits / temperature, like the rollout engine scores it.
+    """Log-prob of each of the last `width` tokens under logits / temperature, like the rollout engine scores it.
 
-    input_ids, attention_mask [B, T] -> (logprobs [B, T-1] float32, entropy [B, T-1] float32 or None).
-    Autograd flows through logprobs when grad is enabled; entropy is always detached.
+    input_ids, attention_mask [B, T] (left-padded) -> (logprobs [B, width] float32, entropy [B, width] float32 or
+    None): the last `width` columns of the [B, T-1] layout. Autograd flows through logprobs when grad is enabled;
+    entropy is always detached.
     """
-    logits = model(input_ids, attention_mask=attention_mask)[:, :-1].float()
+    width = min(width, input_ids.shape[1] - 1)
+    logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=width + 1)[:, :-1]  # float32 (or 64)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:].to(logits.device).unsqueeze(-1)
+    targets = input_ids[:, -width:].to(logits.device).unsqueeze(-1)
     logprobs = (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1))
     entropy = None
     if with_entropy:

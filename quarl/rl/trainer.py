@@ -224,12 +224,12 @@ class Trainer:
             sub = batch.select(rows)
             lp, ent = answer_logprobs(
                 model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                self.cfg.rollout.temperature, with_entropy,
+                self.cfg.rollout.temperature, sub.answer_width, with_entropy,
             )
-            width = lp.shape[1]
-            out[rows, :width] = lp.float().cpu()
+            width = lp.shape[1]  # rows are left-padded: answers live in the last `width` columns
+            out[rows, -width:] = lp.float().cpu()
             if with_entropy:
-                entropy[rows, :width] = ent.float().cpu()
+                entropy[rows, -width:] = ent.float().cpu()
         return out, entropy
 
     def update(self, batch: RolloutBatch, proximal, reference, step: int) -> dict:
@@ -254,15 +254,15 @@ class Trainer:
                 for u0 in range(0, len(mini_rows), tr.micro_batch_size):
                     rows = mini_rows[u0 : u0 + tr.micro_batch_size]
                     sub = batch.select(rows)
-                    width = sub.answer_mask.shape[1]
                     logprobs, _ = answer_logprobs(
                         self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                        self.cfg.rollout.temperature,
+                        self.cfg.rollout.temperature, sub.answer_width,
                     )
-                    dev = lambda t: None if t is None else t[rows, :width].to(self.device)  # noqa: E731
+                    width = logprobs.shape[1]  # the last `width` columns hold every answer token of these rows
+                    dev = lambda t: None if t is None else t[rows, -width:].to(self.device)  # noqa: E731
                     loss, metrics = policy_loss(
-                        logprobs, dev(proximal), sub.behaviour_logprobs.to(self.device),
-                        sub.advantages.to(self.device), sub.answer_mask.to(self.device), self.cfg.loss,
+                        logprobs, dev(proximal), sub.behaviour_logprobs[:, -width:].to(self.device),
+                        sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.cfg.loss,
                         reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
                     )
                     loss.backward()
