@@ -1,0 +1,395 @@
+"""B3 — one RL step of the real trainer, split into its phases (`quarl bench step`, BENCHMARKS.md).
+
+For each setting (precision flow and format, e.g. `bf16`, `split:fp8`, `unified:fp8-block`) a fresh
+Qwen2.5-architecture model with seeded random weights (`quarl.bench.rollout.build_model`; `tiny` = the CPU test
+model of `quarl.model.tiny`) is trained by `quarl.rl.trainer.Trainer` on a synthetic task:
+
+- prompts are `--prompt-len` random token ids, fed to the engine as token-id lists (no tokenizer);
+- the reward is uniform in [0, 1) from a seeded generator, so every group has non-zero advantages;
+- EOS is ignored by giving the model config no EOS ids (the trainer's engine call has no ignore_eos switch),
+  so every answer is exactly `--max-new-tokens` long; completions carry ids only (no detokenization).
+
+`--warmup` steps (CUDA-graph capture, Triton compilation) are followed by `--steps` timed steps. The reported
+step is the median timed step (by wall time, CUDA-synchronized around it) with the trainer's own phase timers:
+sync (re-quantization), rollout, prox (proximal log-probs), update (optimizer steps); `other` is the rest
+(rewards, advantages, batch assembly, sample logging, and the asynchronous tail of the last optimizer step).
+The shares of the five parts sum to 100 % of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+from quarl.bench.rollout import MODEL_SIZES, build_model
+
+MODEL_SIZE_CHOICES = (*MODEL_SIZES, "tiny")
+DEFAULT_SETTINGS = "bf16,split:fp8,unified:fp8-block"
+DEFAULT_RESULTS = os.path.join("bench", "results", "step.md")
+PHASES = ("sync", "rollout", "prox", "update", "other")
+METRIC_OF_PHASE = {"sync": "time/sync_s", "rollout": "time/rollout_s", "prox": "time/prox_s",
+                   "update": "time/train_s"}
+SYNC_TARGET_PCT = 1.0
+SPEEDUP_TARGET = 1.3
+TARGETS = f"sync <= {SYNC_TARGET_PCT:g}% of the step; low-precision step >= {SPEEDUP_TARGET}x the bf16 step"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One precision setting: a flow of quarl.precision.FLOWS and its format (None = the flow's default)."""
+
+    flow: str
+    format: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.flow if self.format is None else f"{self.flow}:{self.format}"
+
+
+def parse_settings(text: str) -> list[Setting]:
+    """'bf16,split:fp8,unified:fp8-block' -> [Setting("bf16"), Setting("split", "fp8"), ...]."""
+    from quarl.precision import FLOWS, QUANT_FORMATS
+
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        flow, _, fmt = item.partition(":")
+        if flow not in FLOWS or (fmt and fmt not in QUANT_FORMATS) or (flow == "bf16" and fmt):
+            raise ValueError(f"setting {item!r}: write FLOW or FLOW:FORMAT with FLOW in {FLOWS} and FORMAT in "
+                             f"{QUANT_FORMATS} (bf16 takes no format), e.g. --settings bf16,split:fp8")
+        out.append(Setting(flow, fmt or None))
+    if not out:
+        raise ValueError(f"no settings given (e.g. --settings {DEFAULT_SETTINGS})")
+    return out
+
+
+def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quarl bench step`."""
+    parser.add_argument("--model-size", default="1.5b", choices=MODEL_SIZE_CHOICES,
+                        help="Qwen2.5 architecture with random weights (tiny = the CPU test model)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tune (B3: 1.5b full, 7b rank 32)")
+    parser.add_argument("--settings", default=DEFAULT_SETTINGS,
+                        help="comma list of FLOW[:FORMAT] (bf16 | split | unified | qlora; formats as in "
+                             "precision.format); the bf16 setting is the baseline of the speed-ups")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"), help="KV cache of every setting")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per setting (graph capture, compile)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per setting (median step reported)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; settings (and timed steps after the first) that would end after it are "
+                             "skipped and reported as skipped")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
+    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------- model, task, trainer
+
+
+class TokenIdTokenizer:
+    """The little of a tokenizer the trainer needs when prompts are token ids: a pad id and no EOS."""
+
+    eos_token_id = None
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = pad_token_id
+
+
+def make_model(size: str, device, seed: int):
+    """A random-weight QuarlForCausalLM of `size` on `device`, trainable, whose config has no EOS ids."""
+    import torch
+
+    if size == "tiny":
+        from quarl.model.decoder import QuarlForCausalLM
+        from quarl.model.tiny import tiny_config
+
+        torch.manual_seed(seed)
+        model = QuarlForCausalLM(tiny_config("qwen2")).to(device)
+    else:
+        model = build_model(size, str(device), seed)
+    # No EOS ids: both engines then decode every answer to max_new_tokens (the benchmark's "EOS ignored").
+    model.config.eos_token_ids = []
+    return model.requires_grad_(True)
+
+
+def synthetic_task(num_examples: int, prompt_len: int, vocab_size: int, seed: int):
+    """TaskData whose examples render to `prompt_len` random token ids and whose reward is seeded U[0, 1)."""
+    import torch
+
+    from quarl.tasks.datasets import Example
+    from quarl.tasks.task import TaskData
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_examples, prompt_len), generator=g).tolist()
+    examples = [Example(id=f"random-{i}", prompt=f"<{prompt_len} random token ids>", gold="",
+                        meta={"token_ids": row}) for i, row in enumerate(ids)]
+    rng = random.Random(seed)
+    # Random rewards keep every group's standard deviation > 0, so no advantage is zero and the update does work.
+    return TaskData(examples, [], render_fn=lambda ex: ex.meta["token_ids"], reward_fn=lambda text, ex: rng.random(),
+                    seed=seed)
+
+
+def run_config(args, setting: Setting, run_dir: str, device):
+    """The RunConfig of one setting: the benchmark workload plus the user's --set overrides (validated)."""
+    from quarl.config import load_config
+
+    overrides = [
+        f"model.device={device}", f"precision.flow={setting.flow}", f"precision.kv_cache={args.kv_cache}",
+        f"lora.rank={args.lora_rank}", f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.num_generations={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_batch_size={args.prompts * args.samples}", "rollout.temperature=1.0",
+        f"train.steps={args.warmup + args.steps}", f"train.seed={args.seed}",
+        "data.num_train=2", "data.num_eval=1", "eval.before=false", "eval.after=false",
+        "output.tensorboard=false", "output.progress=false", f"output.dir={run_dir}",
+    ]
+    if setting.format is not None:
+        overrides.append(f"precision.format={setting.format}")
+    return load_config(None, overrides + list(args.overrides))
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def _now(torch, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def run_setting(args, setting: Setting, device, deadline: float | None) -> dict:
+    """Warm up and time one setting on a fresh model; returns its result row (see `phase_row`)."""
+    import torch
+
+    from quarl.rl.trainer import Trainer
+
+    t_setup = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="quarl-bench-step-") as run_dir:
+        cfg = run_config(args, setting, run_dir, device)
+        model = make_model(args.model_size, device, args.seed)
+        trainer = Trainer(cfg, model=model, tokenizer=TokenIdTokenizer())
+        trainer.engine.tokenizer = None  # the engine's token-id mode: completions carry ids, no text is decoded
+        trainer.task = synthetic_task(args.prompts * (args.warmup + args.steps), args.prompt_len,
+                                      model.config.vocab_size, args.seed)
+        trainer.prepare_run_dir()
+        for step in range(args.warmup):
+            trainer.step(step)
+        setup_s = _now(torch, device) - t_setup
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timed = []  # (wall seconds, trainer metrics)
+        for step in range(args.warmup, args.warmup + args.steps):
+            if timed and deadline is not None and time.perf_counter() + timed[-1][0] > deadline:
+                break  # keep the steps measured so far rather than overrun the budget
+            t0 = _now(torch, device)
+            metrics = trainer.step(step)
+            timed.append((_now(torch, device) - t0, metrics))
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        trainer.log.close()
+        del trainer, model
+    row = phase_row(setting, timed, args, peak)
+    row["setup_s"] = setup_s
+    return row
+
+
+def phase_row(setting: Setting, timed: list[tuple[float, dict]], args, peak_gib: float | None) -> dict:
+    """Result row from the timed steps: the median step's wall time, its phases (seconds and % of the step).
+
+    `timed` holds (CUDA-synchronized wall seconds of trainer.step, the metrics it returned) per timed step.
+    """
+    wall, metrics = sorted(timed, key=lambda t: t[0])[(len(timed) - 1) // 2]  # the (lower) median step
+    seconds = {p: float(metrics.get(METRIC_OF_PHASE[p], 0.0)) for p in PHASES if p != "other"}
+    seconds["other"] = wall - sum(seconds.values())
+    tokens = round(metrics["rollout/tokens_per_s"] * metrics["time/rollout_s"])
+    row = dict(setting=setting.name, flow=setting.flow, format=setting.format, step_s=wall,
+               all_step_s=[t[0] for t in timed], steps_timed=len(timed), steps_asked=args.steps, tokens=tokens,
+               expected_tokens=args.prompts * args.samples * args.max_new_tokens,
+               rollout_tok_s=tokens / seconds["rollout"], step_tok_s=tokens / wall, peak_gib=peak_gib)
+    for p in PHASES:
+        row[f"{p}_s"] = seconds[p]
+        row[f"{p}_pct"] = 100.0 * seconds[p] / wall
+    return row
+
+
+def bench_step(args) -> tuple[list[dict], str, str]:
+    """Run every setting of `args` (see `add_bench_step_arguments`); returns (rows, table, summary).
+
+    A row has setting, flow, format, step_s, {sync,rollout,prox,update,other}_s and _pct, tokens,
+    expected_tokens, rollout_tok_s, step_tok_s, peak_gib (None off the GPU), speedup (bf16 step / this step;
+    None for bf16 or without a bf16 row), steps_timed, all_step_s, setup_s; or setting + skipped / error.
+    """
+    import torch
+
+    from quarl.devices import resolve_device
+
+    for name in ("prompts", "samples", "prompt_len", "max_new_tokens", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or args.lora_rank < 0:
+        raise ValueError("--warmup and --lora-rank must be >= 0")
+    settings = parse_settings(args.settings)
+    device = resolve_device(args.device)
+    with tempfile.TemporaryDirectory() as scratch:  # bad overrides or flow/LoRA combinations fail before any run
+        for s in settings:
+            run_config(args, s, scratch, device)
+
+    t_start = time.perf_counter()
+    deadline = None if args.time_budget is None else t_start + args.time_budget
+    rows, last_duration = [], 0.0
+    print(HEADER, flush=True)
+    for s in settings:
+        if deadline is not None and time.perf_counter() + last_duration > deadline:
+            rows.append(dict(setting=s.name, flow=s.flow, format=s.format,
+                             skipped=f"skipped (time budget {args.time_budget:g} s)"))
+            print(format_row(rows[-1]), flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = run_setting(args, s, device, deadline)
+        except Exception as e:  # report and go on: one failing setting must not hide the others
+            traceback.print_exc()
+            row = dict(setting=s.name, flow=s.flow, format=s.format, error=f"error: {type(e).__name__}: {e}"[:200])
+        last_duration = time.perf_counter() - t0
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(format_row(row), f"({last_duration:.0f} s with setup)", flush=True)
+    add_speedups(rows)
+    table = "\n".join([HEADER] + [format_row(r) for r in rows])
+    return rows, table, summarize(rows)
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Set row["speedup"] = bf16 step time / the row's step time for every measured non-bf16 row."""
+    base = next((r["step_s"] for r in rows if r["flow"] == "bf16" and "step_s" in r), None)
+    for r in rows:
+        if "step_s" in r:
+            r["speedup"] = base / r["step_s"] if base is not None and r["flow"] != "bf16" else None
+
+
+# ---------------------------------------------------------------- report
+
+HEADER = ("| setting | step (s) | sync | rollout | prox | update | other | rollout tok/s | step tok/s | "
+          "peak mem (GiB) | vs bf16 | notes |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+
+def format_row(r: dict) -> str:
+    """One markdown table row; each phase cell is 'seconds (share %)'."""
+    if "step_s" not in r:
+        return f"| {r['setting']} |" + " - |" * 10 + f" {r.get('skipped') or r.get('error')} |"
+    phases = " | ".join(f"{r[p + '_s']:.2f} ({r[p + '_pct']:.1f}%)" for p in PHASES)
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+    vs = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+    notes = []
+    if r["tokens"] != r["expected_tokens"]:
+        notes.append(f"{r['tokens']} of {r['expected_tokens']} tokens")
+    if r["steps_timed"] < r["steps_asked"]:
+        notes.append(f"{r['steps_timed']} of {r['steps_asked']} timed steps (time budget)")
+    return (f"| {r['setting']} | {r['step_s']:.2f} | {phases} | {r['rollout_tok_s']:,.0f} | {r['step_tok_s']:,.0f} "
+            f"| {peak} | {vs} | {'; '.join(notes)} |")
+
+
+def summarize(rows: list[dict]) -> str:
+    """Target verdicts: sync share of every measured setting, speed-up of every low-precision setting."""
+    ok = [r for r in rows if "step_s" in r]
+    if not ok:
+        return "- no setting completed"
+    lines = [f"- targets: {TARGETS}"]
+    for r in ok:
+        verdict = "MET" if r["sync_pct"] <= SYNC_TARGET_PCT else "missed"
+        line = f"- {r['setting']}: sync {r['sync_s'] * 1e3:.1f} ms = {r['sync_pct']:.2f}% of the step ({verdict})"
+        if r["flow"] != "bf16":
+            if r.get("speedup"):
+                met = "MET" if r["speedup"] >= SPEEDUP_TARGET else "missed"
+                line += f"; step {r['speedup']:.2f}x bf16 ({met} {SPEEDUP_TARGET}x)"
+            else:
+                line += "; no bf16 step measured to compare with"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def append_entry(path: str, title: str, intro: str, command: str, facts: list[str], body: str) -> None:
+    """Append a dated entry (hardware, versions, command, facts, body) to a bench/results markdown file.
+
+    The file starts with `# {title}` and `intro` when it is new or empty.
+    """
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a") as fh:
+        if new:
+            fh.write(f"# {title}\n\n{intro}\n")
+        fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
+        fh.write(f"- GPU: {gpu}; torch {torch.__version__}; triton {triton_version}\n")
+        fh.write(f"- command: `{command}`\n")
+        fh.writelines(f"- {f}\n" for f in facts)
+        fh.write("\n" + body + "\n")
+
+
+def _command(args) -> str:
+    argv = getattr(args, "argv", None)
+    if argv is None:  # from the command line: what followed `quarl bench step` (or the module's path)
+        argv = sys.argv[sys.argv.index("step") + 1:] if "step" in sys.argv else sys.argv[1:]
+    return shlex.join(["quarl", "bench", "step", *argv])
+
+
+def run_bench_step(args) -> int:
+    """Run B3 as configured by `add_bench_step_arguments`: print the table and summary, append the entry. -> 0."""
+    rows, table, summary = bench_step(args)
+    print("\n" + table + "\n\n" + summary, flush=True)
+    if not args.no_save:
+        tuning = "full fine-tune" if args.lora_rank == 0 else f"LoRA rank {args.lora_rank}"
+        facts = [
+            f"workload: Qwen2.5-{args.model_size} architecture (random weights), {tuning}, {args.prompts} prompts x "
+            f"{args.samples} samples, {args.prompt_len} random prompt tokens, {args.max_new_tokens} new tokens "
+            f"(EOS ignored), KV cache {args.kv_cache}, {args.warmup} warm-up + {args.steps} timed step(s) per "
+            "setting (median step reported)",
+            "phases: the trainer's timers; other = step - the four phases (rewards, advantages, batch, logging, "
+            "optimizer tail)",
+        ]
+        if args.overrides:
+            facts.append("overrides: " + " ".join(args.overrides))
+        append_entry(args.out, "B3 — RL step (`quarl bench step`)",
+                     "Appended by `quarl bench step`; newest last. One step of quarl.rl.trainer.Trainer on a "
+                     "random-weight Qwen2.5 architecture, split into sync / rollout / prox / update / other.",
+                     _command(args), facts, table + "\n\n" + summary)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quarl bench step", description=__doc__.split("\n")[0])
+    add_bench_step_arguments(parser)
+    args = parser.parse_args(argv)
+    if argv is not None:
+        args.argv = list(argv)
+    return run_bench_step(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

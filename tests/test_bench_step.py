@@ -1,0 +1,132 @@
+"""`quarl bench step` (B3) on the tiny CPU model: rows, phase shares, speed-ups, skipping, the results entry."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from quarl.bench.step import (PHASES, Setting, add_bench_step_arguments, append_entry, bench_step, make_model,
+                              parse_settings, phase_row, run_bench_step)
+from quarl.config import ConfigError
+
+# Small enough for a fraction of a second per step on one CPU thread.
+TINY = ["--model-size", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "4", "--prompt-len", "6",
+        "--max-new-tokens", "24", "--warmup", "0", "--steps", "1", "--seed", "1"]
+
+
+def parse(*extra):
+    parser = argparse.ArgumentParser()
+    add_bench_step_arguments(parser)
+    return parser.parse_args([*TINY, *extra])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two shared cores: torch's thread pool spinning against other processes makes tiny steps 100x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_two_settings_give_full_rows_whose_shares_sum_to_the_step():
+    rows, table, summary = bench_step(parse("--settings", "bf16,split:int8", "--no-save"))
+    assert [r["setting"] for r in rows] == ["bf16", "split:int8"]
+    for r in rows:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["steps_timed"] == 1 and r["peak_gib"] is None  # CPU: no GPU memory to report
+        assert r["tokens"] == r["expected_tokens"] == 2 * 4 * 24  # EOS ignored: every answer is full length
+        for p in PHASES:
+            assert math.isfinite(r[f"{p}_s"]) and r[f"{p}_s"] >= -1e-9, (p, r)
+        assert r["rollout_s"] > 0 and r["update_s"] > 0
+        assert sum(r[f"{p}_s"] for p in PHASES) == pytest.approx(r["step_s"], rel=1e-9)
+        assert sum(r[f"{p}_pct"] for p in PHASES) == pytest.approx(100.0, abs=1e-6)
+        assert r["rollout_tok_s"] == pytest.approx(r["tokens"] / r["rollout_s"], rel=1e-9)
+        assert r["step_tok_s"] == pytest.approx(r["tokens"] / r["step_s"], rel=1e-9)
+    bf16, split = rows
+    assert bf16["speedup"] is None
+    assert split["speedup"] == pytest.approx(bf16["step_s"] / split["step_s"], rel=1e-12)
+
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| bf16 |") and lines[3].startswith("| split:int8 |")
+    assert all(line.count("|") == 13 for line in lines)  # 12 columns in every row
+    assert f"{split['speedup']:.2f}x" in lines[3]
+    assert "split:int8: sync" in summary and "x bf16" in summary
+
+
+def test_median_step_and_its_phases_are_reported():
+    args = parse("--steps", "3")
+
+    def metrics(sync, rollout, prox, train, tokens):
+        return {"time/sync_s": sync, "time/rollout_s": rollout, "time/prox_s": prox, "time/train_s": train,
+                "rollout/tokens_per_s": tokens / rollout}
+
+    timed = [(3.0, metrics(0.1, 1.0, 0.5, 1.0, 192)), (1.0, metrics(0.01, 0.5, 0.1, 0.3, 192)),
+             (2.0, metrics(0.02, 1.0, 0.2, 0.6, 190))]
+    row = phase_row(Setting("split", "fp8"), timed, args, peak_gib=3.5)
+    # Hand-derived: the median wall time is 2.0 s; other = 2.0 - (0.02 + 1.0 + 0.2 + 0.6) = 0.18 s.
+    assert row["step_s"] == 2.0 and row["all_step_s"] == [3.0, 1.0, 2.0]
+    assert row["sync_pct"] == pytest.approx(1.0) and row["rollout_pct"] == pytest.approx(50.0)
+    assert row["other_s"] == pytest.approx(0.18) and row["other_pct"] == pytest.approx(9.0)
+    assert row["tokens"] == 190 and row["expected_tokens"] == 192
+    assert row["setting"] == "split:fp8" and row["peak_gib"] == 3.5
+
+
+def test_spent_time_budget_skips_settings():
+    rows, table, summary = bench_step(parse("--settings", "bf16,split:fp8", "--time-budget", "0", "--no-save"))
+    assert [r.get("skipped", "").startswith("skipped (time budget") for r in rows] == [True, True]
+    assert table.count("skipped (time budget 0 s)") == 2
+    assert summary == "- no setting completed"
+
+
+def test_results_entry_is_appended(tmp_path):
+    out = tmp_path / "results" / "step.md"
+    args = parse("--settings", "bf16", "--out", str(out))
+    args.argv = [*TINY, "--settings", "bf16"]
+    assert run_bench_step(args) == 0
+    text = out.read_text()
+    assert text.startswith("# B3 — RL step (`quarl bench step`)")
+    assert f"torch {torch.__version__}" in text
+    assert "- command: `quarl bench step --model-size tiny" in text and "--settings bf16`" in text
+    assert "| bf16 |" in text and "- targets:" in text
+    append_entry(str(out), "ignored title", "ignored intro", "cmd", ["fact one"], "body")
+    text = out.read_text()
+    assert text.count("\n## ") == 2 and "ignored title" not in text and "- fact one\n" in text
+
+
+@pytest.mark.parametrize("text", ["fp8", "bf16:fp8", "split:fp9", ",", "split:int8,unified:nope"])
+def test_bad_settings_are_rejected(text):
+    with pytest.raises(ValueError, match="FLOW|no settings"):
+        parse_settings(text)
+
+
+def test_settings_parse():
+    assert parse_settings("bf16, split:fp8,unified") == [Setting("bf16"), Setting("split", "fp8"),
+                                                         Setting("unified")]
+
+
+def test_inconsistent_config_fails_before_running():
+    with pytest.raises(ConfigError, match="lora.rank"):  # qlora needs LoRA adapters
+        bench_step(parse("--settings", "bf16,qlora:nvfp4", "--no-save"))
+    with pytest.raises(ConfigError, match="unknown config key"):
+        bench_step(parse("--settings", "bf16", "--set", "train.micro_batchsize=4", "--no-save"))
+    with pytest.raises(ValueError, match="--steps"):
+        bench_step(parse("--steps", "0", "--no-save"))
+
+
+def test_eos_is_ignored_even_when_the_model_wants_to_stop(monkeypatch):
+    import quarl.bench.step as step_module
+
+    def eager_to_stop(size, device, seed):
+        model = make_model(size, device, seed)
+        eos = 257  # the tiny tokenizer's </s>, the tiny config's EOS
+        # +30 on the EOS logit: with EOS live every answer would end at its first token.
+        model.lm_head.register_forward_hook(lambda mod, inp, out: out + 30.0 * (torch.arange(out.shape[-1]) == eos))
+        return model
+
+    monkeypatch.setattr(step_module, "make_model", eager_to_stop)
+    rows, _, _ = bench_step(parse("--settings", "bf16", "--no-save"))
+    assert rows[0]["tokens"] == rows[0]["expected_tokens"] == 2 * 4 * 24, rows[0]
+    model = make_model("tiny", torch.device("cpu"), seed=0)
+    assert model.config.eos_token_ids == [] and all(p.requires_grad for p in model.parameters())
