@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
     p.set_defaults(fn=_export)
 
-    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout")
+    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step")
     bench = p.add_subparsers(dest="bench", required=True)
     g = bench.add_parser("gemm", help="B1: low-precision GEMMs vs bf16 on Qwen2.5-7B linear shapes")
     try:
@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         r.set_defaults(fn=run_bench_rollout)
     except ImportError as e:
         r.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench rollout is unavailable: {e}"))
+    s = bench.add_parser("step", help="B3: one RL step of the real trainer, split into sync/rollout/prox/update")
+    try:
+        from quarl.bench.step import add_bench_step_arguments, run_bench_step
+
+        add_bench_step_arguments(s)
+        s.set_defaults(fn=run_bench_step)
+    except ImportError as e:
+        s.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench step is unavailable: {e}"))
     return parser
 
 
