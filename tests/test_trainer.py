@@ -55,7 +55,9 @@ FLOWS = [
     ("bf16", []),
     ("split-int8", ["precision.flow=split", "precision.format=int8"]),
     ("split-nvfp4-mis", ["precision.flow=split", "precision.format=nvfp4", "loss.correction=mis"]),
-    ("unified-fp8-block", ["precision.flow=unified", "loss.correction=decoupled", "loss.loss_type=dapo"]),
+    ("unified-fp8-block-dapo", ["precision.flow=unified", "loss.correction=decoupled", "loss.loss_type=dapo",
+                                "train.dynamic_sampling=true", "train.overlong_buffer=2",
+                                "rollout.max_new_tokens=8"]),
     ("qlora-nvfp4", ["precision.flow=qlora", "lora.rank=4", "loss.loss_type=dr_grpo", "loss.correction=acr"]),
 ]
 
@@ -146,3 +148,42 @@ def test_cli_reports_config_errors(tmp_path, capsys):
 
     assert main(["train", "train.stepz=3"]) == 2
     assert "did you mean train.steps" in capsys.readouterr().err
+
+
+class ScriptedEngine:
+    """A stand-in engine that returns scripted answer texts (one list of groups per generate call); answers of
+    8 characters count as cut at max_new_tokens. Under digit_reward, a group of letters only has equal rewards."""
+
+    def __init__(self, scripts):
+        self.scripts = list(scripts)  # one list of per-prompt answer texts per generate() call
+        self.calls = 0
+
+    def generate(self, prompts, n, **kw):
+        from quarl.rollout.engine import Completion, RequestOutput
+
+        texts = self.scripts[self.calls]
+        self.calls += 1
+        outs = []
+        for prompt, group in zip(prompts, texts):
+            comps = [Completion(token_ids=[ord(ch) for ch in t], text=t, logprobs=[-0.5] * len(t),
+                                finish_reason="length" if len(t) >= 8 else "eos") for t in group]
+            outs.append(RequestOutput(prompt=prompt, prompt_token_ids=[65, 66], completions=comps))
+        return outs
+
+
+def test_dynamic_sampling_refills_and_overlong_filter_masks(tmp_path):
+    cfg = make_cfg(tmp_path, "train.dynamic_sampling=true", "train.max_refills=2", "train.overlong_filter=true",
+                   "rollout.max_new_tokens=8", "loss.loss_type=dapo")
+    trainer = make_trainer(cfg)
+    same, mixed, long_mixed = ["aaaa"] * 4, ["11111111", "a", "1a", "aa"], ["1" * 8, "a" * 8, "1b", "b"]
+    # call 1: one informative group of two; refill 1: still nothing; refill 2: one more informative group
+    trainer.engine = ScriptedEngine([[same, mixed], [same], [long_mixed]])
+    examples, outputs, rewards, tokens, rounds = trainer.rollout(step=0)
+    assert rounds == 3 and len(examples) == 2 and trainer.engine.calls == 3
+    assert [o.completions[0].text for o in outputs] == ["11111111", "1" * 8]
+    batch, stats = trainer.assemble(outputs, rewards)
+    # rows cut at max_new_tokens ("length") are dropped from the loss; the others count
+    counted = batch.answer_mask.sum(1).tolist()
+    assert counted == [0.0, 1.0, 2.0, 2.0, 0.0, 0.0, 2.0, 1.0]
+    assert stats["rollout/truncated_frac"] == pytest.approx(3 / 8)
+    torch.testing.assert_close(batch.advantages[:4].sum(), torch.tensor(0.0), atol=1e-5, rtol=0)

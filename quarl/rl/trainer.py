@@ -210,8 +210,12 @@ class Trainer:
 
     @property
     def pad_id(self) -> int:
-        tok = self.tokenizer
-        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        """Any id works (padding is masked); prefer the tokenizer's pad, then its EOS."""
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(self.tokenizer, name, None)
+            if isinstance(value, int):
+                return value
+        return 0
 
     @torch.no_grad()
     def score(self, model, batch: RolloutBatch, with_entropy: bool):
