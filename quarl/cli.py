@@ -63,6 +63,27 @@ def _export(args) -> int:
     return 0
 
 
+BENCHMARKS = {
+    "gemm": "B1: low-precision GEMMs vs bf16 on Qwen2.5-7B linear shapes",
+    "rollout": "B2: rollout throughput of the fast engine (Qwen2.5-7B architecture)",
+    "step": "B3: one RL step of the real trainer, split into sync/rollout/prox/update",
+}
+
+
+def _add_module_command(subparsers, name: str, help_text: str, module: str, stem: str, label: str) -> None:
+    """A subcommand whose options and runner live in `module` as add_<stem>_arguments / run_<stem>. An import
+    failure (e.g. a GPU-only dependency) leaves the rest of the CLI usable and explains itself when invoked."""
+    import importlib
+
+    parser = subparsers.add_parser(name, help=help_text)
+    try:
+        mod = importlib.import_module(module)
+        getattr(mod, f"add_{stem}_arguments")(parser)
+        parser.set_defaults(fn=getattr(mod, f"run_{stem}"))
+    except ImportError as e:
+        parser.set_defaults(fn=lambda a, e=e: sys.exit(f"{label} is unavailable: {e}"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quarl", description="RL post-training of LLMs with low-precision rollouts")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,14 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "resume=RUN_DIR continues a run")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("generate", help="sample completions from a model in any precision")
-    try:
-        from quarl.rollout.generate_cli import add_generate_arguments, run_generate
-
-        add_generate_arguments(p)
-        p.set_defaults(fn=run_generate)
-    except ImportError as e:  # keep the rest of the CLI usable
-        p.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl generate is unavailable: {e}"))
+    _add_module_command(sub, "generate", "sample completions from a model in any precision",
+                        "quarl.rollout.generate_cli", "generate", "quarl generate")
 
     p = sub.add_parser("eval", help="accuracy / avg@k / pass@k of a model on a dataset, in any precision")
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF dir, hub id, .gguf file, or a run's export")
@@ -112,30 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step")
     bench = p.add_subparsers(dest="bench", required=True)
-    g = bench.add_parser("gemm", help="B1: low-precision GEMMs vs bf16 on Qwen2.5-7B linear shapes")
-    try:
-        from quarl.bench.gemm import add_bench_gemm_arguments, run_bench_gemm
-
-        add_bench_gemm_arguments(g)
-        g.set_defaults(fn=run_bench_gemm)
-    except ImportError as e:
-        g.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench gemm is unavailable: {e}"))
-    r = bench.add_parser("rollout", help="B2: rollout throughput of the fast engine (Qwen2.5-7B architecture)")
-    try:
-        from quarl.bench.rollout import add_bench_rollout_arguments, run_bench_rollout
-
-        add_bench_rollout_arguments(r)
-        r.set_defaults(fn=run_bench_rollout)
-    except ImportError as e:
-        r.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench rollout is unavailable: {e}"))
-    s = bench.add_parser("step", help="B3: one RL step of the real trainer, split into sync/rollout/prox/update")
-    try:
-        from quarl.bench.step import add_bench_step_arguments, run_bench_step
-
-        add_bench_step_arguments(s)
-        s.set_defaults(fn=run_bench_step)
-    except ImportError as e:
-        s.set_defaults(fn=lambda a, e=e: sys.exit(f"quarl bench step is unavailable: {e}"))
+    for name, help_text in BENCHMARKS.items():
+        _add_module_command(bench, name, help_text, f"quarl.bench.{name}", f"bench_{name}", f"quarl bench {name}")
     return parser
 
 
