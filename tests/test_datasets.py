@@ -4,7 +4,6 @@ import json
 import os
 import sys
 import types
-import warnings
 
 import pytest
 

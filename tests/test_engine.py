@@ -9,24 +9,14 @@ import copy
 import pytest
 import torch
 
-from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.layers import RMSNorm
 from quarl.model.qlinear import QuantLinear
-from quarl.model.tiny import tiny_config, tiny_tokenizer
+from quarl.model.tiny import tiny_tokenizer
 from quarl.rollout.engine import RolloutEngine
 from quarl.rollout.sampling import SamplingParams, filtered_logprobs, sample_tokens
+from tiny_models import make_model, rand_prompts
 
 
-def make_model(arch="llama", dtype=torch.float32, std=0.25, **overrides):
-    """A tiny model with O(1) logits (so sampling parameters visibly change the distribution)."""
-    model = QuarlForCausalLM(tiny_config(arch, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    return model.to(dtype).eval()
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +24,6 @@ def tok():
     return tiny_tokenizer()
 
 
-def rand_prompts(lengths):
-    return [torch.randint(0, 256, (n,)).tolist() for n in lengths]
 
 
 def full_logprobs(model, prompt, completion, temperature):

@@ -14,9 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.precision_apply import apply_precision
-from quarl.model.tiny import tiny_config, tiny_tokenizer
+from quarl.model.tiny import tiny_tokenizer
 from quarl.precision import PrecisionConfig
 from quarl.rollout.engine import RolloutEngine
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, decode_attention_torch
@@ -24,6 +23,7 @@ from quarl.rollout.fast_cache import SlotKVCache
 from quarl.rollout.fast_engine import FastRolloutEngine, batch_buckets
 from quarl.rollout.fast_step import gumbel_max
 from quarl.rollout.sampling import SamplingParams, filtered_logprobs
+from tiny_models import make_model, rand_prompts
 
 
 @pytest.fixture(autouse=True)
@@ -35,15 +35,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_model(arch="llama", dtype=torch.float32, std=0.25, **overrides):
-    model = QuarlForCausalLM(tiny_config(arch, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    return model.to(dtype).eval()
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +42,6 @@ def tok():
     return tiny_tokenizer()
 
 
-def rand_prompts(lengths):
-    return [torch.randint(0, 256, (n,)).tolist() for n in lengths]
 
 
 def float64_logprobs(model, prompt, completion, params: SamplingParams):

@@ -24,7 +24,6 @@ import gc
 import os
 import random
 import shlex
-import statistics
 import sys
 import tempfile
 import time
