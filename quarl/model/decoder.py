@@ -101,7 +101,8 @@ class QuarlForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, kv_cache=None,
+                      decode_start: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, hidden] in the model dtype. Arguments as in `forward`."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
@@ -130,14 +131,14 @@ class QuarlForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask, kv_cache, start)
+            x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start)
         if kv_cache is not None:
             kv_cache.commit(T)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache=None,
-                logits_to_keep: int | None = None) -> torch.Tensor:
+                logits_to_keep: int | None = None, decode_start: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every (or the last `logits_to_keep`) position.
 
         Args:
@@ -147,10 +148,12 @@ class QuarlForCausalLM(nn.Module):
                 it covers the new tokens only; the cache remembers earlier columns.
             kv_cache: a `quarl.rollout.kv_cache.KVCache` (or None for a full-sequence forward).
             logits_to_keep: keep only the last k positions (None or 0 = all).
+            decode_start: long [B], the first column of each row that the rollout engine decoded (rather than
+                prefilled); used only by attention layers with `kv_quant` set (FP8 KV cache in the unified flow).
         Returns:
             float32 logits [B, T or k, vocab_size] (float64 for a float64 model).
         """
-        h = self.hidden_states(input_ids, positions, attention_mask, kv_cache)
+        h = self.hidden_states(input_ids, positions, attention_mask, kv_cache, decode_start)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)

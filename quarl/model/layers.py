@@ -118,8 +118,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+FP8_KV_MAX = 448.0
+
+
+def fp8_kv_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """The values an FP8 (E4M3, scale 1) KV cache hands back for keys/values x: clamp to +-448, round to E4M3,
+    cast back to x.dtype. Same shape; no gradient (callers add a straight-through term)."""
+    return x.detach().float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary embeddings and an optional KV cache."""
+    """Grouped-query self-attention with rotary embeddings and an optional KV cache.
+
+    `kv_quant = "fp8"` makes a full-sequence forward see the keys/values the way the fast engine's FP8 KV cache
+    serves them to decoding queries (unified flow: rollout and training then compute the same thing). Given
+    `decode_start` [B] (the first column each row decoded rather than prefilled), queries from that column on
+    attend to FP8-rounded keys/values (straight-through gradients); earlier (prefill) queries see them unrounded,
+    as the engine's prefill does.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -135,9 +151,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.kv_quant: str | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
-                kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+                kv_cache=None, cache_start: int = 0, decode_start: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden]; attn_mask bool [B, 1, T, S] (True = may attend) or None = plain causal.
 
         With a kv_cache, the new keys/values are written at columns [cache_start, cache_start + T) and attention
@@ -153,13 +170,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        out = self._sdpa(q, k, v, attn_mask)
+        if self.kv_quant == "fp8" and decode_start is not None and kv_cache is None:
+            k_q = k + (fp8_kv_roundtrip(k) - k).detach()
+            v_q = v + (fp8_kv_roundtrip(v) - v).detach()
+            decoding = torch.arange(T, device=x.device)[None, :] >= decode_start.to(x.device)[:, None]  # [B, T]
+            out = torch.where(decoding[:, None, :, None], self._sdpa(q, k_q, v_q, attn_mask), out)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _sdpa(self, q, k, v, attn_mask):
+        gqa = self.num_heads != self.num_kv_heads
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -187,6 +210,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, cache_start)
+    def forward(self, x, cos, sin, attn_mask, kv_cache=None, cache_start: int = 0,
+                decode_start: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, cache_start, decode_start)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -106,15 +106,20 @@ def answer_logprobs(
     temperature: float,
     width: int,
     with_entropy: bool = False,
+    answer_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each of the last `width` tokens under logits / temperature, like the rollout engine scores it.
 
     input_ids, attention_mask [B, T] (left-padded) -> (logprobs [B, width] float32, entropy [B, width] float32 or
     None): the last `width` columns of the [B, T-1] layout. Autograd flows through logprobs when grad is enabled;
-    entropy is always detached.
+    entropy is always detached. answer_lengths [B] tells the model where each row's decoding began (the last
+    prompt token, column T-1-A), which attention layers that mimic an FP8 KV cache need.
     """
-    width = min(width, input_ids.shape[1] - 1)
-    logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=width + 1)[:, :-1]  # float32 (or 64)
+    T = input_ids.shape[1]
+    width = min(width, T - 1)
+    decode_start = None if answer_lengths is None else (T - 1 - answer_lengths).to(input_ids.device)
+    logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=width + 1,
+                   decode_start=decode_start)[:, :-1]  # float32 (float64 for a float64 model)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, -width:].to(logits.device).unsqueeze(-1)

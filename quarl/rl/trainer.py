@@ -19,6 +19,7 @@ import yaml
 
 from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device
+from quarl.model.layers import Attention
 from quarl.model.precision_apply import apply_precision, refresh_rollout_weights
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
@@ -105,6 +106,11 @@ class Trainer:
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
         self.quantized_linears = apply_precision(self.model, cfg.precision)
+        if cfg.precision.kv_cache == "fp8" and cfg.precision.flow == "unified":
+            # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
+            for module in self.model.modules():
+                if isinstance(module, Attention):
+                    module.kv_quant = "fp8"
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -228,7 +234,7 @@ class Trainer:
             sub = batch.select(rows)
             lp, ent = answer_logprobs(
                 model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                self.cfg.rollout.temperature, sub.answer_width, with_entropy,
+                self.cfg.rollout.temperature, sub.answer_width, with_entropy, sub.answer_lengths,
             )
             width = lp.shape[1]  # rows are left-padded: answers live in the last `width` columns
             out[rows, -width:] = lp.float().cpu()
@@ -260,7 +266,7 @@ class Trainer:
                     sub = batch.select(rows)
                     logprobs, _ = answer_logprobs(
                         self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                        self.cfg.rollout.temperature, sub.answer_width,
+                        self.cfg.rollout.temperature, sub.answer_width, answer_lengths=sub.answer_lengths,
                     )
                     width = logprobs.shape[1]  # the last `width` columns hold every answer token of these rows
                     dev = lambda t: None if t is None else t[rows, -width:].to(self.device)  # noqa: E731

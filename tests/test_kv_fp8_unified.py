@@ -1,0 +1,86 @@
+"""FP8 KV cache in the unified flow: the training forward reproduces the log-probs of rollouts that read an FP8
+KV cache (the fast engine, run on the CPU here), and differs from them without the KV rounding."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from quarl.model.layers import Attention, fp8_kv_roundtrip
+from quarl.model.tiny import tiny_tokenizer
+from quarl.rl.batch import answer_logprobs, build_batch
+from quarl.rollout.fast_engine import FastRolloutEngine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import make_model, rand_prompts  # noqa: E402
+
+
+def set_kv_quant(model, value):
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_quant = value
+
+
+def test_fp8_roundtrip_matches_e4m3_rounding_and_saturates():
+    x = torch.tensor([0.0, 1.0, 1.0625, 1.1875, 500.0, -1000.0, 3.3e-3])
+    got = fp8_kv_roundtrip(x)
+    # E4M3 has 3 mantissa bits: 1.0625 is a tie between 1.0 and 1.125 (to even: 1.0); 1.1875 -> 1.25 (tie, even)
+    assert got.tolist()[:4] == [0.0, 1.0, 1.0, 1.25]
+    assert got[4].item() == 448.0 and got[5].item() == -448.0  # saturates instead of turning into NaN
+    # subnormal range: values are multiples of 2^-9, rounded to the nearest one
+    assert (got[6].item() / 2 ** -9).is_integer() and abs(got[6].item() - 3.3e-3) <= 2 ** -10
+
+
+def test_training_forward_reproduces_fp8_kv_rollout_logprobs():
+    torch.manual_seed(0)
+    model = make_model("qwen2", torch.float32, std=0.3)
+    engine = FastRolloutEngine(model, tiny_tokenizer(), max_batch_size=8, kv_cache_dtype="fp8")
+    prompts = rand_prompts([5, 9, 3])
+    outs = engine.generate(prompts, n=2, max_new_tokens=6, temperature=0.8, seed=1)
+    rows = [(o.prompt_token_ids, c) for o in outs for c in o.completions]
+    batch = build_batch([p for p, _ in rows], [c.token_ids for _, c in rows], [c.logprobs for _, c in rows],
+                        [True] * len(rows), torch.zeros(len(rows)), torch.zeros(len(rows)), list(range(len(rows))),
+                        pad_id=0)
+    width = batch.answer_width
+    mask = batch.answer_mask[:, -width:].bool()
+    behaviour = batch.behaviour_logprobs[:, -width:][mask]
+
+    def training_logprobs(kv_quant):
+        set_kv_quant(model, kv_quant)
+        with torch.no_grad():
+            lp, _ = answer_logprobs(model, batch.input_ids, batch.attention_mask, 0.8, width,
+                                    answer_lengths=batch.answer_lengths)
+        return lp[mask]
+
+    with_kv = training_logprobs("fp8")
+    without = training_logprobs(None)
+    err_with = (with_kv - behaviour).abs().max().item()
+    err_without = (without - behaviour).abs().max().item()
+    assert err_with < 1e-4, err_with  # float32 kernels differ only in summation order
+    assert err_without > 20 * max(err_with, 1e-6), (err_without, err_with)  # the FP8 rounding is visible
+
+
+def test_kv_quant_gradients_are_straight_through():
+    torch.manual_seed(0)
+    model = make_model("llama", torch.float64)
+    set_kv_quant(model, "fp8")
+    ids = torch.tensor([rand_prompts([7])[0]])
+    start = torch.tensor([3])
+    out = model(ids, decode_start=start).sum()
+    out.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "k_proj" in n or "v_proj" in n]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_unified_flow_with_fp8_kv_cache_stays_on_policy(tmp_path):
+    from test_trainer import make_cfg, make_trainer, read_metrics
+
+    cfg = make_cfg(tmp_path, "precision.flow=unified", "precision.kv_cache=fp8", "rollout.engine=fast",
+                   "train.steps=1")
+    trainer = make_trainer(cfg, arch="qwen2")
+    assert isinstance(trainer.engine, FastRolloutEngine)
+    assert all(m.kv_quant == "fp8" for m in trainer.model.modules() if isinstance(m, Attention))
+    trainer.train()
+    record = read_metrics(tmp_path / "run")[0]
+    # rollout (FP8 weights/activations, FP8 KV cache) and training compute the same function
+    assert record["mismatch/max_abs_logp_diff"] < 1e-3, record["mismatch/max_abs_logp_diff"]
