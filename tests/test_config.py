@@ -71,9 +71,12 @@ def test_bad_override_syntax():
         parse_overrides(["train.steps"])
 
 
-def test_demo_config_is_valid():
+def test_shipped_configs_are_valid():
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    cfg = load_config(root / "configs" / "demo.yaml")
-    assert cfg.model.name == "smollm2-135m-instruct"
+    configs = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.output.dir.startswith("runs/"), path
+    assert load_config(configs[0].parent / "demo.yaml").model.name == "smollm2-135m-instruct"
