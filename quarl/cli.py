@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args) or 0)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"quarl {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -153,9 +153,9 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         # LoRA lives at the top level in YAML; the precision flow needs it to check qlora.
         self.precision.lora = self.lora
-        if self.loss.max_new_tokens is None:  # Dr.GRPO divides by answers x max_new_tokens
-            self.loss.max_new_tokens = self.rollout.max_new_tokens
-        for check in (self.precision.validate, self.loss.validate):
+        # Dr.GRPO divides by answers x max_new_tokens; the trainer resolves an unset value the same way.
+        loss = dataclasses.replace(self.loss, max_new_tokens=self.loss.max_new_tokens or self.rollout.max_new_tokens)
+        for check in (self.precision.validate, loss.validate):
             try:
                 check()
             except ValueError as e:
@@ -167,12 +167,19 @@ class RunConfig:
             "train.steps": self.train.steps,
             "train.epochs": self.train.epochs,
             "train.micro_batch_size": self.train.micro_batch_size,
+            "output.checkpoint_every": self.output.checkpoint_every,
+            "eval.n": self.eval.n,
         }
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{key}={value} must be >= 1")
-        if self.rollout.temperature < 0:
-            raise ConfigError(f"rollout.temperature={self.rollout.temperature} must be >= 0")
+        if self.rollout.temperature <= 0:
+            raise ConfigError(
+                f"rollout.temperature={self.rollout.temperature}: RL needs sampling (> 0); greedy answers to the same "
+                "prompt are identical and give no advantage signal"
+            )
+        if self.eval.n > 1 and self.eval.temperature <= 0:
+            raise ConfigError(f"eval.n={self.eval.n} needs eval.temperature > 0 (greedy answers would all be equal)")
         if self.rollout.num_generations < 2 and self.loss.loss_type in ("grpo", "dapo", "dr_grpo"):
             raise ConfigError(
                 "rollout.num_generations must be >= 2: group-relative advantages compare answers to the same "
@@ -324,6 +331,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def config_from_dict(data: dict) -> RunConfig:
+    if isinstance(data.get("precision"), dict) and "lora" in data["precision"]:
+        raise ConfigError("LoRA settings go in the top-level `lora:` section (lora.rank=...), not under precision")
     return _build(RunConfig, data, "").validate()
 
 

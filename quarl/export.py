@@ -68,20 +68,25 @@ def export_run(model, tokenizer, cfg, out_dir: str | Path) -> Path:
 
 
 def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Rebuild a run's model from its config and latest checkpoint, then export it."""
+    """Rebuild a run's model from its config (model, UAQ, precision) and latest checkpoint, then export it.
+    Needs neither the training data nor a rollout engine."""
     from quarl.config import load_config
-    from quarl.rl.checkpoint import latest_checkpoint
-    from quarl.rl.trainer import Trainer
+    from quarl.devices import resolve_device
+    from quarl.model.loading import load_model
+    from quarl.model.precision_apply import apply_precision
+    from quarl.rl.checkpoint import latest_checkpoint, load_checkpoint
+    from quarl.rl.uaq import apply_uaq
 
     run_dir = Path(run_dir)
-    cfg = load_config(run_dir / "config.yaml", ["output.tensorboard=false", "loss.kl_coef=0"])
-    trainer = Trainer(cfg)
+    cfg = load_config(run_dir / "config.yaml")
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {run_dir}/checkpoints to export")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    params = dict(trainer.model.named_parameters())
-    with torch.no_grad():
-        for name, value in state["model"].items():
-            params[name].copy_(value)
-    return export_run(trainer.model, trainer.tokenizer, cfg, out_dir or run_dir / "export")
+    device = resolve_device(cfg.model.device)
+    model, tokenizer = load_model(cfg.model.name, device=str(device), dtype=cfg.precision.torch_dtype(device),
+                                  gguf_file=cfg.model.gguf_file, revision=cfg.model.revision)
+    if cfg.uaq.scale != 1.0:
+        apply_uaq(model, cfg.uaq.scale)
+    apply_precision(model, cfg.precision)
+    load_checkpoint(ckpt, model)  # weights only: no optimizer, RNG untouched
+    return export_run(model, tokenizer, cfg, out_dir or run_dir / "export")

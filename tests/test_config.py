@@ -19,7 +19,7 @@ def test_yaml_and_overrides_are_typed(tmp_path):
     assert cfg.precision.resolved_format == "fp8"
     assert cfg.rollout.stop == ("\n\n",)
     assert cfg.rollout.top_p == 0.9
-    assert cfg.loss.max_new_tokens == cfg.rollout.max_new_tokens  # filled for Dr.GRPO aggregation
+    assert cfg.loss.max_new_tokens is None  # derived from rollout.max_new_tokens at use, never frozen into the config
 
 
 def test_unknown_key_suggests_the_close_one(tmp_path):
@@ -80,3 +80,14 @@ def test_shipped_configs_are_valid():
         cfg = load_config(path)
         assert cfg.output.dir.startswith("runs/"), path
     assert load_config(configs[0].parent / "demo.yaml").model.name == "smollm2-135m-instruct"
+
+
+def test_settings_that_would_fail_later_fail_now(tmp_path):
+    with pytest.raises(ConfigError, match="top-level `lora:`"):
+        load_config(None, ["precision.lora.rank=16"])
+    with pytest.raises(ConfigError, match="eval.n=4 needs eval.temperature"):
+        load_config(None, ["eval.n=4"])
+    with pytest.raises(ConfigError, match="output.checkpoint_every=0"):
+        load_config(None, ["output.checkpoint_every=0"])
+    with pytest.raises(ConfigError, match="needs sampling"):
+        load_config(None, ["rollout.temperature=0"])

@@ -178,12 +178,64 @@ def test_dynamic_sampling_refills_and_overlong_filter_masks(tmp_path):
     same, mixed, long_mixed = ["aaaa"] * 4, ["11111111", "a", "1a", "aa"], ["1" * 8, "a" * 8, "1b", "b"]
     # call 1: one informative group of two; refill 1: still nothing; refill 2: one more informative group
     trainer.engine = ScriptedEngine([[same, mixed], [same], [long_mixed]])
-    examples, outputs, rewards, tokens, rounds = trainer.rollout(step=0)
+    examples, outputs, rewards, sampled, tokens, rounds = trainer.rollout(step=0)
     assert rounds == 3 and len(examples) == 2 and trainer.engine.calls == 3
     assert [o.completions[0].text for o in outputs] == ["11111111", "1" * 8]
+    assert len(sampled) == 4 * 4  # reward/mean covers every sampled answer, dropped groups included
     batch, stats = trainer.assemble(outputs, rewards)
     # rows cut at max_new_tokens ("length") are dropped from the loss; the others count
     counted = batch.answer_mask.sum(1).tolist()
     assert counted == [0.0, 1.0, 2.0, 2.0, 0.0, 0.0, 2.0, 1.0]
     assert stats["rollout/truncated_frac"] == pytest.approx(3 / 8)
     torch.testing.assert_close(batch.advantages[:4].sum(), torch.tensor(0.0), atol=1e-5, rtol=0)
+
+
+def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path):
+    make_trainer(make_cfg(tmp_path, "train.steps=1")).train()
+    (tmp_path / "run" / "marker.txt").write_text("earlier run")
+    make_trainer(make_cfg(tmp_path, "train.steps=1")).train()
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("run.prev-")]
+    assert len(moved) == 1 and (moved[0] / "marker.txt").read_text() == "earlier run"
+    assert (moved[0] / "checkpoints" / "step_000001.pt").is_file()  # nothing of the earlier run was deleted
+    assert not (tmp_path / "run" / "marker.txt").exists()
+
+
+def test_proximal_scoring_has_no_lora_dropout(tmp_path):
+    # bf16 flow: rollout and training compute the same function, so any mismatch would come from dropout noise
+    cfg = make_cfg(tmp_path, "lora.rank=4", "lora.dropout=0.5", "train.lr=5e-2", "train.steps=3")
+    make_trainer(cfg).train()
+    for record in read_metrics(tmp_path / "run"):
+        assert record["mismatch/max_abs_logp_diff"] < 1e-4, record["step"]
+
+
+def test_evaluation_uses_fresh_weights_without_noise(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path, "precision.flow=split", "precision.format=int8", "aqn.sigma_start=0.05",
+                   "aqn.sigma_end=0.01", "aqn.stages=2", "eval.after=true")
+    trainer = make_trainer(cfg)
+    seen = {}
+
+    def spy_evaluate(engine, task, examples, **kw):
+        norms = [m.rollout_noise for m in trainer.model.modules() if hasattr(m, "rollout_noise")]
+        seen["noise"] = max(float(n.abs().max()) for n in norms)
+        layer = trainer.model.model.layers[0].self_attn.q_proj
+        from quarl.formats import quantize
+
+        fresh = quantize(layer.weight.detach(), "int8")
+        seen["stale"] = float((layer.qweight.dequantize() - fresh.dequantize()).abs().max())
+        return {"accuracy": 0.0}
+
+    monkeypatch.setattr("quarl.rl.trainer.evaluate", spy_evaluate)
+    trainer.train()
+    assert seen == {"noise": 0.0, "stale": 0.0}
+
+
+def test_local_training_file_needs_a_held_out_source(tmp_path):
+    from quarl.config import DataSection, RewardSection
+    from quarl.tasks.task import load_task
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="data.eval"):
+        load_task(DataSection(train=str(path)), RewardSection(), tiny_tokenizer())
+    task = load_task(DataSection(train=str(path), eval=str(path)), RewardSection(), tiny_tokenizer())
+    assert len(task.train_examples) == 1 and task.correct("the answer is 2", task.eval_examples[0])

@@ -142,7 +142,7 @@ def synthetic_task(num_examples: int, prompt_len: int, vocab_size: int, seed: in
     rng = random.Random(seed)
     # Random rewards keep every group's standard deviation > 0, so no advantage is zero and the update does work.
     return TaskData(examples, [], render_fn=lambda ex: ex.meta["token_ids"], reward_fn=lambda text, ex: rng.random(),
-                    seed=seed)
+                    correct_fn=lambda text, ex: 0.0, seed=seed)
 
 
 def run_config(args, setting: Setting, run_dir: str, device):

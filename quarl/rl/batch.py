@@ -17,7 +17,7 @@ from quarl.rl.mismatch import entropy_from_logits
 
 @dataclass
 class RolloutBatch:
-    """B sequences (prompt + answer) of one RL step, right-padded to T tokens.
+    """B sequences (prompt + answer) of one RL step, left-padded to T tokens (every row ends in column T-1).
 
     input_ids [B, T] int64; attention_mask [B, T] int64 (1 = real token); answer_mask [B, T-1] float32 (1 = answer
     token that counts in the loss); behaviour_logprobs [B, T-1] float32 (log μ, 0 outside answers);

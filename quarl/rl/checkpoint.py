@@ -1,4 +1,5 @@
-"""Atomic checkpoints of a training run: trainable weights, optimizer, scheduler, RNG states, step.
+"""Atomic checkpoints of a training run: trainable weights, optimizer, RNG states, step (the learning rate is a
+function of the step).
 
 Files live in RUN_DIR/checkpoints/step_NNNNNN.pt; RUN_DIR/checkpoints/latest names the newest one. Every file is
 written to a temporary name in the same folder and renamed into place, so a crash never leaves a half-written
@@ -32,13 +33,28 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (POSIX: the directory entry lives in the folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_torch_save(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        torch.save(obj, tmp)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -65,7 +81,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, keep: int = 2, **extra) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, keep: int = 2, **extra) -> Path:
     """Write the state after `step` completed RL steps; keep the newest `keep` checkpoints. Returns the path."""
     folder = Path(run_dir) / "checkpoints"
     path = folder / f"step_{step:06d}.pt"
@@ -73,13 +89,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
         "step": step,
         "model": trainable_state(model),
         "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         **extra,
     }
     atomic_torch_save(state, path)
     atomic_write_bytes(folder / "latest", path.name.encode())
-    for old in sorted(folder.glob("step_*.pt"))[:-keep]:
+    for old in sorted(p for p in folder.glob("step_*.pt") if p != path)[: -(keep - 1) or None]:
         old.unlink(missing_ok=True)
     return path
 
@@ -95,7 +110,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     """Restore a checkpoint in place; returns the whole state dict (step, extra fields)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     params = dict(model.named_parameters())
@@ -107,7 +122,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
     with torch.no_grad():
         for name, value in state["model"].items():
             params[name].copy_(value.to(params[name].device, params[name].dtype))
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
     return state

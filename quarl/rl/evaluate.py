@@ -16,7 +16,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(engine, task, examples, *, n: int = 1, temperature: float = 0.0, max_new_tokens: int = 256,
              seed: int = 0, stop: list[str] | None = None, batch_prompts: int = 64) -> dict[str, float]:
-    """Score `n` answers per example with the task's reward (1 = correct).
+    """Score `n` answers per example with the task's correctness check (no format bonus).
 
     Returns {"accuracy": mean reward of the first answer, "avg@n": mean over all answers,
     "pass@n": fraction of problems with at least one correct answer (unbiased), "num_examples": count}.
@@ -33,7 +33,7 @@ def evaluate(engine, task, examples, *, n: int = 1, temperature: float = 0.0, ma
         outputs = engine.generate([task.render(ex) for ex in chunk], n=n, max_new_tokens=max_new_tokens,
                                   temperature=temperature, stop=stop, seed=seed + start)
         for ex, out in zip(chunk, outputs):
-            scores = [task.reward(c.text, ex) >= 1.0 for c in out.completions]
+            scores = [task.correct(c.text, ex) for c in out.completions]
             first += scores[0]
             mean_all += sum(scores) / n
             passed += pass_at_k(n, sum(scores), n)

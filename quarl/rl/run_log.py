@@ -7,6 +7,8 @@ import math
 import warnings
 from pathlib import Path
 
+from quarl.rl.checkpoint import atomic_write_bytes
+
 
 class RunLog:
     """Appends one JSON record per step to RUN_DIR/metrics.jsonl (flushed each step) and mirrors it to TensorBoard."""
@@ -34,10 +36,17 @@ class RunLog:
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:
+        """Keep the records of steps <= step (a torn last line from a crash is dropped), rewritten atomically."""
         if not path.exists():
             return
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step}

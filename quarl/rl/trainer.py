@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -120,9 +122,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_factor(s, cfg.train.steps, cfg.train.warmup_steps, cfg.train.lr_schedule),
+        # Dr.GRPO divides by answers x max_new_tokens: resolved here, not written back into the config.
+        self.loss_cfg = dataclasses.replace(
+            cfg.loss, max_new_tokens=cfg.loss.max_new_tokens or cfg.rollout.max_new_tokens
         )
         self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
         self.task: TaskData = load_task(cfg.data, cfg.reward, self.tokenizer, seed=cfg.train.seed)
@@ -132,13 +134,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ setup
 
     def prepare_run_dir(self) -> None:
-        """Write the resolved config; restore the latest checkpoint when resuming."""
+        """Write the resolved config; restore the latest checkpoint when resuming. A fresh run never mixes with an
+        earlier run in the same folder: that run is moved aside (nothing is deleted)."""
+        if not self.cfg.resume and self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+            aside = self.run_dir.with_name(f"{self.run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(str(self.run_dir), str(aside))
+            print(f"[quarl] {self.run_dir} held an earlier run; moved it to {aside}")
         resume_step = None
         if self.cfg.resume:
             ckpt = latest_checkpoint(self.run_dir)
             if ckpt is None:
                 raise FileNotFoundError(f"resume={self.cfg.resume}: no checkpoint in {self.run_dir}/checkpoints")
-            state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler)
+            state = load_checkpoint(ckpt, self.model, self.optimizer)
             self.start_step = resume_step = state["step"]
             refresh_rollout_weights(self.model)
             print(f"[quarl] resumed from {ckpt} (step {self.start_step})")
@@ -146,6 +153,12 @@ class Trainer:
         atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(self.cfg)).encode())
 
     # ------------------------------------------------------------------------------------------------ one step
+
+    def set_lr(self, step: int) -> None:
+        """The learning rate is a pure function of the RL step (warm-up, then the schedule): nothing to save."""
+        t = self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.lr * lr_factor(step, t.steps, t.warmup_steps, t.lr_schedule)
 
     def sync(self, step: int) -> float:
         """Re-quantize master weights into the rollout copy (in place) and draw this step's AQN noise."""
@@ -165,6 +178,7 @@ class Trainer:
         r, tr = self.cfg.rollout, self.cfg.train
         wanted = r.prompts_per_step
         examples, outputs, rewards = [], [], []
+        sampled_rewards = []  # every answer's reward, kept or dropped by dynamic sampling
         attempt = 0
         tokens = 0
         while True:
@@ -177,6 +191,7 @@ class Trainer:
             for ex, out in zip(batch, outs):
                 scores = torch.tensor([self.task.reward(c.text, ex) for c in out.completions])
                 tokens += sum(len(c.token_ids) for c in out.completions)
+                sampled_rewards.append(scores)
                 keep = not tr.dynamic_sampling or bool(dynamic_sampling_keep(scores, r.num_generations)[0])
                 if keep:
                     examples.append(ex)
@@ -185,7 +200,7 @@ class Trainer:
             attempt += 1
             if not tr.dynamic_sampling or len(examples) >= wanted or attempt > tr.max_refills:
                 break
-        return examples, outputs, rewards, tokens, attempt
+        return examples, outputs, rewards, torch.cat(sampled_rewards), tokens, attempt
 
     def assemble(self, outputs, rewards) -> tuple[RolloutBatch, dict]:
         r, tr = self.cfg.rollout, self.cfg.train
@@ -204,24 +219,16 @@ class Trainer:
             behaviour_logprobs=[c.logprobs for o in outputs for c in o.completions],
             counts=counts, advantages=advantages, rewards=flat_rewards,
             group_index=[i for i, o in enumerate(outputs) for _ in o.completions],
-            pad_id=self.pad_id,
+            pad_id=0,  # any id below the vocabulary size: padding is masked
         )
         stats = {
-            "reward/mean": flat_rewards.mean().item(),
+            "reward/trained_mean": flat_rewards.mean().item(),
             "reward/std": flat_rewards.std(unbiased=False).item(),
             "rollout/answer_len_mean": lengths.mean().item(),
             "rollout/truncated_frac": sum(truncated) / max(len(truncated), 1),
         }
         return batch, stats
 
-    @property
-    def pad_id(self) -> int:
-        """Any id works (padding is masked); prefer the tokenizer's pad, then its EOS."""
-        for name in ("pad_token_id", "eos_token_id"):
-            value = getattr(self.tokenizer, name, None)
-            if isinstance(value, int):
-                return value
-        return 0
 
     @torch.no_grad()
     def score(self, model, batch: RolloutBatch, with_entropy: bool):
@@ -229,6 +236,8 @@ class Trainer:
         out = torch.zeros_like(batch.behaviour_logprobs)
         entropy = torch.zeros_like(batch.behaviour_logprobs) if with_entropy else None
         mb = self.cfg.train.micro_batch_size
+        was_training = model.training
+        model.eval()  # π_prox is the policy itself: no (LoRA) dropout
         for start in range(0, len(batch), mb):
             rows = list(range(start, min(start + mb, len(batch))))
             sub = batch.select(rows)
@@ -240,6 +249,7 @@ class Trainer:
             out[rows, -width:] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, -width:] = ent.float().cpu()
+        model.train(was_training)
         return out, entropy
 
     def update(self, batch: RolloutBatch, proximal, reference, step: int) -> dict:
@@ -272,7 +282,7 @@ class Trainer:
                     dev = lambda t: None if t is None else t[rows, -width:].to(self.device)  # noqa: E731
                     loss, metrics = policy_loss(
                         logprobs, dev(proximal), sub.behaviour_logprobs[:, -width:].to(self.device),
-                        sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.cfg.loss,
+                        sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.loss_cfg,
                         reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
                     )
                     loss.backward()
@@ -297,15 +307,16 @@ class Trainer:
         sigma, sync_s = self.sync(step)
 
         t0 = time.perf_counter()
-        examples, outputs, rewards, tokens, attempts = self.rollout(step)
+        self.set_lr(step)
+        examples, outputs, rewards, sampled_rewards, tokens, attempts = self.rollout(step)
         rollout_s = time.perf_counter() - t0
         metrics = {"time/sync_s": sync_s, "time/rollout_s": rollout_s, "rollout/tokens_per_s": tokens / rollout_s}
         metrics["aqn/sigma"] = sigma
         metrics["groups/kept"] = len(examples)
         metrics["groups/rollout_rounds"] = attempts
+        metrics["reward/mean"] = sampled_rewards.mean().item()  # over everything sampled (DAPO drops some)
         if not examples:  # dynamic sampling found no informative group: nothing to learn from this step
-            metrics["reward/mean"] = float("nan")
-            self.scheduler.step()
+            metrics["time/step_s"] = time.perf_counter() - t_step
             return metrics
 
         batch, stats = self.assemble(outputs, rewards)
@@ -328,7 +339,6 @@ class Trainer:
         metrics.update(self.update(batch, proximal, reference, step))
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
         metrics["time/step_s"] = time.perf_counter() - t_step
 
         self.log.samples(step + 1, [
@@ -341,6 +351,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ loop
 
     def evaluate(self) -> dict:
+        """Held-out scores of the current weights in rollout precision, without AQN noise."""
+        refresh_rollout_weights(self.model)
+        if self.cfg.aqn.sigma_start > 0:
+            set_aqn_noise(self.model, 0.0)
         e = self.cfg.eval
         result = evaluate(
             self.engine, self.task, self.task.eval_examples, n=e.n, temperature=e.temperature,
@@ -357,7 +371,6 @@ class Trainer:
         cfg = self.cfg
         summary: dict = {}
         if cfg.eval.before and self.start_step == 0 and self.task.eval_examples:
-            refresh_rollout_weights(self.model)
             summary["before"] = self.evaluate()
             self.log.log(0, summary["before"])
             print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
@@ -373,7 +386,8 @@ class Trainer:
                 while step < cfg.train.steps:
                     last = self.step(step)
                     step += 1
-                    if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                    if (cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps
+                            and self.task.eval_examples):
                         last.update(self.evaluate())
                     self.log.log(step, last)
                     bar.update(1)
@@ -392,7 +406,6 @@ class Trainer:
         finally:
             bar.close()
         if not summary.get("interrupted") and cfg.eval.after and self.task.eval_examples:
-            refresh_rollout_weights(self.model)
             summary["after"] = self.evaluate()
             self.log.log(step, summary["after"])
             print(f"[quarl] held-out after training: {_fmt(summary['after'])}")
@@ -406,7 +419,7 @@ class Trainer:
         return summary
 
     def checkpoint(self, step: int) -> None:
-        save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler)
+        save_checkpoint(self.run_dir, step, self.model, self.optimizer)
 
 
 def _fmt(metrics: dict) -> str:

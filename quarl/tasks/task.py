@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,6 +20,7 @@ class TaskData:
     eval_examples: list[Example]
     render_fn: Callable[[Example], str]
     reward_fn: Callable[[str, Example], float]
+    correct_fn: Callable[[str, Example], float]  # correctness alone (no format bonus): 1 = correct
     seed: int = 0
     _orders: dict = field(default_factory=dict, repr=False)
 
@@ -27,6 +29,10 @@ class TaskData:
 
     def reward(self, completion: str, example: Example) -> float:
         return float(self.reward_fn(completion, example))
+
+    def correct(self, completion: str, example: Example) -> bool:
+        """Held-out scoring: the task's answer check (or user reward) >= 1, without the format bonus."""
+        return float(self.correct_fn(completion, example)) >= 1.0
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -65,16 +71,17 @@ def make_renderer(data_cfg, tokenizer) -> Callable[[Example], str]:
     return render
 
 
-def make_reward(reward_cfg) -> Callable[[str, Example], float]:
+def make_reward(reward_cfg) -> tuple[Callable[[str, Example], float], Callable[[str, Example], float]]:
+    """(training reward, correctness): the reward adds the optional format bonus to the correctness check."""
     if reward_cfg.function:
         user_fn = load_reward_function(reward_cfg.function)
         base = lambda text, ex: float(user_fn(text, ex.__dict__))  # noqa: E731
     else:
         base = lambda text, ex: math_reward(text, ex.gold, ex.gold_format)  # noqa: E731
     if reward_cfg.format_weight == 0:
-        return base
+        return base, base
     w, pattern = reward_cfg.format_weight, reward_cfg.format_pattern
-    return lambda text, ex: base(text, ex) + w * format_reward(text, pattern)
+    return (lambda text, ex: base(text, ex) + w * format_reward(text, pattern)), base
 
 
 def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
@@ -87,6 +94,11 @@ def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
             ops=tuple(d.ops), template="{expression}",
         )
     else:
+        if d.eval is None and os.path.exists(d.train):
+            raise ValueError(
+                f"data.train={d.train!r} is a local file, which has no held-out split: set data.eval to a held-out "
+                "file or benchmark (e.g. data.eval=gsm8k), or turn evaluation off (eval.before/after=false)"
+            )
         fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, gold_format=d.gold_format,
                       data_dir=d.data_dir)
         train = load_examples(d.train, d.train_split, limit=d.limit, **fields)
@@ -95,4 +107,5 @@ def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
         held_out = held_out[: d.eval_limit]
     if not train:
         raise ValueError(f"data.train={d.train!r} gave no training examples")
-    return TaskData(train, held_out, make_renderer(d, tokenizer), make_reward(reward_cfg), seed=seed)
+    reward, correct = make_reward(reward_cfg)
+    return TaskData(train, held_out, make_renderer(d, tokenizer), reward, correct, seed=seed)
