@@ -29,6 +29,11 @@ def export_peft_adapters(model: torch.nn.Module, lora_cfg, base_model: str, out_
     layers = lora_layers(model)
     if not layers:
         raise ValueError("the model has no LoRA adapters to export (lora.rank is 0)")
+    if lora_cfg.train_norms:
+        raise ValueError(
+            "lora.train_norms=true trained the RMSNorm weights too, which PEFT LoRA adapters cannot carry; "
+            "use the merged Hugging Face export (RUN_DIR/export/hf) instead"
+        )
     tensors = {}
     for name, layer in layers.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A.detach().float().cpu().contiguous()
@@ -62,7 +67,7 @@ def export_run(model, tokenizer, cfg, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, tokenizer, out / "hf")
-    if cfg.lora.enabled:
+    if cfg.lora.enabled and not cfg.lora.train_norms:  # trained norms live only in the merged export
         export_peft_adapters(model, cfg.lora, cfg.model.name, out / "adapter")
     return out
 
