@@ -5,36 +5,15 @@ Imports Triton: load it only through `quarl.kernels` (which checks that Triton a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from quarl.kernels.tuning import Cfg
 
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape and launch parameters of one GEMM launch.
 
-    bm/bn/bk: tile rows (tokens), columns (output features), reduction depth; split_k: programs sharing one
-    output tile along K (fp32 partials summed by `splitk_reduce`); warps/stages: Triton's num_warps /
-    num_stages (software pipelining depth); group_m: output tiles of one column band visited together (L2 reuse
-    of the weight in prefill). native: W8A8 only, multiply the int8/fp8 codes on the int8/fp8 tensor cores
-    (needs bm >= 64); otherwise the codes are converted exactly to fp16 and multiplied there.
-    """
-
-    bm: int
-    bn: int
-    bk: int
-    split_k: int = 1
-    warps: int = 4
-    stages: int = 3
-    group_m: int = 8
-    native: bool = False
-
-    def name(self) -> str:
-        tag = "n" if self.native else ""
-        return f"{self.bm}x{self.bn}x{self.bk}s{self.split_k}w{self.warps}p{self.stages}{tag}"
+# One tile-configuration type for the planner (Triton-free) and the kernels.
+GemmConfig = Cfg
 
 
 @triton.jit

@@ -33,7 +33,14 @@ M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
 
 @dataclass(frozen=True)
 class Cfg:
-    """Tile configuration (mirrors `quarl.kernels.common.GemmConfig`, kept Triton-free)."""
+    """Tile shape and launch parameters of one GEMM launch (Triton-free; the kernels use it as GemmConfig).
+
+    bm/bn/bk: tile rows (tokens), columns (output features), reduction depth; split_k: programs sharing one
+    output tile along K (fp32 partials summed by `splitk_reduce`); warps/stages: Triton's num_warps /
+    num_stages (software pipelining depth); group_m: output tiles of one column band visited together (L2 reuse
+    of the weight in prefill). native: W8A8 only, multiply the int8/fp8 codes on the int8/fp8 tensor cores
+    (needs bm >= 64); otherwise the codes are converted exactly to fp16 and multiplied there.
+    """
 
     bm: int
     bn: int
@@ -43,6 +50,10 @@ class Cfg:
     stages: int = 3
     group_m: int = 8
     native: bool = False
+
+    def name(self) -> str:
+        tag = "n" if self.native else ""
+        return f"{self.bm}x{self.bn}x{self.bk}s{self.split_k}w{self.warps}p{self.stages}{tag}"
 
 
 @dataclass(frozen=True)
