@@ -22,3 +22,13 @@ def shared_data_dir():
         if cand and os.path.isdir(cand):
             return os.path.abspath(cand)
     pytest.skip("full datasets not found (set QUARL_DATA_DIR to a folder with gsm8k/, math500/, aime24/)")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny ops: on a shared 2-core machine torch's thread pool spinning against
+    other processes makes them up to 100x slower. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,13 +21,7 @@ def parse(*extra):
     return parser.parse_args([*TINY, *extra])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two shared cores: torch's thread pool spinning against other processes makes tiny steps 100x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_two_settings_give_full_rows_whose_shares_sum_to_the_step():

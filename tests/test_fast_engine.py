@@ -26,13 +26,7 @@ from quarl.rollout.sampling import SamplingParams, filtered_logprobs
 from tiny_models import make_model, rand_prompts
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine: one intra-op thread avoids thread hand-off stalls (100x here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
