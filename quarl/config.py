@@ -107,6 +107,7 @@ class TrainSection:
     epochs: int = 1  # PPO epochs over each step's batch
     mini_batch_size: int | None = None  # sequences per optimizer step (None -> the whole batch)
     micro_batch_size: int = 8  # sequences per forward/backward (bounds memory)
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~30% more time
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refills: int = 3
     overlong_filter: bool = False  # DAPO: mask answers cut at max_new_tokens

@@ -343,3 +343,90 @@ def test_smollm2_every_linear_is_quantized_in_low_precision(smollm2):
                     roll_out = layer(x_in)
             assert not torch.allclose(train_out, roll_out), (fmt, name)
         assert linears["lm_head"].rollout_format is None
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients_with_less_saved_memory(lora):
+    """Recomputing each layer in backward changes memory, not math: same values and gradients (float64), and
+    far fewer bytes saved for backward. With LoRA dropout the recomputation must replay the same masks."""
+    from quarl.model.precision_apply import apply_precision
+    from quarl.precision import LoraConfig, PrecisionConfig
+
+    _, model = hf_and_ours("qwen3")
+    if lora:
+        apply_precision(model, PrecisionConfig(flow="bf16", lora=LoraConfig(rank=lora, dropout=0.2)))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+    model.train()
+    ids = torch.randint(0, 320, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    w = torch.randn(2, 8, dtype=torch.float64)
+
+    def run(recompute: bool):
+        model.gradient_checkpointing = recompute
+        model.zero_grad()
+        saved = []
+        torch.manual_seed(7)  # the same dropout masks in both runs
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = (model.token_logprobs(ids, mask) * w).sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, sum(saved)
+
+    loss0, grads0, saved0 = run(False)
+    loss1, grads1, saved1 = run(True)
+    model.gradient_checkpointing = False
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-12)
+    assert grads1.keys() == grads0.keys() and grads0
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert saved1 < saved0 / 2, (saved1, saved0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_materialize_on_meta_equals_init_weights_and_quantizes_layer_by_layer(tied):
+    """`materialize` draws the same random weights as `init_weights`; with a qlora precision every linear is
+    quantized as it is built, and `apply_precision` afterwards gives exactly the model of the ordinary path."""
+    from quarl.model.precision_apply import apply_precision
+    from quarl.precision import LoraConfig, PrecisionConfig
+
+    config = tiny_config("qwen2", tie_word_embeddings=tied)
+    precision = PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4))
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+
+    def ordinary(prec):  # allocate everything, then initialise
+        with torch.device("meta"):
+            model = QuarlForCausalLM(config, init_std=None)
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        torch.manual_seed(seed)
+        model.init_weights(0.05)
+        if prec is not None:
+            apply_precision(model, prec)
+        return model
+
+    def from_meta(prec):
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = QuarlForCausalLM(config, init_std=None)
+        model.materialize("cpu", 0.05, prec)
+        if prec is not None:
+            apply_precision(model, prec)
+        return model
+
+    for prec in (None, precision):
+        ref, got = ordinary(prec), from_meta(prec)
+        ref_state, got_state = ref.state_dict(), got.state_dict()
+        assert ref_state.keys() == got_state.keys()
+        for key in ref_state:
+            assert torch.equal(ref_state[key], got_state[key]), key
+        assert not any(t.is_meta for t in list(got.parameters()) + list(got.buffers()))
+        assert (got.lm_head.weight is got.model.embed_tokens.weight) == tied
+    quantized = [m for m in got.modules() if isinstance(m, QuantLinear) and m.frozen_base]
+    assert len(quantized) == 7 * config.num_layers and all(m.weight is None for m in quantized)
+    ids = torch.randint(0, config.vocab_size, (2, 6))
+    torch.testing.assert_close(got(ids), ref(ids), rtol=0, atol=0)

@@ -312,6 +312,59 @@ def test_empty_batch():
     assert layer(torch.randn(0, 300)).shape == (0, 200)
 
 
+@pytest.mark.parametrize("fmt,weight_only", [("nvfp4", True), ("int8", False)])
+def test_qlora_backward_keeps_no_dequantized_weight_and_matches_float64(fmt, weight_only):
+    """The frozen base's backward re-dequantizes instead of keeping deq(base) [out, in] alive (QLoRA memory);
+    gradients of x, bias and the adapters equal the float64 chain rule through the same quantized values."""
+    n, k = 200, 300
+    layer = QuantLinear(k, n, bias=True, dtype=torch.float64)
+    layer.cache_dequantized = False  # the memory-saving path (the GPU default for a frozen base)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+    w64 = layer.weight.detach().clone()
+    layer.configure(rollout_format=fmt, train_format=fmt, weight_only=weight_only, frozen_base=True, lora_rank=4)
+    layer.bias.requires_grad_(True)  # exercise the bias gradient too
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(3, 5, k, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, n, dtype=torch.float64)
+    saved_shapes = []
+
+    def pack(t):
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    assert (n, k) not in saved_shapes and (k, n) not in saved_shapes, saved_shapes
+    (y * g).sum().backward()
+
+    deq = quantize(w64, fmt).dequantize(torch.float64)
+    xq = x.detach() if weight_only else fake_quantize(x.detach(), fmt, "activation")
+    a, b, s = layer.lora_A.detach(), layer.lora_B.detach(), layer.scaling
+    torch.testing.assert_close(y.detach(), xq @ deq.T + layer.bias.detach() + (x.detach() @ a.T @ b.T) * s,
+                               rtol=1e-12, atol=1e-12)
+    g2, x2 = g.reshape(-1, n), x.detach().reshape(-1, k)
+    # straight-through activation quantization: d/dx of Q_act(x) is the identity
+    torch.testing.assert_close(x.grad, g @ deq + (g @ b @ a) * s, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.bias.grad, g2.sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.lora_B.grad, s * g2.T @ (x2 @ a.T), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.lora_A.grad, s * (g2 @ b).T @ x2, rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_base_accepts_new_adapters_but_not_a_new_base():
+    layer = make_layer(rollout_format="nvfp4", weight_only=True, frozen_base=True)
+    assert layer.lora_A is None and layer.weight is None
+    codes = layer.qweight_data.clone()
+    layer.configure(rollout_format="nvfp4", weight_only=True, frozen_base=True, lora_rank=4, lora_alpha=8.0)
+    assert layer.lora_A.shape == (4, 300) and layer.scaling == 2.0 and not layer.bias.requires_grad
+    assert torch.equal(layer.qweight_data, codes)  # the base is untouched
+    layer.configure(rollout_format="nvfp4", weight_only=True, frozen_base=True, lora_rank=0)
+    assert layer.lora_A is None and layer.bias.requires_grad  # freezing by the adapters is undone with them
+    with pytest.raises(ValueError, match="base cannot be reconfigured"):
+        layer.configure(rollout_format="int8", weight_only=True, frozen_base=True, lora_rank=4)
+
+
 def test_bad_configuration_and_input():
     layer = make_layer()
     with pytest.raises(ValueError, match="unknown number format 'int4'.*valid formats"):

@@ -38,17 +38,25 @@ TARGETS = ("bf16 >= 12,000 output tok/s; best low-precision >= 1.6x bf16; moonsh
 
 # Qwen2.5 shapes (config.json of the released checkpoints); qkv bias, no o_proj bias, rope theta 1e6.
 MODEL_SIZES = {
+    "72b": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
+                num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "32b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
+                num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "14b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40,
+                num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
     "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
                num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
     "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
                  num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
+               num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                  num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
 }
 
 
 def model_config(size: str):
-    """The ModelConfig of a Qwen2.5 size ("7b", "1.5b", "0.5b")."""
+    """The ModelConfig of a Qwen2.5 size (a key of MODEL_SIZES, e.g. "7b")."""
     from quarl.model.config import ModelConfig
 
     if size not in MODEL_SIZES:
@@ -57,8 +65,13 @@ def model_config(size: str):
                        max_position_embeddings=32768, eos_token_ids=[151643, 151645], **MODEL_SIZES[size])
 
 
-def build_model(size: str, device: str = "cuda", seed: int = 0, std: float = 0.02):
-    """A QuarlForCausalLM of `size` with N(0, std) weights, bf16, built on `device` without a float32 copy."""
+def build_model(size: str, device: str = "cuda", seed: int = 0, std: float = 0.02, precision=None):
+    """A QuarlForCausalLM of `size` with N(0, std) weights, bf16, built on `device` without a float32 copy.
+
+    precision: a qlora PrecisionConfig quantizes each linear's base as it is built (QuarlForCausalLM.materialize),
+    so models whose bf16 weights exceed the GPU (72B) can be built; other precisions are applied later by the
+    caller (apply_precision), as before.
+    """
     import torch
 
     from quarl.model.decoder import QuarlForCausalLM
@@ -66,10 +79,19 @@ def build_model(size: str, device: str = "cuda", seed: int = 0, std: float = 0.0
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = QuarlForCausalLM(model_config(size), init_std=None)
-    model = model.to(torch.bfloat16).to_empty(device=device)
-    model.tie_weights()
-    model.init_weights(std)
+    model = model.to(torch.bfloat16)
+    model.materialize(device, std, precision)
     return model.eval().requires_grad_(False)
+
+
+def parameter_count(size: str) -> int:
+    """Parameters of the Qwen2.5 `size` architecture (tied embeddings counted once), from its shapes."""
+    c = model_config(size)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attention = c.hidden_size * (q + 2 * kv) + (q + 2 * kv) + q * c.hidden_size  # q/k/v with bias, o without
+    layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_layers * layer + embeddings + c.hidden_size
 
 
 def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import random
 import shlex
@@ -94,6 +95,7 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
     parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
     parser.add_argument("--seed", type=int, default=0)
@@ -111,8 +113,11 @@ class TokenIdTokenizer:
         self.pad_token_id = pad_token_id
 
 
-def make_model(size: str, device, seed: int):
-    """A random-weight QuarlForCausalLM of `size` on `device`, trainable, whose config has no EOS ids."""
+def make_model(size: str, device, seed: int, precision=None):
+    """A random-weight QuarlForCausalLM of `size` on `device`, trainable, whose config has no EOS ids.
+
+    precision: with a qlora PrecisionConfig the frozen base is quantized while the model is built (the bf16
+    model never exists whole); the trainer's apply_precision then only adds the adapters."""
     import torch
 
     if size == "tiny":
@@ -122,7 +127,7 @@ def make_model(size: str, device, seed: int):
         torch.manual_seed(seed)
         model = QuarlForCausalLM(tiny_config("qwen2")).to(device)
     else:
-        model = build_model(size, str(device), seed)
+        model = build_model(size, str(device), seed, precision=precision)
     # No EOS ids: both engines then decode every answer to max_new_tokens (the benchmark's "EOS ignored").
     model.config.eos_token_ids = []
     return model.requires_grad_(True)
@@ -181,7 +186,8 @@ def run_setting(args, setting: Setting, device, deadline: float | None) -> dict:
     t_setup = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="quarl-bench-step-") as run_dir:
         cfg = run_config(args, setting, run_dir, device)
-        model = make_model(args.model_size, device, args.seed)
+        model = make_model(args.model_size, device, args.seed,
+                           precision=cfg.precision if cfg.precision.flow == "qlora" else None)
         trainer = Trainer(cfg, model=model, tokenizer=TokenIdTokenizer())
         trainer.engine.tokenizer = None  # the engine's token-id mode: completions carry ids, no text is decoded
         trainer.task = synthetic_task(args.prompts * (args.warmup + args.steps), args.prompt_len,
@@ -362,6 +368,9 @@ def run_bench_step(args) -> int:
     """Run B3 as configured by `add_bench_step_arguments`: print the table and summary, append the entry. -> 0."""
     rows, table, summary = bench_step(args)
     print("\n" + table + "\n\n" + summary, flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
     if not args.no_save:
         tuning = "full fine-tune" if args.lora_rank == 0 else f"LoRA rank {args.lora_rank}"
         facts = [

@@ -53,6 +53,9 @@ class QuarlForCausalLM(nn.Module):
         """Builds the model; `init_std=None` skips weight initialisation (use when weights are loaded next)."""
         super().__init__()
         self.config = config
+        # True: a full-sequence forward under autograd keeps only each decoder layer's input and recomputes the
+        # layer in backward (activation memory / num_layers-fold smaller, about one more forward of compute).
+        self.gradient_checkpointing = False
         self.model = DecoderModel(config)
         self.lm_head = QuantLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -65,14 +68,49 @@ class QuarlForCausalLM(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random init like HF: N(0, std) for linears and embeddings, zero biases, unit norm weights."""
         for module in self.modules():
-            if isinstance(module, (QuantLinear, nn.Embedding)):
-                if module.weight is not None and module.weight.numel():
-                    module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+            self._init_module(module, std)
         self.reset_buffers()
+
+    @torch.no_grad()
+    def materialize(self, device, std: float = 0.02, precision=None) -> None:
+        """Allocate a model built on the meta device on `device` and initialise it as `init_weights(std)` does,
+        one module at a time (the same random draws in the same order).
+
+        With a qlora `precision` (a PrecisionConfig whose flow quantizes a frozen base) each linear's base is
+        quantized, and its full-precision weight freed, as soon as the linear is initialised: the full-precision
+        model never exists whole, so peak memory is the quantized model plus one linear in the model dtype
+        (how a 72B model is built on one GPU). The adapters are left to `apply_precision(model, precision)`,
+        which then adds them exactly as on a model built in full precision.
+        """
+        from quarl.model.precision_apply import base_settings, wants_quantization
+
+        frozen = precision is not None and precision.linear_settings()["frozen_base"]
+        settings = base_settings(precision) if frozen else None
+        allocated: dict[int, nn.Parameter] = {}  # meta parameter id -> its allocation (tied weights stay one)
+        for name, module in self.named_modules():
+            for pname, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    if id(param) not in allocated:
+                        allocated[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                            requires_grad=param.requires_grad)
+                    module._parameters[pname] = allocated[id(param)]
+            for bname, buf in list(module._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    module._buffers[bname] = torch.empty_like(buf, device=device)
+            self._init_module(module, std)
+            if frozen and isinstance(module, QuantLinear) and wants_quantization(name, precision):
+                module.configure(**settings)
+        self.reset_buffers()
+
+    def _init_module(self, module: nn.Module, std: float) -> None:
+        """init_weights for one module (not its children)."""
+        if isinstance(module, (QuantLinear, nn.Embedding)):
+            if module.weight is not None and module.weight.numel():
+                module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
 
     def reset_buffers(self) -> None:
         """Reset derived state (rope frequency cache, zero AQN noise), e.g. after `to_empty`."""
@@ -130,8 +168,12 @@ class QuarlForCausalLM(nn.Module):
 
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        recompute = self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start)
+            if recompute:  # keep only each layer's input; backward re-runs the layer (same RNG for dropout)
+                x = checkpoint(layer, x, cos, sin, attn_mask, None, start, decode_start, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start)
         if kv_cache is not None:
             kv_cache.commit(T)
         return self.model.norm(x)

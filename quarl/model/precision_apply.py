@@ -26,8 +26,14 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def _wants_quantization(name: str, precision: PrecisionConfig) -> bool:
+def wants_quantization(name: str, precision: PrecisionConfig) -> bool:
+    """Whether the linear called `name` is quantized under `precision` (lm_head only with quantize_lm_head)."""
     return precision.resolved_format is not None and (_last(name) != LM_HEAD or precision.quantize_lm_head)
+
+
+def base_settings(precision: PrecisionConfig) -> dict:
+    """`precision.linear_settings()` without adapters: what a linear's base needs, before LoRA is added."""
+    return {**precision.linear_settings(), "lora_rank": 0, "lora_alpha": None, "lora_dropout": 0.0}
 
 
 def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
@@ -99,7 +105,7 @@ def unquantized_linears(model: nn.Module, precision: PrecisionConfig) -> list[st
     fmt = precision.validate().resolved_format
     missing = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, QuantLinear)) or not _wants_quantization(name, precision):
+        if not isinstance(module, (nn.Linear, QuantLinear)) or not wants_quantization(name, precision):
             continue
         if not isinstance(module, QuantLinear) or module.rollout_format != fmt:
             missing.append(name)

@@ -29,6 +29,9 @@ from quarl import kernels
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
 from quarl.formats.registry import fake_quantize_unchecked
 
+# Settings that define a frozen (qlora) base; once its master weight is dropped only the LoRA settings may change.
+_BASE_SETTINGS = ("rollout_format", "train_format", "weight_only", "frozen_base")
+
 # Storage dtypes for the rollout buffers: integer types, which nn.Module.to(dtype) leaves alone.
 _STORAGE = {torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
 
@@ -48,6 +51,31 @@ def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor
     if not (torch.is_grad_enabled() and source.requires_grad):
         return value.detach()  # nothing to differentiate: skip the extra elementwise ops
     return value.detach() + (source - source.detach())
+
+
+class _FrozenBaseLinear(torch.autograd.Function):
+    """y = x @ deq(base)^T + b for a frozen quantized base, keeping no dequantized weight for backward.
+
+    Plain `F.linear(x, deq(base))` makes autograd hold every layer's dequantized [out, in] weight until backward
+    (for a 72B model that is the whole bf16 model again, which the qlora flow exists to avoid). Here backward
+    dequantizes the codes a second time instead: one more pass over 4-bit codes per layer, no stored weight.
+    Only x (and a trainable bias) get gradients; the base is a buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, layer: "QuantLinear") -> torch.Tensor:
+        ctx.layer = layer  # the module outlives the graph; its buffers are never re-quantized (frozen base)
+        ctx.has_bias = bias is not None
+        return F.linear(x, layer._dequantized_base(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ ctx.layer._dequantized_base(grad_out.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_bias, None
 
 
 class QuantLinear(nn.Module):
@@ -114,7 +142,8 @@ class QuantLinear(nn.Module):
         lora_rank r >= 0, lora_alpha (None -> r), lora_dropout in [0, 1).
         Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
         again replaces the previous configuration (LoRA adapters are re-initialised) — except after
-        frozen_base dropped the master weight, where only the identical configuration is accepted (a no-op).
+        frozen_base dropped the master weight: then only the LoRA settings may change (the adapters are
+        re-initialised on the same quantized base; the identical configuration is a no-op).
         """
         settings = dict(rollout_format=rollout_format, train_format=train_format, weight_only=bool(weight_only),
                         frozen_base=bool(frozen_base), lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -123,9 +152,14 @@ class QuantLinear(nn.Module):
         if self.weight is None:
             if settings == self._settings:
                 return
+            if all(settings[k] == self._settings[k] for k in _BASE_SETTINGS):
+                self._reset_lora()  # same frozen base, other adapters: only LoRA changes
+                self._settings = settings
+                self._init_lora(lora_rank, lora_alpha, lora_dropout)
+                return
             raise ValueError(
-                "this layer's master weight was dropped by configure(frozen_base=True) (qlora), so it cannot be "
-                f"reconfigured to {settings}; load the model again to change its precision"
+                "this layer's master weight was dropped by configure(frozen_base=True) (qlora), so its base cannot "
+                f"be reconfigured to {settings}; load the model again to change its precision"
             )
         self._reset()
         self._settings = settings
@@ -161,12 +195,16 @@ class QuantLinear(nn.Module):
 
     def _reset(self) -> None:
         """Forget a previous configuration: adapters, rollout buffers, LoRA freezing."""
-        self.lora_A = None
-        self.lora_B = None
-        self.lora_rank, self.lora_alpha, self.scaling, self.lora_dropout = 0, 0.0, 0.0, 0.0
+        self._reset_lora()
         for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
             setattr(self, name, None)
         self._qdtypes = None
+
+    def _reset_lora(self) -> None:
+        """Drop the adapters and undo the freezing they caused."""
+        self.lora_A = None
+        self.lora_B = None
+        self.lora_rank, self.lora_alpha, self.scaling, self.lora_dropout = 0, 0.0, 0.0, 0.0
         if self._frozen_by_lora:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -288,7 +326,7 @@ class QuantLinear(nn.Module):
         elif self.train_format is not None:
             y = self._quantized_training_forward(x, bias)
         elif self.frozen_base:
-            y = F.linear(x, self._dequantized_base(x.dtype), bias)
+            y = self._frozen_base_linear(x, bias)
         else:
             y = F.linear(x, self.weight, bias)
         if self.lora_rank:
@@ -317,14 +355,19 @@ class QuantLinear(nn.Module):
     def _quantized_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Unified / qlora training forward: the rollout values, straight-through gradients (Jet-RL)."""
         fmt = self.train_format
-        if self.frozen_base:
-            w = self._dequantized_base(x.dtype)
-        else:
-            w = self.weight
-            w = _straight_through(fake_quantize_unchecked(w.detach(), fmt, "weight"), w)
         if not self.weight_only:
             x = _straight_through(fake_quantize_unchecked(x.detach(), fmt, "activation"), x)
+        if self.frozen_base:
+            return self._frozen_base_linear(x, bias)
+        w = _straight_through(fake_quantize_unchecked(self.weight.detach(), fmt, "weight"), self.weight)
         return F.linear(x, w, bias)
+
+    def _frozen_base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ deq(base)^T + b; under autograd without keeping deq(base) alive until backward."""
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        if not needs_grad or self.weight_dequant is not None:  # a cached dequantized base costs nothing to keep
+            return F.linear(x, self._dequantized_base(x.dtype), bias)
+        return _FrozenBaseLinear.apply(x, bias, self)
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
         """dropout(x) @ A^T @ B^T * scaling in x.dtype. Dropout only in training (never in rollout: the

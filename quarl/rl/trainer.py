@@ -108,6 +108,7 @@ class Trainer:
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
         self.quantized_linears = apply_precision(self.model, cfg.precision)
+        self.model.gradient_checkpointing = cfg.train.gradient_checkpointing
         if cfg.precision.kv_cache == "fp8" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
             for module in self.model.modules():
