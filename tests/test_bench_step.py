@@ -112,8 +112,8 @@ def test_inconsistent_config_fails_before_running():
 def test_eos_is_ignored_even_when_the_model_wants_to_stop(monkeypatch):
     import quarl.bench.step as step_module
 
-    def eager_to_stop(size, device, seed):
-        model = make_model(size, device, seed)
+    def eager_to_stop(size, device, seed, precision=None):
+        model = make_model(size, device, seed, precision)
         eos = 257  # the tiny tokenizer's </s>, the tiny config's EOS
         # +30 on the EOS logit: with EOS live every answer would end at its first token.
         model.lm_head.register_forward_hook(lambda mod, inp, out: out + 30.0 * (torch.arange(out.shape[-1]) == eos))
