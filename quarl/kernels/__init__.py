@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
-__all__ = ["try_quantized_matmul", "quantized_matmul", "kernels_available", "plan_for"]
+__all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "kernels_available", "plan_for"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -72,6 +72,22 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     if cap < (9, 0) and plan.cfg is not None and plan.cfg.native:
         plan = replace(plan, cfg=replace(plan.cfg, native=False))
     return plan
+
+
+def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
+    """Dense weight [N, K] in dtype (bf16/fp16/fp32) from an nvfp4/mxfp4 weight QuantizedTensor on a GPU, by one
+    Triton kernel: the same values as `qweight.dequantize(dtype)` (code * block scale * global scale in fp32,
+    rounded once), without the reference's int64 lookup and fp32 temporaries. None where it does not apply
+    (other formats, CPU tensors, no Triton): the caller then uses `qweight.dequantize`."""
+    if getattr(qweight, "fmt", None) not in ("nvfp4", "mxfp4") or qweight.role != "weight":
+        return None
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not qweight.data.is_cuda:
+        return None
+    if not kernels_available(qweight.data.device):
+        return None
+    from quarl.kernels.dequant import dequantize_fp4_weight
+
+    return dequantize_fp4_weight(qweight, dtype)
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):

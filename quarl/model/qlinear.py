@@ -313,7 +313,8 @@ class QuantLinear(nn.Module):
         if self.weight_dequant is not None:
             w = self.weight_dequant
             return w if w.dtype == dtype else w.to(dtype)
-        return self.qweight.dequantize(dtype)
+        w = kernels.try_dequantize(self.qweight, dtype)  # one GPU kernel for fp4 formats, same values
+        return w if w is not None else self.qweight.dequantize(dtype)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
