@@ -430,3 +430,53 @@ def test_materialize_on_meta_equals_init_weights_and_quantizes_layer_by_layer(ti
     assert len(quantized) == 7 * config.num_layers and all(m.weight is None for m in quantized)
     ids = torch.randint(0, config.vocab_size, (2, 6))
     torch.testing.assert_close(got(ids), ref(ids), rtol=0, atol=0)
+
+
+def test_materialize_frees_each_full_precision_weight_once_it_is_quantized(monkeypatch):
+    """Peak memory of a qlora build is the quantized model plus one linear: no reference may keep a dropped
+    full-precision weight alive (checked with weak references to every weight configure() quantizes)."""
+    import gc
+    import weakref
+
+    from quarl.precision import LoraConfig, PrecisionConfig
+
+    gc.disable()  # reference counting alone must free them (as it does for GPU tensors in a real build)
+    dropped, alive_during_build = [], []
+    original = QuantLinear.configure
+
+    def recording_configure(self, **settings):
+        if settings.get("frozen_base") and self.weight is not None:
+            alive_during_build.append(sum(ref() is not None for ref in dropped))  # earlier weights still held
+            dropped.append(weakref.ref(self.weight))
+        return original(self, **settings)
+
+    monkeypatch.setattr(QuantLinear, "configure", recording_configure)
+    config = tiny_config("llama", tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = QuarlForCausalLM(config, init_std=None)
+    try:
+        model.materialize("cpu", 0.02, PrecisionConfig(flow="qlora", lora=LoraConfig(rank=2)))
+    finally:
+        gc.enable()
+    assert len(dropped) == 7 * config.num_layers
+    assert alive_during_build == [0] * len(dropped)
+    assert all(ref() is None for ref in dropped)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied weight is still one parameter
+
+
+def test_frozen_base_rollout_asks_for_the_kernel_even_where_bf16_measured_faster(monkeypatch):
+    import quarl.kernels
+    from quarl.precision import LoraConfig, PrecisionConfig
+
+    calls = []
+    monkeypatch.setattr(quarl.kernels, "quantized_matmul", lambda *a: calls.append("kernel") or None)
+    monkeypatch.setattr(quarl.kernels, "try_quantized_matmul", lambda *a: calls.append("try") or None)
+    layer = QuantLinear(64, 32)
+    layer.configure(**PrecisionConfig(flow="qlora", lora=LoraConfig(rank=2)).linear_settings())
+    plain = QuantLinear(64, 32)
+    plain.configure(rollout_format="nvfp4", weight_only=True)
+    for module in (layer, plain):
+        module.set_rollout(True)
+        with torch.no_grad():
+            module(torch.randn(3, 64))
+    assert calls == ["kernel", "try"]

@@ -86,14 +86,24 @@ class QuarlForCausalLM(nn.Module):
 
         frozen = precision is not None and precision.linear_settings()["frozen_base"]
         settings = base_settings(precision) if frozen else None
-        allocated: dict[int, nn.Parameter] = {}  # meta parameter id -> its allocation (tied weights stay one)
+        # Only parameters held by several modules (tied embeddings) are remembered: a reference kept to any other
+        # allocation would keep the full-precision weight alive after configure() dropped it.
+        owners: dict[int, int] = {}
+        for module in self.modules():
+            for param in module._parameters.values():
+                if param is not None:
+                    owners[id(param)] = owners.get(id(param), 0) + 1
+        shared: dict[int, nn.Parameter] = {}  # meta parameter id -> its one allocation
         for name, module in self.named_modules():
             for pname, param in list(module._parameters.items()):
                 if param is not None and param.is_meta:
-                    if id(param) not in allocated:
-                        allocated[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                                            requires_grad=param.requires_grad)
-                    module._parameters[pname] = allocated[id(param)]
+                    new = shared.get(id(param))
+                    if new is None:
+                        new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                        if owners[id(param)] > 1:
+                            shared[id(param)] = new
+                    module._parameters[pname] = new
+                    del new
             for bname, buf in list(module._buffers.items()):
                 if buf is not None and buf.is_meta:
                     module._buffers[bname] = torch.empty_like(buf, device=device)

@@ -344,7 +344,10 @@ class QuantLinear(nn.Module):
         y = None
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if not needs_grad:
-            y = kernels.try_quantized_matmul(x2d, self.qweight, self.weight_only, bias)
+            # A frozen base has no bf16 weight to fall back on (the fallback would dequantize the whole weight
+            # every call), so it takes the quantized kernel even where a bf16 GEMM measured faster.
+            matmul = kernels.quantized_matmul if self.frozen_base else kernels.try_quantized_matmul
+            y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
             xq = x2d if self.weight_only else _straight_through(
                 fake_quantize_unchecked(x2d, self.rollout_format, "activation"), x2d)
