@@ -53,6 +53,9 @@ CASES = [
     (37, 20, 392, "nvfp4", Cfg(16, 16, 128, split_k=3), torch.bfloat16, True),
     (17, 16, 256, "mxfp4", Cfg(16, 16, 128), torch.bfloat16, True),
     (64, 16, 128, "nvfp4", Cfg(16, 16, 128), torch.float16, False),
+    # K a multiple of every split (the unmasked EVEN_K loads), split-K on both paths.
+    (4, 24, 1024, "nvfp4", Cfg(1, 8, 128, split_k=4), torch.float16, True),
+    (16, 32, 512, "nvfp4", Cfg(16, 16, 128, split_k=2), torch.float16, True),
 ]
 QUICK = [0, 2, 4, 6]
 
@@ -78,12 +81,20 @@ def check(m, n, k, fmt, cfg, dtype, with_bias, gen) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="only a few cases")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also run every config of bench/fp4_decode_sweep.py on a small shape of its M")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     bad = 0
-    for i, (m, n, k, fmt, cfg, dtype, bias) in enumerate(CASES):
-        if args.quick and i not in QUICK:
-            continue
+    cases = [c for i, c in enumerate(CASES) if not args.quick or i in QUICK]
+    if args.candidates:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fp4_decode_sweep import CANDIDATES
+
+        for m, cfgs in CANDIDATES.items():
+            # N: one full tile and a partial one; K: not a multiple of bk (partial K step, unpadded tail).
+            cases += [(m, c.bn + 3, 2 * c.bk + 24, "nvfp4", c, torch.float16, False) for c in cfgs]
+    for m, n, k, fmt, cfg, dtype, bias in cases:
         t0 = time.time()
         err, tol = check(m, n, k, fmt, cfg, dtype, bias, gen)
         ok = err <= tol
