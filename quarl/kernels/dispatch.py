@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from quarl.kernels.act_quant import quantize_activation
 from quarl.kernels.common import GemmConfig
 from quarl.kernels.dequant import dequantize_fp4_weight
+from quarl.kernels.fp4_decode import fp4_decode_matmul
 from quarl.kernels.fp4_gemm import fp4_matmul
 from quarl.kernels.gemv import fp4_gemv, w8_gemv
 from quarl.kernels.tuning import Cfg, Plan
@@ -60,6 +61,8 @@ def run_plan(plan: Plan, x: torch.Tensor, qweight, bias: torch.Tensor | None) ->
     """x [M, K] bf16/fp16 (rows contiguous), qweight [N, K] on x's device -> [M, N] in x.dtype."""
     if plan.kind == "fp4":
         return fp4_matmul(x, qweight, bias, _gemm_config(plan.cfg, qweight.fmt))
+    if plan.kind == "fp4_decode":
+        return fp4_decode_matmul(x, qweight, bias, plan.cfg)
     if plan.kind == "deq_mm":
         return F.linear(x, dequantize_fp4_weight(qweight, x.dtype), bias)
     if plan.kind == "w8a8":

@@ -10,6 +10,11 @@ A `Plan` names the path:
   "scaled_mm"  activation quantized by `act_quant`, then torch._scaled_mm (cuBLAS FP8: rowwise, per-tensor or
                blockwise scales);
   "gemv"       M <= 4 rows: one-launch FMA kernels (`quarl.kernels.gemv`; cfg.bn/bk/warps/stages, bm unused);
+  "fp4_decode" M <= 64 rows, nvfp4/mxfp4 weights (`quarl.kernels.fp4_decode`): cfg.bm = 1 selects the CUDA-core
+               FMA path (M <= 8), cfg.bm = 16 the tensor-core swap-AB path (M padded to 16/32/64); cfg.bn/bk
+               (bk: elements, a multiple of 64; >= 128 for bm = 16), split_k (one launch: the last program of
+               a tile sums the fp32 partials), warps, stages; group_m and native unused
+               (`check_fp4_decode_cfg` says what is allowed);
   "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster.
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"
 (8-bit formats with weight_only=True).
@@ -58,9 +63,47 @@ class Cfg:
 
 @dataclass(frozen=True)
 class Plan:
-    kind: str  # "fp4" | "deq_mm" | "w8a8" | "scaled_mm" | "gemv" | "bf16"
+    kind: str  # "fp4" | "deq_mm" | "w8a8" | "scaled_mm" | "gemv" | "fp4_decode" | "bf16"
     cfg: Cfg | None = None
     x_mode: str = "fused"  # w8a8 / gemv only: "raw" | "fused" | "prequant"
+
+
+FP4_DECODE_MAX_M = 64
+FP4_DECODE_FMA_MAX_M = 8
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def check_fp4_decode_cfg(cfg: Cfg) -> None:
+    """Raise ValueError when `cfg` cannot drive `quarl.kernels.fp4_decode` (Triton-free, so it runs anywhere).
+
+    bm: 1 (CUDA-core FMA path) or 16 (tensor-core path); bn: power of two, >= 16 for bm = 16 (an MMA tile);
+    bk: power of two >= 64 (whole int32 code words, 8 per thread row at least), >= 128 for bm = 16 (each of
+    the 8 per-position dots needs K >= 16); split_k >= 1; warps a power of two <= 16; stages >= 1.
+    """
+    if not isinstance(cfg, Cfg):
+        raise ValueError(f"fp4_decode needs a quarl.kernels.tuning.Cfg, got {type(cfg).__name__}")
+    if cfg.bm not in (1, 16):
+        raise ValueError(
+            f"fp4_decode cfg.bm={cfg.bm} selects no path; use bm=1 (CUDA-core FMA, M <= {FP4_DECODE_FMA_MAX_M}) "
+            f"or bm=16 (tensor cores, M <= {FP4_DECODE_MAX_M})"
+        )
+    min_bn, min_bk = (16, 128) if cfg.bm == 16 else (1, 64)
+    if not _pow2(cfg.bn) or cfg.bn < min_bn or cfg.bn > 512:
+        raise ValueError(f"fp4_decode cfg.bn={cfg.bn} must be a power of two in [{min_bn}, 512] for bm={cfg.bm}")
+    if not _pow2(cfg.bk) or cfg.bk < min_bk or cfg.bk > 4096:
+        raise ValueError(
+            f"fp4_decode cfg.bk={cfg.bk} must be a power of two in [{min_bk}, 4096] for bm={cfg.bm} "
+            "(K steps of whole 8-element code words)"
+        )
+    if cfg.split_k < 1 or cfg.split_k > 64:
+        raise ValueError(f"fp4_decode cfg.split_k={cfg.split_k} must be in [1, 64]")
+    if not _pow2(cfg.warps) or cfg.warps > 16:
+        raise ValueError(f"fp4_decode cfg.warps={cfg.warps} must be a power of two <= 16")
+    if cfg.stages < 1:
+        raise ValueError(f"fp4_decode cfg.stages={cfg.stages} must be >= 1")
 
 
 def m_bucket(m: int) -> int:

@@ -1,0 +1,109 @@
+"""CPU check of `quarl.kernels.fp4_decode` in Triton's interpreter (no GPU): small shapes, both paths.
+
+    TRITON_INTERPRET=1 python bench/fp4_decode_interpret.py [--quick]
+
+Compares each result with the float64 reference x.double() @ dequantize(W).double().T (+ bias) as the max over
+rows of max_n |y - ref| / max_n |ref|. Tolerances: fp16 output 2^-10 (rounding is 2^-11 relative); bf16 output
+2^-7, because the interpreter converts float32 to bfloat16 by truncation (1 ulp = 2^-7), not round-to-nearest
+as the GPU does (2^-8, the bound the GPU tests and the sweep use). Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1 (this script checks the kernels in Triton's CPU interpreter)")
+
+import torch  # noqa: E402
+import triton.runtime.interpreter as _interp  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from quarl.formats import quantize  # noqa: E402
+from quarl.kernels.fp4_decode import fp4_decode_matmul  # noqa: E402
+from quarl.kernels.tuning import Cfg  # noqa: E402
+
+_orig_patch = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    """Triton 3.6's interpreter turns a scalar (stored as a 1-element array) into a Python int with int(array),
+    which NumPy >= 2.4 rejects for 1-D arrays; loop bounds computed from kernel arguments then fail."""
+    _orig_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+_interp._patch_lang_tensor = _patch_lang_tensor
+
+TOL = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+# (M, N, K, fmt, cfg, x dtype, bias): M = 1, M not a power of two, N not a multiple of bn, K not a multiple of
+# 16 (padded weight) or of bk, split-K with a partial last split, both paths, both formats.
+CASES = [
+    (1, 24, 200, "nvfp4", Cfg(1, 8, 64), torch.float16, False),
+    (3, 20, 136, "nvfp4", Cfg(1, 16, 64, split_k=2), torch.float16, True),
+    (5, 33, 264, "nvfp4", Cfg(1, 8, 128, split_k=3), torch.bfloat16, True),
+    (8, 16, 130, "mxfp4", Cfg(1, 8, 64, split_k=2), torch.bfloat16, False),
+    (1, 40, 256, "nvfp4", Cfg(16, 16, 128), torch.float16, True),
+    (5, 48, 300, "nvfp4", Cfg(16, 32, 128, split_k=2), torch.float16, False),
+    (37, 20, 392, "nvfp4", Cfg(16, 16, 128, split_k=3), torch.bfloat16, True),
+    (17, 16, 256, "mxfp4", Cfg(16, 16, 128), torch.bfloat16, True),
+    (64, 16, 128, "nvfp4", Cfg(16, 16, 128), torch.float16, False),
+    # K a multiple of every split (the unmasked EVEN_K loads), split-K on both paths.
+    (4, 24, 1024, "nvfp4", Cfg(1, 8, 128, split_k=4), torch.float16, True),
+    (16, 32, 512, "nvfp4", Cfg(16, 16, 128, split_k=2), torch.float16, True),
+]
+QUICK = [0, 2, 4, 6]
+
+
+def rel_row_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over rows of max_n |y - ref| / max_n |ref| (float64)."""
+    return float(((y.double() - ref).abs().amax(1) / ref.abs().amax(1).clamp_min(1e-30)).max())
+
+
+def check(m, n, k, fmt, cfg, dtype, with_bias, gen) -> tuple[float, float]:
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+    b = (torch.randn(n, generator=gen) * 0.1).to(dtype) if with_bias else None
+    qw = quantize(w, fmt)
+    y = fp4_decode_matmul(x, qw, b, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype, (y.shape, y.dtype)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    if b is not None:
+        ref = ref + b.double()
+    return rel_row_err(y, ref), TOL[dtype]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="only a few cases")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also run every config of bench/fp4_decode_sweep.py on a small shape of its M")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    bad = 0
+    cases = [c for i, c in enumerate(CASES) if not args.quick or i in QUICK]
+    if args.candidates:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fp4_decode_sweep import CANDIDATES
+
+        for m, cfgs in CANDIDATES.items():
+            # N: one full tile and a partial one; K: not a multiple of bk (partial K step, unpadded tail).
+            cases += [(m, c.bn + 3, 2 * c.bk + 24, "nvfp4", c, torch.float16, False) for c in cfgs]
+    for m, n, k, fmt, cfg, dtype, bias in cases:
+        t0 = time.time()
+        err, tol = check(m, n, k, fmt, cfg, dtype, bias, gen)
+        ok = err <= tol
+        bad += not ok
+        print(f"M={m:2d} N={n:3d} K={k:3d} {fmt} {cfg.name():20s} {str(dtype)[6:]:8s} bias={bias!s:5s} "
+              f"err={err:.2e} tol={tol:.1e} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    print("all ok" if not bad else f"{bad} FAILED")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

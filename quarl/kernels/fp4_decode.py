@@ -1,0 +1,347 @@
+"""W4A16 decode GEMMs for NVFP4 / MXFP4 weights and M <= 64 rows: out = x @ dequant(W)^T (+ bias).
+
+Why a separate kernel family: at decode sizes the GEMM should stream 0.5625 byte per weight at HBM speed, which
+on an H200 leaves the SMs only ~4-5 issued lane-instructions per weight. `fp4_gemm` / `gemv` spend more (byte
+unpack, an fp32 scale multiply per weight, re-interleaving even/odd elements through shared memory), so they
+are ALU-bound. Here:
+
+* Codes are loaded as int32 words: word w of a row holds elements 8w..8w+7, element 8w+e in bits 4e..4e+3
+  (little-endian bytes, low nibble first). Two shifts and one mask/or (one LOP3) give an fp16x2 bit pattern
+  holding elements e and e+4: sign -> bit 15 / 31, (e1 e0 m) -> bits 11..9 / 27..25. Each half is exactly the
+  E2M1 value times 2^-14 (see `fp4_gemm`), so a word decodes in 4 such steps with no byte unpacking.
+* x is loaded contiguously as [rows, words, 8] and split in registers into its 8 element positions; the dot
+  product is then taken position by position over the words (a sum over K may be reordered), so nothing is
+  re-interleaved.
+* FMA path (cfg.bm = 1, CUDA cores, M <= 8): per word the 8 products are summed first and the block scale
+  multiplies that partial sum once (one FMA per 8 weights and row instead of one multiply per weight).
+* MMA path (cfg.bm = 16, tensor cores, M <= 64): swap-AB, out^T [BN, Mp] = W [BN, K] @ x^T [K, Mp], so the
+  weight rows fill the MMA's wide dimension and M pads only to Mp = 16, 32 or 64. An MMA cannot scale partial
+  sums per block, so the weight is scaled per element in fp32 and rounded to x's dtype, exactly: code (<= 2
+  significant bits) times an E4M3 scale (<= 4) times 2^-14 is >= 2^-24 and representable in bf16 and fp16.
+* 2^14 and the NVFP4 fp32 global scale multiply the fp32 result once, in the epilogue (MXFP4's E8M0 scale
+  carries the 2^14 itself, as in `fp4_gemm`; exponents above 240 would overflow it).
+* Split-K (cfg.split_k > 1, for small N) stays one launch: every program stores its fp32 partial tile, takes a
+  ticket from a per-tile atomic counter, and the program that draws the last ticket sums all partials in split
+  order (deterministic) and writes the output, then resets the counter to 0 (no memset per call). The counters
+  are cached per device and stream: split-K launches of this module must not run concurrently on one stream's
+  counters (kernels on one stream, graph replays included, run one after the other, which is the case here).
+
+Results equal `x.float() @ dequantize(W, float32).T` up to fp32 summation order and the final rounding to
+x.dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quarl.kernels.tuning import FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, Cfg, check_fp4_decode_cfg
+
+__all__ = ["fp4_decode_matmul", "check_fp4_decode_inputs"]
+
+_FORMATS = ("nvfp4", "mxfp4")
+
+
+# ---------------------------------------------------------------------------------------------- device functions
+
+
+@triton.jit
+def _pair_bits(v, I: tl.constexpr):
+    """int32 code words [...] -> int32 fp16x2 patterns [...]: low half element 8w+I, high half element 8w+I+4,
+    each the E2M1 value times 2^-14 (magnitude bits to 11..9 / 27..25, sign bit to 15 / 31)."""
+    if I == 3:
+        mag = v >> 3  # arithmetic shift: the sign-extended top bits fall outside the mask
+    else:
+        mag = v << (9 - 4 * I)
+    # -2147450880 is the int32 0x80008000 (the two sign bits), written signed to stay an int32 constant.
+    return (mag & 0x0E000E00) | ((v << (12 - 4 * I)) & -2147450880)
+
+
+@triton.jit
+def _halves_f32(t):
+    """int32 fp16x2 patterns -> (low, high) halves as float32 (exact)."""
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _split8(x3, R: tl.constexpr, W: tl.constexpr):
+    """x [R, W, 8] -> its 8 element positions [R, W] as float32, returned as the decode pairs
+    (e0, e4), (e1, e5), (e2, e6), (e3, e7). Splits of an in-register last dimension move no data."""
+    ev, od = tl.split(tl.reshape(x3.to(tl.float32), (R, W, 4, 2)))  # positions 0,2,4,6 and 1,3,5,7
+    e04, e26 = tl.split(tl.reshape(ev, (R, W, 2, 2)))
+    o15, o37 = tl.split(tl.reshape(od, (R, W, 2, 2)))
+    x0, x4_ = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3_, x7 = tl.split(o37)
+    return x0, x4_, x1, x5, x2, x6, x3_, x7
+
+
+@triton.jit
+def _scale_f32(sc, IS_MX: tl.constexpr):
+    """Block-scale bytes (uint8) -> float32: E4M3 value (nvfp4), or 2^(e-127) * 2^14 (mxfp4, E8M0)."""
+    if IS_MX:
+        return ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    else:
+        return sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """acc fp32 (any 2-D orientation; idx_m / idx_n broadcast to its shape) -> out[m, n] in out's dtype, after
+    the folded 2^14 * global scale (nvfp4) and the bias."""
+    if not IS_MX:
+        acc = acc * (tl.load(gs_ptr) * 16384.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + idx_n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx_m * stride_om + idx_n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _epilogue(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, stride_om, pid_n, pid_k,
+              IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write the tile, directly (SPLIT_K == 1) or through the fp32 partials [SPLIT_K, M, N] and the ticket of
+    tile pid_n: the last of the SPLIT_K programs sums the partials in split order and writes the output."""
+    if SPLIT_K == 1:
+        _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS)
+    else:
+        part = part_ptr + idx_m * N + idx_n
+        tl.store(part + pid_k * M * N, acc, mask=ok)
+        # Every thread's partial must be written before the ticket (release, gpu scope) announces it.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            tot = tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                # .cg: read from L2, where the other SMs' partials are (this SM's L1 is not coherent).
+                tot += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            _finish(tot, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp4_dec_fma_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, KW, words_per_split, stride_xm, stride_wn, stride_sn, stride_om,
+    IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+):
+    """CUDA-core path. x [M, K] bf16/fp16 (unit stride along K); w int32 code words [N, KW] (KW = Kp/8);
+    s uint8 block-scale bytes [N, Kp/G]; gs float32 [] (nvfp4); bias [N]; out [M, N] in x's dtype;
+    part float32 [SPLIT_K, M, N] and cnt int32 [>= cdiv(N, BN)] for split-K. Grid (cdiv(N, BN), SPLIT_K)."""
+    WPG: tl.constexpr = 4 if IS_MX else 2  # code words per block scale
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    ar_w = tl.arange(0, BKW)
+    ar_e = tl.arange(0, 8)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = s_ptr + offs_n[:, None] * stride_sn
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm
+    acc = tl.zeros((BM, BN, BKW), dtype=tl.float32)
+    for it in range(0, words_per_split // BKW):
+        wi = pid_k * words_per_split + it * BKW + ar_w  # word index [BKW]
+        kx = wi[:, None] * 8 + ar_e[None, :]  # element index [BKW, 8]
+        if EVEN_K:
+            v = tl.load(w_rows + wi[None, :], mask=n_ok[:, None], other=0)
+            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=n_ok[:, None], other=0)
+            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None], other=0.0)
+        else:
+            w_ok = n_ok[:, None] & (wi < KW)[None, :]
+            v = tl.load(w_rows + wi[None, :], mask=w_ok, other=0)
+            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=w_ok, other=0)
+            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
+            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None] & (kx < K)[None, :, :], other=0.0)
+        x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BM, BKW)
+        lo, hi = _halves_f32(_pair_bits(v, 0))
+        p = x0[:, None, :] * lo[None, :, :] + x4[:, None, :] * hi[None, :, :]
+        lo, hi = _halves_f32(_pair_bits(v, 1))
+        p += x1[:, None, :] * lo[None, :, :] + x5[:, None, :] * hi[None, :, :]
+        lo, hi = _halves_f32(_pair_bits(v, 2))
+        p += x2[:, None, :] * lo[None, :, :] + x6[:, None, :] * hi[None, :, :]
+        lo, hi = _halves_f32(_pair_bits(v, 3))
+        p += x3_[:, None, :] * lo[None, :, :] + x7[:, None, :] * hi[None, :, :]
+        # One scale per word's partial sum (a word lies inside one block).
+        acc += p * _scale_f32(sc, IS_MX)[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    ok = m_ok[:, None] & n_ok[None, :]
+    _epilogue(y, offs_m[:, None], offs_n[None, :], ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
+              stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    """acc += a @ b. DOT_F32 (Triton's CPU interpreter only, whose bf16 dot multiplies raw bit patterns):
+    the same exactly representable operands multiplied as float32."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _scaled_dot(t, xa, xb, sf, acc, DT: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BN, BMX] += (lo * sf) @ xa^T + (hi * sf) @ xb^T for the fp16x2 patterns t [BN, BKW]; the scaled
+    weights are exact in DT (see the module docstring), xa / xb are x's own values."""
+    lo, hi = _halves_f32(t)
+    acc = _dot((lo * sf).to(DT), tl.trans(xa.to(DT)), acc, DOT_F32)
+    return _dot((hi * sf).to(DT), tl.trans(xb.to(DT)), acc, DOT_F32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp4_dec_mma_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, KW, words_per_split, stride_xm, stride_wn, stride_sn, stride_om,
+    IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BMX: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Tensor-core path (swap-AB): same arguments as `_fp4_dec_fma_kernel`; BMX >= M (16, 32 or 64) is the
+    MMA's narrow dimension, BKW >= 16 words per K step (8 dots of depth BKW, one per element position)."""
+    WPG: tl.constexpr = 4 if IS_MX else 2
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BMX)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    ar_w = tl.arange(0, BKW)
+    ar_e = tl.arange(0, 8)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = s_ptr + offs_n[:, None] * stride_sn
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm
+    acc = tl.zeros((BN, BMX), dtype=tl.float32)
+    for it in range(0, words_per_split // BKW):
+        wi = pid_k * words_per_split + it * BKW + ar_w
+        kx = wi[:, None] * 8 + ar_e[None, :]
+        if EVEN_K:
+            v = tl.load(w_rows + wi[None, :], mask=n_ok[:, None], other=0)
+            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=n_ok[:, None], other=0)
+            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None], other=0.0)
+        else:
+            w_ok = n_ok[:, None] & (wi < KW)[None, :]
+            v = tl.load(w_rows + wi[None, :], mask=w_ok, other=0)
+            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=w_ok, other=0)
+            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None] & (kx < K)[None, :, :], other=0.0)
+        sf = _scale_f32(sc, IS_MX)
+        x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BMX, BKW)
+        acc = _scaled_dot(_pair_bits(v, 0), x0, x4, sf, acc, DT, DOT_F32)
+        acc = _scaled_dot(_pair_bits(v, 1), x1, x5, sf, acc, DT, DOT_F32)
+        acc = _scaled_dot(_pair_bits(v, 2), x2, x6, sf, acc, DT, DOT_F32)
+        acc = _scaled_dot(_pair_bits(v, 3), x3_, x7, sf, acc, DT, DOT_F32)
+    ok = n_ok[:, None] & m_ok[None, :]
+    _epilogue(acc, offs_m[None, :], offs_n[:, None], ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
+              stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+
+_TICKETS: dict[tuple, torch.Tensor] = {}
+# Triton's CPU interpreter (used to check these kernels without a GPU) needs the float32 dot, see `_dot`.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros [>= n], one counter per output tile, cached per (device, stream); kernels leave them at 0.
+
+    The first call for a device/stream (or a larger n) allocates: make it outside CUDA-graph capture (a warm-up
+    call, which also compiles the kernel)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    t = _TICKETS.get(key)
+    if t is None or t.numel() < n:
+        t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return t
+
+
+def check_fp4_decode_inputs(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: Cfg) -> None:
+    """Raise ValueError (what is wrong and how to fix it) for inputs `fp4_decode_matmul` does not take."""
+    check_fp4_decode_cfg(cfg)
+    fmt = getattr(qweight, "fmt", None)
+    if fmt not in _FORMATS:
+        raise ValueError(f"fp4_decode_matmul takes nvfp4 / mxfp4 weight QuantizedTensors, got fmt={fmt!r}")
+    if qweight.role != "weight" or len(qweight.shape) != 2:
+        raise ValueError(f"fp4_decode_matmul needs a 2-D weight [N, K] (role 'weight'), got role={qweight.role!r} "
+                         f"shape={tuple(qweight.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        what = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"fp4_decode_matmul needs x [M, K] in bfloat16 or float16, got {what}")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if m > FP4_DECODE_MAX_M:
+        raise ValueError(f"fp4_decode_matmul is for decode, M <= {FP4_DECODE_MAX_M} rows, got M={m}; "
+                         "use the fp4 GEMM or dequantize + cuBLAS plans for larger M")
+    if cfg.bm == 1 and m > FP4_DECODE_FMA_MAX_M:
+        raise ValueError(f"the CUDA-core path (cfg.bm=1) takes M <= {FP4_DECODE_FMA_MAX_M} rows, got M={m}; "
+                         "use the tensor-core path (cfg.bm=16)")
+    if not x.is_contiguous():
+        raise ValueError(f"fp4_decode_matmul needs a contiguous x, got strides {x.stride()}; pass x.contiguous()")
+    if k != qweight.shape[1]:
+        raise ValueError(f"x has K={k} input features but the weight is {tuple(qweight.shape)}; x must be [M, K]")
+    if not (qweight.data.is_contiguous() and qweight.scale.is_contiguous()):
+        raise ValueError("fp4_decode_matmul needs contiguous weight codes and scales (as quantize() makes them)")
+    if qweight.data.device != x.device or qweight.scale.device != x.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {qweight.data.device}; move one of them")
+    if fmt == "mxfp4" and x.dtype == torch.float16:
+        raise ValueError("mxfp4 weights need bfloat16 x: E8M0 block scales can leave float16's range")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor on {x.device}, got shape {tuple(bias.shape)} "
+                         f"on {bias.device}")
+
+
+def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: Cfg) -> torch.Tensor:
+    """x [M <= 64, K] bf16/fp16 (contiguous) times an nvfp4/mxfp4 weight QuantizedTensor [N, K] -> [M, N] in
+    x.dtype, = x @ dequantize(W)^T (+ bias [N]) up to fp32 summation order and the final rounding.
+
+    cfg (a `quarl.kernels.tuning.Cfg`): bm = 1 CUDA-core FMA path (M <= 8) or 16 tensor-core path; bn output
+    features per program; bk K elements per step (power of two, >= 64 / >= 128); split_k programs per output
+    tile along K; warps, stages as Triton's num_warps / num_stages. Raises ValueError on unsupported input.
+    """
+    check_fp4_decode_inputs(x, qweight, bias, cfg)
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    is_mx = qweight.fmt == "mxfp4"
+    try:
+        words = qweight.data.view(torch.int32)  # [N, Kp/8]: Kp is a multiple of 16, so rows are whole words
+    except RuntimeError as e:
+        raise ValueError(f"the weight codes cannot be read as int32 words ({e}); pass a freshly quantized weight"
+                         ) from None
+    scale = qweight.scale.view(torch.uint8)
+    gs = scale if is_mx else qweight.global_scale  # any tensor when unused
+    kw = words.shape[1]
+    bkw = cfg.bk // 8
+    # Each split covers whole K steps; the split count is what is left after rounding.
+    wps = triton.cdiv(triton.cdiv(kw, cfg.split_k), bkw) * bkw
+    split = triton.cdiv(kw, wps)
+    even_k = k == kw * 8 and kw % wps == 0
+    n_tiles = triton.cdiv(n, cfg.bn)
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        cnt = _tickets(x.device, n_tiles)
+    else:
+        part = cnt = out  # unused
+    args = (x, words, scale, gs, bias if bias is not None else out, out, part, cnt,
+            m, n, k, kw, wps, x.stride(0), words.stride(0), scale.stride(0), out.stride(0))
+    meta = dict(IS_MX=is_mx, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, BN=cfg.bn, BKW=bkw,
+                num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.bm == 1:
+        _fp4_dec_fma_kernel[(n_tiles, split)](*args, BM=triton.next_power_of_2(m), **meta)
+    else:
+        _fp4_dec_mma_kernel[(n_tiles, split)](*args, BMX=max(16, triton.next_power_of_2(m)), DOT_F32=_INTERPRETED,
+                                              **meta)
+    return out
