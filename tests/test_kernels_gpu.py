@@ -15,7 +15,7 @@ import torch
 
 from quarl.formats import quantize
 from quarl.kernels import plan_for, quantized_matmul, try_quantized_matmul
-from quarl.kernels.tuning import MEASURED, M_BUCKETS, W8A16_PLANS, Cfg, Plan, choose_plan
+from quarl.kernels.tuning import MEASURED, M_BUCKETS, W8A16_PLANS, Cfg, Plan, check_fp4_decode_cfg, choose_plan
 
 EXACT_TOL = 5e-3
 DEQ_TOL = 1.5e-2
@@ -262,13 +262,17 @@ def test_tuning_tables_are_consistent(family):
             assert sorted(table) == sorted(M_BUCKETS), f"{family} {shape}: buckets {sorted(table)}"
         plans = [e for table in MEASURED[family].values() for e in table.values()]
     for p, speedup in plans:
-        assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "bf16")
+        assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "fp4_decode", "bf16")
         if speedup is not None:
             assert p.kind != "bf16" and speedup > 0
         if p.cfg is None:
             assert p.kind in ("deq_mm", "scaled_mm", "bf16")
             continue
         c = p.cfg
+        if p.kind == "fp4_decode":
+            assert family == "w4a16"
+            check_fp4_decode_cfg(c)  # raises on a tile the kernel cannot run
+            continue
         if p.kind == "gemv":
             assert c.bn <= 128 and 128 % c.bn == 0 and c.bk >= 128, f"{family}: GEMV tile {c}"
             continue
