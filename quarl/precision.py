@@ -56,6 +56,8 @@ class PrecisionConfig:
     weight_only: bool | None = None  # None -> True for fp4 formats and for qlora, else W8A8
     kv_cache: str = "auto"  # "auto" = the compute dtype; "fp8" = FP8 E4M3 KV cache (GPU engine)
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    # unified + fp8-block only: the input- and weight-gradient GEMMs take FP8-block operands too (Jet-RL)
+    quantized_backward: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> "PrecisionConfig":
@@ -80,6 +82,12 @@ class PrecisionConfig:
             raise ValueError(
                 f"precision.compute_dtype={self.compute_dtype!r}; choose auto, bfloat16, float16, float32 or float64"
             )
+        if self.quantized_backward and (self.flow != "unified" or fmt != "fp8-block" or self.resolved_weight_only):
+            raise ValueError(
+                "precision.quantized_backward=true quantizes the gradient GEMMs as Jet-RL does; it needs "
+                f"precision.flow=unified with precision.format=fp8-block (W8A8), got flow={self.flow!r}, "
+                f"format={fmt!r}, weight_only={self.resolved_weight_only}"
+            )
         if self.lora.rank < 0 or self.lora.dropout < 0 or self.lora.dropout >= 1:
             raise ValueError("lora.rank must be >= 0 and lora.dropout in [0, 1)")
         return self
@@ -101,7 +109,8 @@ class PrecisionConfig:
     def linear_settings(self) -> dict:
         """Keyword arguments for `QuantLinear.configure` (shared by every decoder linear).
 
-        Returns dict(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout).
+        Returns dict(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout,
+        quantized_backward).
         """
         self.validate()
         fmt = self.resolved_format
@@ -113,6 +122,7 @@ class PrecisionConfig:
             lora_rank=self.lora.rank,
             lora_alpha=self.lora.alpha if self.lora.alpha is not None else float(self.lora.rank),
             lora_dropout=self.lora.dropout,
+            quantized_backward=self.quantized_backward,
         )
 
     def torch_dtype(self, device: torch.device | str) -> torch.dtype:

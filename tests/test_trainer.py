@@ -58,6 +58,7 @@ FLOWS = [
     ("unified-fp8-block-dapo", ["precision.flow=unified", "loss.correction=decoupled", "loss.loss_type=dapo",
                                 "train.dynamic_sampling=true", "train.overlong_buffer=2",
                                 "rollout.max_new_tokens=8"]),
+    ("unified-fp8-block-quantized-backward", ["precision.flow=unified", "precision.quantized_backward=true"]),
     ("qlora-nvfp4", ["precision.flow=qlora", "lora.rank=4", "loss.loss_type=dr_grpo", "loss.correction=acr"]),
 ]
 
@@ -81,6 +82,11 @@ def test_each_flow_trains_end_to_end(tmp_path, name, overrides):
         # bf16 flow: rollout and training run the same computation, so the measured mismatch is ~0.
         assert records[0]["mismatch/max_abs_logp_diff"] < 1e-4
         assert "policy/kl_ref" in records[-1]
+    if name.startswith("unified"):
+        # rollout and training forward compute the same quantized function (the backward does not matter here)
+        assert records[0]["mismatch/max_abs_logp_diff"] < 1e-4
+        assert all(trainer.model.get_submodule(n).quantized_backward == ("quantized-backward" in name)
+                   for n in trainer.quantized_linears)
     if name.startswith("split-int8"):
         assert records[0]["mismatch/max_abs_logp_diff"] > 1e-4  # quantized rollout really differs
     assert (tmp_path / "run" / "checkpoints" / "latest").is_file()

@@ -98,17 +98,22 @@ def quantize(
     return out
 
 
-def fake_quantize_unchecked(x: torch.Tensor, fmt: str, role: str = "weight") -> torch.Tensor:
-    """fake_quantize without the input checks, for hot paths (a linear layer's every forward).
+def quantize_unchecked(x: torch.Tensor, fmt: str, role: str = "weight") -> QuantizedTensor:
+    """quantize without the input checks, for hot paths (a linear layer's every forward).
 
     Skips the dtype/shape validation and the NaN/Inf scan, whose `.all()` forces a GPU synchronisation per
     call. NaN/Inf inputs are not reported here: they propagate into the output (a NaN amax makes the scale NaN).
-    x: floating [..., K] (2-D for role="weight"); returns x's shape and dtype.
+    x: floating [..., K] (2-D for role="weight").
     """
     spec = FORMATS[fmt]
     x32 = x.detach().to(torch.float32)
     data, scale, global_scale = spec.quantize_fn(_pad_last(x32, spec.padded_k(x.shape[-1])), role)
-    return QuantizedTensor(fmt, role, data, scale, global_scale, x.shape).dequantize(x.dtype)
+    return QuantizedTensor(fmt, role, data, scale, global_scale, x.shape)
+
+
+def fake_quantize_unchecked(x: torch.Tensor, fmt: str, role: str = "weight") -> torch.Tensor:
+    """fake_quantize without the input checks (see `quantize_unchecked`); returns x's shape and dtype."""
+    return quantize_unchecked(x, fmt, role).dequantize(x.dtype)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, role: str = "weight") -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from quarl import kernels
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
 from quarl.formats.registry import fake_quantize_unchecked
+from quarl.model.fp8_training import fp8_block_linear
 
 # Settings that define a frozen (qlora) base; once its master weight is dropped only the LoRA settings may change.
 _BASE_SETTINGS = ("rollout_format", "train_format", "weight_only", "frozen_base")
@@ -109,6 +110,7 @@ class QuantLinear(nn.Module):
         self.train_format: str | None = None
         self.weight_only = False
         self.frozen_base = False
+        self.quantized_backward = False
         self.lora_rank = 0
         self.lora_alpha = 0.0
         self.lora_dropout = 0.0
@@ -133,13 +135,16 @@ class QuantLinear(nn.Module):
         lora_rank: int = 0,
         lora_alpha: float | None = None,
         lora_dropout: float = 0.0,
+        quantized_backward: bool = False,
     ) -> None:
         """Set the precision behaviour (the keyword arguments of `PrecisionConfig.linear_settings()`).
 
         rollout_format / train_format: a key of `quarl.formats.FORMATS` or None (full precision).
         weight_only: do not quantize activations (W4A16 / W8A16). frozen_base: quantize the base once, drop the
         master weight (qlora); needs rollout_format, and train_format must be None or the same format.
-        lora_rank r >= 0, lora_alpha (None -> r), lora_dropout in [0, 1).
+        lora_rank r >= 0, lora_alpha (None -> r), lora_dropout in [0, 1). quantized_backward: with
+        train_format="fp8-block" (W8A8, not frozen), the training GEMMs including both gradient GEMMs take FP8-block
+        operands (`quarl.model.fp8_training`, Jet-RL).
         Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
         again replaces the previous configuration (LoRA adapters are re-initialised) — except after
         frozen_base dropped the master weight: then only the LoRA settings may change (the adapters are
@@ -147,7 +152,7 @@ class QuantLinear(nn.Module):
         """
         settings = dict(rollout_format=rollout_format, train_format=train_format, weight_only=bool(weight_only),
                         frozen_base=bool(frozen_base), lora_rank=lora_rank, lora_alpha=lora_alpha,
-                        lora_dropout=lora_dropout)
+                        lora_dropout=lora_dropout, quantized_backward=bool(quantized_backward))
         self._validate(settings)
         if self.weight is None:
             if settings == self._settings:
@@ -165,6 +170,7 @@ class QuantLinear(nn.Module):
         self._settings = settings
         self.rollout_format, self.train_format = rollout_format, train_format
         self.weight_only, self.frozen_base = bool(weight_only), bool(frozen_base)
+        self.quantized_backward = bool(quantized_backward)
         self._base_dtype = self.weight.dtype
         if rollout_format is not None:
             self._allocate_rollout_copy()
@@ -185,6 +191,13 @@ class QuantLinear(nn.Module):
                     f"frozen_base=True keeps one quantized base for rollout and training, but rollout_format="
                     f"{s['rollout_format']!r} and train_format={s['train_format']!r} differ; use the same format"
                 )
+        if s["quantized_backward"] and (s["train_format"] != "fp8-block" or s["weight_only"] or s["frozen_base"]):
+            raise ValueError(
+                "quantized_backward=True runs the training GEMMs and both gradient GEMMs in FP8-block, so it needs "
+                f"train_format='fp8-block' with activations quantized and a trainable base; got train_format="
+                f"{s['train_format']!r}, weight_only={s['weight_only']}, frozen_base={s['frozen_base']} (use "
+                "precision.flow=unified with precision.format=fp8-block)"
+            )
         r = s["lora_rank"]
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ValueError(f"lora_rank must be an integer >= 0, got {r!r}")
@@ -359,6 +372,8 @@ class QuantLinear(nn.Module):
     def _quantized_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Unified / qlora training forward: the rollout values, straight-through gradients (Jet-RL)."""
         fmt = self.train_format
+        if self.quantized_backward:
+            return fp8_block_linear(x, self.weight, bias)
         if not self.weight_only:
             x = _straight_through(fake_quantize_unchecked(x.detach(), fmt, "activation"), x)
         if self.frozen_base:

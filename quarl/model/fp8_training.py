@@ -1,0 +1,84 @@
+"""FP8-block training GEMMs for the unified flow (Jet-RL; BRIEF §2, §3): `precision.quantized_backward=true`.
+
+A linear y = x @ W^T + b has three GEMMs per training step. Here all three take FP8-block operands:
+
+| GEMM                      | shapes                    | first operand                  | second operand                  |
+|---------------------------|---------------------------|--------------------------------|---------------------------------|
+| forward  y  = x W^T       | [M,K] x [N,K] -> [M,N]    | x, 1x128 groups along K        | W, 128x128 tiles                |
+| input grad dx = g W       | [M,N] x [K,N] -> [M,K]    | g, 1x128 groups along N        | W^T, 128x128 tiles              |
+| weight grad dW = g^T x    | [N,M] x [K,M] -> [N,K]    | g^T, 1x128 groups along M      | x^T, 1x128 groups along M       |
+
+(g = dL/dy; the weight-gradient's second operand in 1x128 groups of x^T is "128x1 groups" of x.) The master
+weight stays in full precision, gradients between operators are in the compute dtype, and the forward values
+are exactly those of the straight-through unified forward (Q(x) @ Q(W)^T), so rollout and training still
+compute the same function. What changes is the backward: it sees quantized gradients, as Jet-RL trains.
+
+On a GPU the forward and input-gradient GEMMs run on the FP8 kernels (`quarl.kernels.quantized_matmul`); the
+weight gradient, whose second operand has no FP8 kernel here, multiplies the dequantized operands. On a CPU all
+three multiply dequantized operands (the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quarl import kernels
+from quarl.formats.registry import fake_quantize_unchecked, quantize_unchecked
+
+FORMAT = "fp8-block"
+
+
+def _rows_fp8(t: torch.Tensor) -> torch.Tensor:
+    """t [R, C] with every row rounded in 1x128 groups along C (FP8-block activation rounding), same dtype."""
+    return fake_quantize_unchecked(t, FORMAT, "activation")
+
+
+def block_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Q(a) @ Q(b)^T (+ bias) for a [R, C] (1x128 groups along C) and b [S, C] (128x128 tiles) -> [R, S] in
+    a.dtype; bias [S] or None.
+
+    The FP8 kernel on a GPU where one applies (it quantizes `a` itself, exactly as `quantize` does), otherwise
+    the dequantized operands multiplied in a.dtype (the unified flow's straight-through forward, bit for bit).
+    """
+    qb = quantize_unchecked(b.to(a.dtype), FORMAT, "weight")
+    bias = None if bias is None else bias.to(a.dtype)
+    y = kernels.quantized_matmul(a.contiguous(), qb, False, bias)
+    if y is None:
+        y = F.linear(_rows_fp8(a), qb.dequantize(a.dtype), bias)
+    return y
+
+
+class FP8BlockLinear(torch.autograd.Function):
+    """y = Q(x) @ Q(W)^T + b with FP8-block input- and weight-gradient GEMMs (see the module docstring).
+
+    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype), bias [N] or None)
+    -> y [M, N] in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = block_matmul(x, weight.detach(), None if bias is None else bias.detach())
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad_out.to(x.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = block_matmul(g, weight.detach().t())  # W^T [K, N] in its own 128x128 tiles
+        if ctx.needs_input_grad[1]:
+            # Both operands grouped along M (the reduction): rows of g^T and rows of x^T.
+            grad_w = F.linear(_rows_fp8(g.t()), _rows_fp8(x.t())).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N] through `FP8BlockLinear` (leading dimensions flattened into M)."""
+    y = FP8BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,100 @@
+"""FP8-block training GEMMs (`precision.quantized_backward`, Jet-RL): forward equal to the unified forward,
+gradients equal to the float64 products of the quantized operands, configuration errors (the trainer runs
+this flow in tests/test_trainer.py).
+
+Tolerance: every GEMM here multiplies quantized values in float32; against the float64 product of the same
+values the error is at most ~C * 2^-24 * sum|a_c b_c| over the C reduced terms (the recursive summation bound,
+as in tests/test_qlinear.py), checked elementwise.
+"""
+
+import pytest
+import torch
+
+from quarl.formats import fake_quantize
+from quarl.model.fp8_training import FP8BlockLinear, block_matmul, fp8_block_linear
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import PrecisionConfig
+
+
+def assert_product_close(got: torch.Tensor, a64: torch.Tensor, b64: torch.Tensor, dtype=torch.float32) -> None:
+    """got ~= a64 @ b64^T within the float32 (or bf16) summation bound."""
+    ref = a64 @ b64.T
+    mag = a64.abs() @ b64.abs().T
+    tol = (a64.shape[1] * 2.0**-24 if dtype == torch.float32 else 2.0**-7) * mag + 1e-30
+    err = (got.double() - ref).abs()
+    assert bool((err <= tol).all()), float((err / tol).max())
+
+
+def q_rows(t: torch.Tensor) -> torch.Tensor:
+    """float64 values of t's rows rounded in 1x128 groups (FP8-block activation role)."""
+    return fake_quantize(t.float(), "fp8-block", "activation").double()
+
+
+def q_tiles(t: torch.Tensor) -> torch.Tensor:
+    """float64 values of t rounded in 128x128 tiles (FP8-block weight role)."""
+    return fake_quantize(t.float(), "fp8-block", "weight").double()
+
+
+@pytest.mark.parametrize("m,n,k", [(5, 200, 300), (130, 96, 257)])
+def test_every_gemm_takes_fp8_block_operands(m, n, k):
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 3).requires_grad_(True)
+    w = (torch.randn(n, k) * 0.05).requires_grad_(True)
+    b = torch.randn(n, requires_grad=True)
+    g = torch.randn(m, n) * torch.rand(1, n)
+    y = FP8BlockLinear.apply(x, w, b)
+    (y * g).sum().backward()
+    xd, wd = x.detach(), w.detach()
+    assert_product_close(y.detach() - b.detach(), q_rows(xd), q_tiles(wd))
+    assert_product_close(x.grad, q_rows(g), q_tiles(wd.t()))  # dx = Q(g) @ Q(W^T)^T
+    assert_product_close(w.grad, q_rows(g.t()), q_rows(xd.t()))  # dW = Q(g^T) @ Q(x^T)^T
+    torch.testing.assert_close(b.grad, g.sum(0))
+    # The gradients really are quantized: they differ from the straight-through bf16-style gradients.
+    assert not torch.allclose(x.grad, g @ q_tiles(wd).float(), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(w.grad, g.t() @ q_rows(xd).float(), rtol=1e-4, atol=1e-5)
+
+
+def test_forward_is_the_unified_forward_bit_for_bit_and_leading_dims_are_kept():
+    s = PrecisionConfig(flow="unified", format="fp8-block")
+    plain = QuantLinear(300, 200, bias=True)
+    plain.configure(**s.linear_settings())
+    fp8 = QuantLinear(300, 200, bias=True)
+    fp8.load_state_dict(plain.state_dict())
+    s.quantized_backward = True
+    fp8.configure(**s.linear_settings())
+    assert fp8.quantized_backward and not plain.quantized_backward
+    x = torch.randn(2, 7, 300)
+    y = fp8(x)
+    assert y.shape == (2, 7, 200)
+    assert torch.equal(y, plain(x))
+    fp8.set_rollout(True)
+    with torch.no_grad():
+        assert torch.equal(fp8(x), y)  # rollout and training compute the same function
+    assert torch.equal(fp8_block_linear(x, fp8.weight, fp8.bias), y)
+    assert torch.equal(block_matmul(x.reshape(-1, 300), fp8.weight, fp8.bias), y.reshape(-1, 200))
+
+
+def test_configuration_errors_say_what_to_use():
+    with pytest.raises(ValueError, match="flow=unified with precision.format=fp8-block"):
+        PrecisionConfig(flow="split", format="fp8-block", quantized_backward=True).validate()
+    with pytest.raises(ValueError, match="format='fp8'"):
+        PrecisionConfig(flow="unified", format="fp8", quantized_backward=True).validate()
+    layer = QuantLinear(64, 32)
+    with pytest.raises(ValueError, match="train_format='fp8-block'"):
+        layer.configure(rollout_format="int8", train_format="int8", quantized_backward=True)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_training_gemms_match_the_float64_products():
+    """On a GPU the forward and input gradient run on FP8 kernels, the weight gradient on dequantized bf16
+    operands: each equals the float64 product of the same quantized values within bf16 output rounding."""
+    m, n, k = 257, 384, 512
+    x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    g = torch.randn(m, n).to(torch.bfloat16)
+    xc, wc = x.cuda().requires_grad_(True), w.cuda().requires_grad_(True)
+    y = FP8BlockLinear.apply(xc, wc, None)
+    y.backward(g.cuda())
+    assert y.dtype == xc.grad.dtype == wc.grad.dtype == torch.bfloat16
+    assert_product_close(y.detach().cpu(), q_rows(x), q_tiles(w), torch.bfloat16)
+    assert_product_close(xc.grad.cpu(), q_rows(g), q_tiles(w.t()), torch.bfloat16)
+    assert_product_close(wc.grad.cpu(), q_rows(g.t()), q_rows(x.t()), torch.bfloat16)
