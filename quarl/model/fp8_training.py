@@ -41,7 +41,7 @@ def block_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
     The FP8 kernel on a GPU where one applies (it quantizes `a` itself, exactly as `quantize` does), otherwise
     the dequantized operands multiplied in a.dtype (the unified flow's straight-through forward, bit for bit).
     """
-    qb = quantize_unchecked(b.to(a.dtype), FORMAT, "weight")
+    qb = quantize_unchecked(b.to(a.dtype).contiguous(), FORMAT, "weight")  # kernels read row-major codes
     bias = None if bias is None else bias.to(a.dtype)
     y = kernels.quantized_matmul(a.contiguous(), qb, False, bias)
     if y is None:
@@ -72,7 +72,7 @@ class FP8BlockLinear(torch.autograd.Function):
             grad_x = block_matmul(g, weight.detach().t())  # W^T [K, N] in its own 128x128 tiles
         if ctx.needs_input_grad[1]:
             # Both operands grouped along M (the reduction): rows of g^T and rows of x^T.
-            grad_w = F.linear(_rows_fp8(g.t()), _rows_fp8(x.t())).to(weight.dtype)
+            grad_w = F.linear(_rows_fp8(g.t().contiguous()), _rows_fp8(x.t().contiguous())).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b
