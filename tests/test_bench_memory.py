@@ -29,6 +29,7 @@ def test_parameter_count_equals_the_built_architecture(size):
 
 def test_sizes_and_the_step_command():
     assert parse_sizes("72b, 32b,tiny") == ["72b", "32b", "tiny"]
+    assert parse_sizes("tiny,7b,72b,7b") == ["72b", "7b", "tiny"]  # largest first, once each
     with pytest.raises(ValueError, match="choose from"):
         parse_sizes("70b")
     cmd = step_command(parse("--set", "train.lr=1e-5"), "32b", "/tmp/x.json")
@@ -48,6 +49,24 @@ def test_outcomes_are_classified():
     assert classify(None, [], "still running")[0] == "error: stopped at the time budget"
     outcome, _ = classify(1, [], "Traceback ...\nRuntimeError: boom\n")
     assert outcome == "error: RuntimeError: boom"
+    assert classify(0, [dict(error="error: RuntimeError: boom")], "tail\n")[0] == "error: RuntimeError: boom"
+
+
+@pytest.mark.parametrize("script,timeout,expected", [
+    ("import time; time.sleep(30)", 1.0, "error: stopped at the time budget"),  # silent: stopped anyway
+    ("import sys; print('working', flush=True); sys.exit('RuntimeError: boom')", 20.0, "error: RuntimeError: boom"),
+])
+def test_a_child_is_stopped_at_the_budget_and_its_own_error_is_kept(monkeypatch, script, timeout, expected):
+    import sys
+    import time
+
+    import quarl.bench.memory as memory
+
+    monkeypatch.setattr(memory, "step_command", lambda args, size, path: [sys.executable, "-c", script])
+    t0 = time.perf_counter()
+    row = memory.run_size(parse(), "tiny", timeout)
+    assert row["outcome"] == expected
+    assert time.perf_counter() - t0 < 15
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,8 @@ import torch
 
 from quarl.formats import quantize
 from quarl.kernels import plan_for, quantized_matmul, try_quantized_matmul
-from quarl.kernels.tuning import MEASURED, M_BUCKETS, W8A16_PLANS, Cfg, Plan, check_fp4_decode_cfg, choose_plan
+from quarl.kernels.tuning import (FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, MEASURED, M_BUCKETS, W8A16_PLANS, Cfg, Plan,
+                                  check_fp4_decode_cfg, choose_plan)
 
 EXACT_TOL = 5e-3
 DEQ_TOL = 1.5e-2
@@ -261,6 +262,10 @@ def test_tuning_tables_are_consistent(family):
         for shape, table in MEASURED[family].items():
             assert sorted(table) == sorted(M_BUCKETS), f"{family} {shape}: buckets {sorted(table)}"
         plans = [e for table in MEASURED[family].values() for e in table.values()]
+        for table in MEASURED[family].values():
+            for bucket, (p, _) in table.items():
+                if p.kind == "fp4_decode":  # the bucket's largest M must fit the kernel path the plan selects
+                    assert bucket <= (FP4_DECODE_FMA_MAX_M if p.cfg.bm == 1 else FP4_DECODE_MAX_M), (bucket, p)
     for p, speedup in plans:
         assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "fp4_decode", "bf16")
         if speedup is not None:

@@ -15,12 +15,14 @@ Reported per size: parameters, outcome (ok / out of memory / error), peak GPU me
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from quarl.bench.rollout import MODEL_SIZES, parameter_count
@@ -57,11 +59,12 @@ def add_bench_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_sizes(text: str) -> list[str]:
+    """'7b,72b' -> ['72b', '7b']: known sizes, largest first (the search stops at the first size that fits)."""
     sizes = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in MODEL_SIZES and s != "tiny"]
     if unknown or not sizes:
         raise ValueError(f"--sizes {text!r}: choose from {', '.join(MODEL_SIZES)}, tiny (comma-separated)")
-    return sizes
+    return sorted(dict.fromkeys(sizes), key=lambda s: parameter_count(s) if s != "tiny" else 0, reverse=True)
 
 
 def step_command(args, size: str, json_path: str) -> list[str]:
@@ -88,36 +91,42 @@ def classify(returncode: int | None, rows: list[dict], output_tail: str) -> tupl
         return "out of memory", row
     if returncode is None:
         return "error: stopped at the time budget", row
-    last = row.get("error") or (output_tail.strip().splitlines() or [f"exit code {returncode}"])[-1]
+    last = (row.get("error") or "").removeprefix("error: ")
+    last = last or (output_tail.strip().splitlines() or [f"exit code {returncode}"])[-1]
     return f"error: {last[:160]}", row
+
+
+def _stream(pipe, lines: collections.deque) -> None:
+    """Copy a child's output to ours line by line, keeping it in `lines`."""
+    for line in pipe:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        lines.append(line)
+    pipe.close()
 
 
 def run_size(args, size: str, timeout: float | None) -> dict:
     """Run one size in a subprocess (output streamed to ours); returns its result row."""
     with tempfile.TemporaryDirectory(prefix="quarl-bench-memory-") as scratch:
         json_path = os.path.join(scratch, "rows.json")
-        log_path = os.path.join(scratch, "log.txt")
         cmd = step_command(args, size, json_path)
         print(f"\n[quarl bench memory] {size}: {shlex.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        returncode = None
-        with open(log_path, "w+") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            try:
-                deadline = None if timeout is None else t0 + timeout
-                for line in proc.stdout:  # stream: a long step shows its progress
-                    sys.stdout.write(line)
-                    log.write(line)
-                    if deadline is not None and time.perf_counter() > deadline:
-                        proc.kill()
-                        break
-                returncode = proc.wait() if deadline is None or time.perf_counter() <= deadline else None
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            log.seek(0)
-            tail = log.read()[-4000:]
+        lines: collections.deque[str] = collections.deque(maxlen=200)  # the output's tail, for the outcome
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the child's progress arrives as it is printed
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        reader = threading.Thread(target=_stream, args=(proc.stdout, lines), daemon=True)
+        reader.start()
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # also a child that prints nothing is stopped at the budget
+            returncode = None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join()
+        tail = "".join(lines)[-4000:]
         rows = json.load(open(json_path)) if os.path.exists(json_path) else []
     outcome, row = classify(returncode, rows, tail)
     return dict(size=size, params=parameter_count(size) if size != "tiny" else None, outcome=outcome,

@@ -9,13 +9,14 @@ A linear y = x @ W^T + b has three GEMMs per training step. Here all three take 
 | weight grad dW = g^T x    | [N,M] x [K,M] -> [N,K]    | g^T, 1x128 groups along M      | x^T, 1x128 groups along M       |
 
 (g = dL/dy; the weight-gradient's second operand in 1x128 groups of x^T is "128x1 groups" of x.) The master
-weight stays in full precision, gradients between operators are in the compute dtype, and the forward values
-are exactly those of the straight-through unified forward (Q(x) @ Q(W)^T), so rollout and training still
-compute the same function. What changes is the backward: it sees quantized gradients, as Jet-RL trains.
+weight stays in full precision and gradients between operators are in the compute dtype. The forward computes
+Q(x) @ Q(W)^T on the same path as the rollout forward (the FP8 kernel where the rollout uses one, otherwise the
+dequantized operands), so rollout and training still compute the same function; on a CPU it is bit for bit the
+straight-through unified forward. What changes is the backward: it sees quantized gradients, as Jet-RL trains.
 
-On a GPU the forward and input-gradient GEMMs run on the FP8 kernels (`quarl.kernels.quantized_matmul`); the
-weight gradient, whose second operand has no FP8 kernel here, multiplies the dequantized operands. On a CPU all
-three multiply dequantized operands (the reference).
+On a GPU the input-gradient GEMM always runs on an FP8 kernel (`quarl.kernels.quantized_matmul`); the weight
+gradient, whose second operand has no FP8 kernel here, multiplies the dequantized operands. On a CPU all three
+GEMMs multiply dequantized operands (the reference).
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ def _rows_fp8(t: torch.Tensor) -> torch.Tensor:
     return fake_quantize_unchecked(t, FORMAT, "activation")
 
 
-def block_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def block_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                 prefer_kernel: bool = True) -> torch.Tensor:
     """Q(a) @ Q(b)^T (+ bias) for a [R, C] (1x128 groups along C) and b [S, C] (128x128 tiles) -> [R, S] in
     a.dtype; bias [S] or None.
 
-    The FP8 kernel on a GPU where one applies (it quantizes `a` itself, exactly as `quantize` does), otherwise
-    the dequantized operands multiplied in a.dtype (the unified flow's straight-through forward, bit for bit).
+    On a GPU an FP8 kernel (it quantizes `a` itself, exactly as `quantize` does): always with prefer_kernel,
+    otherwise only where the kernel measured faster than bf16, which is the rollout forward's own choice
+    (`kernels.try_quantized_matmul`). Elsewhere the dequantized operands multiplied in a.dtype, which is the
+    rollout fallback and, bit for bit, the unified flow's straight-through forward.
     """
     qb = quantize_unchecked(b.to(a.dtype).contiguous(), FORMAT, "weight")  # kernels read row-major codes
     bias = None if bias is None else bias.to(a.dtype)
-    y = kernels.quantized_matmul(a.contiguous(), qb, False, bias)
+    matmul = kernels.quantized_matmul if prefer_kernel else kernels.try_quantized_matmul
+    y = matmul(a.contiguous(), qb, False, bias)
     if y is None:
         y = F.linear(_rows_fp8(a), qb.dequantize(a.dtype), bias)
     return y
@@ -58,7 +63,8 @@ class FP8BlockLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = block_matmul(x, weight.detach(), None if bias is None else bias.detach())
+        # The forward takes the rollout forward's path, so rollout and training compute the same function.
+        y = block_matmul(x, weight.detach(), None if bias is None else bias.detach(), prefer_kernel=False)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return y
