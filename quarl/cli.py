@@ -1,4 +1,4 @@
-"""`quarl train | generate | eval | plot | export | bench` — the command-line interface."""
+"""`quarl train | config | generate | eval | plot | export | bench` — the command-line interface."""
 
 from __future__ import annotations
 
@@ -17,6 +17,24 @@ def _train(args) -> int:
         config = None
     summary = train_from_config(config, overrides)
     return 130 if summary.get("interrupted") else 0
+
+
+def _config(args) -> int:
+    import yaml
+
+    from quarl.config import config_to_dict, load_config
+
+    if args.reference:
+        from quarl.config_reference import config_reference
+
+        print(config_reference(), end="")
+        return 0
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides.insert(0, config)
+        config = None
+    print(yaml.safe_dump(config_to_dict(load_config(config, overrides)), sort_keys=False), end="")
+    return 0
 
 
 def _eval(args) -> int:
@@ -94,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5 precision.flow=unified; "
                                                  "resume=RUN_DIR continues a run")
     p.set_defaults(fn=_train)
+
+    p = sub.add_parser("config", help="print the resolved configuration (validated), or every key with --reference")
+    p.add_argument("config", nargs="?", help="YAML config file (default: the built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for quarl train")
+    p.add_argument("--reference", action="store_true", help="print the markdown reference of every key")
+    p.set_defaults(fn=_config)
 
     _add_module_command(sub, "generate", "sample completions from a model in any precision",
                         "quarl.rollout.generate_cli", "generate", "quarl generate")

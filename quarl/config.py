@@ -30,8 +30,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelSection:
     name: str = "smollm2-135m-instruct"  # HF dir, hub id, .gguf path, or the embedded default
-    gguf_file: str | None = None
-    revision: str | None = None
+    gguf_file: str | None = None  # file name inside a hub repo or folder that holds several .gguf files
+    revision: str | None = None  # hub revision (branch, tag or commit)
     device: str = "auto"  # auto -> cuda if available else cpu
 
 
@@ -39,100 +39,100 @@ class ModelSection:
 class UAQSection:
     """Update-aware quantization (BRIEF §5): fold s into q/k/v, gate/up and the norms before them. 1.0 = off."""
 
-    scale: float = 1.0
+    scale: float = 1.0  # UAQ s (QuRL uses 1.5); 1.0 = off
 
 
 @dataclass
 class AQNSection:
     """Adaptive quantization noise on the rollout model's RMSNorm weights (BRIEF §5). sigma_start = 0 -> off."""
 
-    sigma_start: float = 0.0
-    sigma_end: float = 0.0
-    stages: int = 10
+    sigma_start: float = 0.0  # AQN noise std in the first noisy stage (QeRL: 1e-2); 0 = off
+    sigma_end: float = 0.0  # std in the last stage; stages between decay geometrically
+    stages: int = 10  # training is split into this many equal stages; stage 0 has no noise
 
 
 @dataclass
 class DataSection:
     train: str = "arithmetic"  # gsm8k | math500 | aime24 | arithmetic | a .jsonl/.parquet path | a hub id
-    train_split: str = "train"
+    train_split: str = "train"  # split of data.train (hub datasets, gsm8k)
     eval: str | None = None  # None -> the held-out split of the train source
-    eval_split: str = "test"
+    eval_split: str = "test"  # split of the held-out source
     data_dir: str | None = None  # folder holding gsm8k/, math500/, aime24/ (else $QUARL_DATA_DIR or the samples)
-    prompt_field: str | None = None
-    answer_field: str | None = None
+    prompt_field: str | None = None  # question field of a JSONL/parquet/hub dataset (auto when None)
+    answer_field: str | None = None  # gold-answer field (auto when None)
     gold_format: str | None = None  # gsm8k | boxed | plain (auto by source)
-    limit: int | None = None
-    eval_limit: int | None = 64
-    system_prompt: str | None = None
+    limit: int | None = None  # use only the first N training examples
+    eval_limit: int | None = 64  # held-out examples scored at each eval
+    system_prompt: str | None = None  # system turn for the chat template
     prompt_template: str = "{prompt}"  # the user turn; {prompt} is the question
     chat_template: bool = True  # wrap the user turn with the tokenizer's chat template
     # synthetic arithmetic task (data.train=arithmetic)
-    min_operand: int = 0
-    max_operand: int = 20
-    ops: tuple[str, ...] = ("+",)
-    num_train: int = 300
-    num_eval: int = 64
+    min_operand: int = 0  # smallest operand of the arithmetic task
+    max_operand: int = 20  # largest operand
+    ops: tuple[str, ...] = ("+",)  # operators drawn from: + - *
+    num_train: int = 300  # arithmetic problems for training
+    num_eval: int = 64  # disjoint arithmetic problems for held-out eval
 
 
 @dataclass
 class RewardSection:
     function: str | None = None  # "module:function" user reward fn(completion, example) -> float
     format_weight: float = 0.0  # add format_weight * format_reward
-    format_pattern: str = r"(?s).*\S"
+    format_pattern: str = r"(?s).*\S"  # regex a completion must match for the format reward
 
 
 @dataclass
 class RolloutSection:
-    prompts_per_step: int = 8
+    prompts_per_step: int = 8  # prompts per RL step (batch = prompts_per_step x num_generations)
     num_generations: int = 8  # G, answers per prompt (a group)
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
+    max_new_tokens: int = 64  # answer length limit
+    temperature: float = 1.0  # sampling temperature (> 0); log-probs are taken at the same temperature
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
+    top_k: int = 0  # top-k sampling (0 = off)
+    stop: tuple[str, ...] = ()  # strings that end an answer (besides EOS)
     max_batch_size: int = 256  # sequences decoded at once (KV slots of the fast engine)
     engine: str = "auto"  # auto (fast on a GPU, reference on a CPU) | fast | reference
 
 
 @dataclass
 class TrainSection:
-    steps: int = 20
-    seed: int = 0
-    lr: float = 1e-6
+    steps: int = 20  # RL steps
+    seed: int = 0  # seeds sampling, data order and LoRA init
+    lr: float = 1e-6  # AdamW learning rate (LoRA runs use ~1e-5)
     lr_schedule: str = "constant"  # constant | cosine | linear
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
+    warmup_steps: int = 0  # linear learning-rate warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    max_grad_norm: float = 1.0  # gradient clipping (global L2 norm)
     epochs: int = 1  # PPO epochs over each step's batch
     mini_batch_size: int | None = None  # sequences per optimizer step (None -> the whole batch)
     micro_batch_size: int = 8  # sequences per forward/backward (bounds memory)
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~30% more time
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_refills: int = 3
+    max_refills: int = 3  # DAPO: extra rollouts to refill dropped groups, at most
     overlong_filter: bool = False  # DAPO: mask answers cut at max_new_tokens
     overlong_buffer: int = 0  # DAPO soft overlong punishment length (0 = off)
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # DAPO: largest penalty of the soft overlong punishment
 
 
 @dataclass
 class EvalSection:
     every: int = 0  # held-out eval every N steps (0 = only before and after training)
-    before: bool = True
-    after: bool = True
-    n: int = 1
-    temperature: float = 0.0
+    before: bool = True  # held-out eval before training
+    after: bool = True  # held-out eval after training
+    n: int = 1  # answers per held-out problem (avg@n, pass@n)
+    temperature: float = 0.0  # 0 = greedy
     max_new_tokens: int | None = None  # None -> rollout.max_new_tokens
 
 
 @dataclass
 class OutputSection:
-    dir: str = "runs/demo"
-    checkpoint_every: int = 10
-    samples_per_step: int = 4
-    tensorboard: bool = True
+    dir: str = "runs/demo"  # run directory (config, metrics, samples, checkpoints)
+    checkpoint_every: int = 10  # steps between checkpoints (also saved at the end and on Ctrl-C)
+    samples_per_step: int = 4  # completions logged to samples.jsonl per step
+    tensorboard: bool = True  # also write TensorBoard events
     export_hf: bool = False  # write a Hugging Face model directory (and PEFT adapters with LoRA) at the end
-    progress: bool = True
+    progress: bool = True  # progress bars on long rollouts and evals
 
 
 @dataclass

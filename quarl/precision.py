@@ -33,7 +33,8 @@ class LoraConfig:
 
     rank: int = 0  # 0 = no LoRA (full fine-tuning)
     alpha: float | None = None  # None -> alpha = rank
-    dropout: float = 0.0
+    dropout: float = 0.0  # LoRA dropout (training forward only)
+    # the linears that get adapters (by the last part of their name)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     train_norms: bool = False  # also train the RMSNorm weights (QeRL option)
 
@@ -48,16 +49,15 @@ class LoraConfig:
 
 @dataclass
 class PrecisionConfig:
-    """How rollout and training compute. See the module docstring for the four flows."""
+    """How rollout and training compute: the precision flow, its number format and the LoRA setup."""
 
-    flow: str = "bf16"
+    flow: str = "bf16"  # bf16 | split | unified | qlora (the four flows of the README)
     format: str | None = None  # None -> the flow's default (split: int8, unified: fp8-block, qlora: nvfp4)
     quantize_lm_head: bool = False  # lm_head (and embeddings) stay in full precision unless asked
     weight_only: bool | None = None  # None -> True for fp4 formats and for qlora, else W8A8
     kv_cache: str = "auto"  # "auto" = the compute dtype; "fp8" = FP8 E4M3 KV cache (GPU engine)
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
-    # unified + fp8-block only: the input- and weight-gradient GEMMs take FP8-block operands too (Jet-RL)
-    quantized_backward: bool = False
+    quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> "PrecisionConfig":

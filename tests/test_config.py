@@ -2,7 +2,7 @@
 
 import pytest
 
-from quarl.config import ConfigError, config_to_dict, load_config, parse_overrides
+from quarl.config import ConfigError, RunConfig, config_to_dict, load_config, parse_overrides
 
 
 def write(tmp_path, text):
@@ -91,3 +91,32 @@ def test_settings_that_would_fail_later_fail_now(tmp_path):
         load_config(None, ["output.checkpoint_every=0"])
     with pytest.raises(ConfigError, match="needs sampling"):
         load_config(None, ["rollout.temperature=0"])
+
+
+def test_config_reference_doc_matches_the_code_and_explains_every_key():
+    from pathlib import Path
+
+    from quarl.config_reference import config_reference
+
+    text = config_reference()
+    doc = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
+    assert doc.read_text() == text, "docs/CONFIG.md is stale: run `quarl config --reference > docs/CONFIG.md`"
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    flat = {f"{section}.{key}" for section, values in config_to_dict(RunConfig()).items()
+            if isinstance(values, dict) for key in values}
+    assert {row.split("`")[1] for row in rows} == flat | {"resume"}
+    undocumented = [row.split("`")[1] for row in rows if row.rstrip().endswith("|  |")]
+    assert not undocumented, f"config keys without a comment in the source: {undocumented}"
+
+
+def test_quarl_config_prints_a_resolved_config_that_loads_back(tmp_path, capsys):
+    from quarl.cli import main
+
+    assert main(["config", "train.steps=3", "precision.flow=unified"]) == 0
+    path = tmp_path / "resolved.yaml"
+    path.write_text(capsys.readouterr().out)
+    cfg = load_config(str(path))
+    assert cfg.train.steps == 3 and cfg.precision.flow == "unified"
+    assert config_to_dict(cfg) == config_to_dict(load_config(None, ["train.steps=3", "precision.flow=unified"]))
+    assert main(["config", "train.stepz=3"]) == 2
+    assert "did you mean train.steps" in capsys.readouterr().err

@@ -63,13 +63,13 @@ class LossConfig:
 
     loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo"  (sets the default aggregation)
     aggregation: str | None = None  # None -> by loss_type (see DEFAULT_AGGREGATION)
-    epsilon_low: float = 0.2
+    epsilon_low: float = 0.2  # PPO clip range below 1
     epsilon_high: float | None = None  # None -> 0.28 for dapo, else epsilon_low
     correction: str = "tis"  # "naive" | "decoupled" | "tis" | "mis" | "acr" | "bypass"
     correction_level: str = "token"  # "token" | "sequence"  (tis and mis only)
     is_cap: float = 2.0  # C for tis/acr (upper truncation)
     mis_low: float = 0.0  # mis keeps tokens/sequences with mis_low <= rho <= mis_high
-    mis_high: float = 3.0
+    mis_high: float = 3.0  # see mis_low
     kl_coef: float = 0.0  # beta for the k3 KL to a frozen reference
     max_new_tokens: int | None = None  # needed by the dr_grpo aggregation
 
