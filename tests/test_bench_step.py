@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from quarl.bench.step import (PHASES, Setting, add_bench_step_arguments, append_entry, bench_step, make_model,
-                              parse_settings, phase_row, run_bench_step)
+from quarl.bench.step import (PHASES, Setting, add_bench_step_arguments, append_entry, bench_step, format_row,
+                              make_model, parse_settings, phase_row, run_bench_step)
 from quarl.config import ConfigError
 
 # Small enough for a fraction of a second per step on one CPU thread.
@@ -44,7 +44,7 @@ def test_two_settings_give_full_rows_whose_shares_sum_to_the_step():
 
     lines = table.splitlines()
     assert len(lines) == 4 and lines[2].startswith("| bf16 |") and lines[3].startswith("| split:int8 |")
-    assert all(line.count("|") == 13 for line in lines)  # 12 columns in every row
+    assert all(line.count("|") == 14 for line in lines)  # 13 columns in every row
     assert f"{split['speedup']:.2f}x" in lines[3]
     assert "split:int8: sync" in summary and "x bf16" in summary
 
@@ -124,3 +124,22 @@ def test_eos_is_ignored_even_when_the_model_wants_to_stop(monkeypatch):
     assert rows[0]["tokens"] == rows[0]["expected_tokens"] == 2 * 4 * 24, rows[0]
     model = make_model("tiny", torch.device("cpu"), seed=0)
     assert model.config.eos_token_ids == [] and all(p.requires_grad for p in model.parameters())
+
+
+def test_rollout_roofline_share_uses_the_rollout_weights_and_the_w8a8_rate():
+    from quarl.bench.rollout import linear_bytes_and_params, roofline_seconds
+    from quarl.bench.step import rollout_roofline, run_config, run_setting
+    from quarl.model.precision_apply import apply_precision
+
+    args = parse("--no-save")
+    bw, rate = 1e11, 1e13
+    row = run_setting(args, Setting("split", "int8"), torch.device("cpu"), None, (bw, rate))
+    model = make_model("tiny", torch.device("cpu"), args.seed)
+    cfg = run_config(args, Setting("split", "int8"), "/tmp/unused", torch.device("cpu"))
+    apply_precision(model, cfg.precision)
+    nbytes, params = linear_bytes_and_params(model)
+    expected = roofline_seconds(nbytes, params, model.config, 2 * 4, 6, 24, 2 * 6, 4, bw, 2 * rate)  # fp32 KV
+    assert rollout_roofline(model, cfg, args, bw, rate) == pytest.approx(expected, rel=1e-12)
+    assert row["rollout_roofline_s"] == pytest.approx(expected, rel=1e-12)
+    assert row["rollout_roofline_pct"] == pytest.approx(100 * expected / row["rollout_s"], rel=1e-12)
+    assert f"{row['rollout_roofline_pct']:.0f}%" in format_row(row)

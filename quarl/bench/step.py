@@ -177,8 +177,12 @@ def _now(torch, device) -> float:
     return time.perf_counter()
 
 
-def run_setting(args, setting: Setting, device, deadline: float | None) -> dict:
-    """Warm up and time one setting on a fresh model; returns its result row (see `phase_row`)."""
+def run_setting(args, setting: Setting, device, deadline: float | None,
+                ceilings: tuple[float, float] | None = None) -> dict:
+    """Warm up and time one setting on a fresh model; returns its result row (see `phase_row`).
+
+    ceilings: (bandwidth bytes/s, bf16 matrix FLOP/s) measured on this GPU; with them the row also gets the
+    rollout phase's share of its roofline (`rollout_roofline`)."""
     import torch
 
     from quarl.rl.trainer import Trainer
@@ -206,11 +210,29 @@ def run_setting(args, setting: Setting, device, deadline: float | None) -> dict:
             metrics = trainer.step(step)
             timed.append((_now(torch, device) - t0, metrics))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        roofline = None if ceilings is None else rollout_roofline(model, cfg, args, *ceilings)
         trainer.log.close()
         del trainer, model
     row = phase_row(setting, timed, args, peak)
     row["setup_s"] = setup_s
+    row["rollout_roofline_s"] = roofline
+    row["rollout_roofline_pct"] = None if roofline is None else 100.0 * roofline / row["rollout_s"]
     return row
+
+
+def rollout_roofline(model, cfg, args, bandwidth: float, rate: float) -> float:
+    """Seconds the rollout phase would take at the roofline of BENCHMARKS.md B2 (`quarl.bench.rollout`): per
+    decode step the rollout weights and the KV cache read at `bandwidth`, or the linear FLOPs at `rate` (2x for
+    W8A8 formats), whichever is longer, plus the unique prompt tokens' prefill at that rate."""
+    from quarl.bench.rollout import W8A8, linear_bytes_and_params, roofline_seconds
+
+    weight_bytes, params = linear_bytes_and_params(model)
+    fmt = cfg.precision.resolved_format
+    w8a8 = fmt in W8A8 and not cfg.precision.resolved_weight_only
+    kv_bytes = 1 if cfg.precision.kv_cache == "fp8" else model.dtype.itemsize
+    return roofline_seconds(weight_bytes, params, model.config, args.prompts * args.samples, args.prompt_len,
+                            args.max_new_tokens, args.prompts * args.prompt_len, kv_bytes, bandwidth,
+                            rate * (2 if w8a8 else 1))
 
 
 def phase_row(setting: Setting, timed: list[tuple[float, dict]], args, peak_gib: float | None) -> dict:
@@ -257,6 +279,11 @@ def bench_step(args) -> tuple[list[dict], str, str]:
     t_start = time.perf_counter()
     deadline = None if args.time_budget is None else t_start + args.time_budget
     rows, last_duration = [], 0.0
+    ceilings = None
+    if device.type == "cuda":
+        from quarl.bench.gemm import measure_ceilings
+
+        ceilings = measure_ceilings(torch)
     print(HEADER, flush=True)
     for s in settings:
         if deadline is not None and time.perf_counter() + last_duration > deadline:
@@ -266,7 +293,7 @@ def bench_step(args) -> tuple[list[dict], str, str]:
             continue
         t0 = time.perf_counter()
         try:
-            row = run_setting(args, s, device, deadline)
+            row = run_setting(args, s, device, deadline, ceilings)
         except Exception as e:  # report and go on: one failing setting must not hide the others
             traceback.print_exc()
             row = dict(setting=s.name, flow=s.flow, format=s.format, error=f"error: {type(e).__name__}: {e}"[:200])
@@ -291,15 +318,15 @@ def add_speedups(rows: list[dict]) -> None:
 
 # ---------------------------------------------------------------- report
 
-HEADER = ("| setting | step (s) | sync | rollout | prox | update | other | rollout tok/s | step tok/s | "
-          "peak mem (GiB) | vs bf16 | notes |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+HEADER = ("| setting | step (s) | sync | rollout | prox | update | other | rollout tok/s | rollout % roofline | "
+          "step tok/s | peak mem (GiB) | vs bf16 | notes |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def format_row(r: dict) -> str:
     """One markdown table row; each phase cell is 'seconds (share %)'."""
     if "step_s" not in r:
-        return f"| {r['setting']} |" + " - |" * 10 + f" {r.get('skipped') or r.get('error')} |"
+        return f"| {r['setting']} |" + " - |" * 11 + f" {r.get('skipped') or r.get('error')} |"
     phases = " | ".join(f"{r[p + '_s']:.2f} ({r[p + '_pct']:.1f}%)" for p in PHASES)
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
     vs = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
@@ -308,8 +335,9 @@ def format_row(r: dict) -> str:
         notes.append(f"{r['tokens']} of {r['expected_tokens']} tokens")
     if r["steps_timed"] < r["steps_asked"]:
         notes.append(f"{r['steps_timed']} of {r['steps_asked']} timed steps (time budget)")
-    return (f"| {r['setting']} | {r['step_s']:.2f} | {phases} | {r['rollout_tok_s']:,.0f} | {r['step_tok_s']:,.0f} "
-            f"| {peak} | {vs} | {'; '.join(notes)} |")
+    roof = "-" if r.get("rollout_roofline_pct") is None else f"{r['rollout_roofline_pct']:.0f}%"
+    return (f"| {r['setting']} | {r['step_s']:.2f} | {phases} | {r['rollout_tok_s']:,.0f} | {roof} | "
+            f"{r['step_tok_s']:,.0f} | {peak} | {vs} | {'; '.join(notes)} |")
 
 
 def summarize(rows: list[dict]) -> str:
