@@ -19,25 +19,18 @@ import torch
 from quarl.model.config import ModelConfig
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.precision_apply import apply_precision
-from quarl.model.tiny import tiny_config
 from quarl.precision import PrecisionConfig
 from quarl.rollout.engine import RolloutEngine
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, decode_attention_torch
 from quarl.rollout.fast_engine import FastRolloutEngine
+from tiny_models import make_model
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
 def tiny_model(arch="qwen2", std=0.25):
-    model = QuarlForCausalLM(tiny_config(arch))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    return model.to(DEV, torch.bfloat16).eval()
+    return make_model(arch, torch.bfloat16, std).to(DEV)
 
 
 def small_model():

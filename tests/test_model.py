@@ -20,6 +20,7 @@ from quarl.model.qlinear import QuantLinear
 from quarl.model.tiny import LLAMA3_ROPE_SCALING, tiny_config, tiny_hf_config, tiny_tokenizer
 from quarl.rollout.engine import RolloutEngine
 from quarl.rollout.kv_cache import KVCache
+from tiny_models import randomize_
 
 CASES = {
     "llama": ("llama", {}),
@@ -28,17 +29,6 @@ CASES = {
     "llama3-rope-tied": ("llama", dict(tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING, rope_theta=5e5)),
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True)),
 }
-
-
-def randomize_(model: nn.Module, std: float = 0.25) -> nn.Module:
-    """Weights with O(1) logits and non-trivial attention (HF's 0.02 init gives nearly uniform outputs)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    return model
 
 
 def hf_and_ours(case: str, dtype=torch.float64):
