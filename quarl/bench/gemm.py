@@ -139,16 +139,16 @@ def measure_ceilings(torch) -> tuple[float, float]:
     n = 2**30 // 2
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    t_copy = _median_time(torch, lambda: dst.copy_(src), 10)
+    t_copy = median_time(torch, lambda: dst.copy_(src), 10)
     bw = 2 * src.numel() * src.element_size() / t_copy
     del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_mm = _median_time(torch, lambda: torch.matmul(a, b), 10)
+    t_mm = median_time(torch, lambda: torch.matmul(a, b), 10)
     return bw, 2 * 8192**3 / t_mm
 
 
-def _median_time(torch, fn, reps: int) -> float:
+def median_time(torch, fn, reps: int) -> float:
     """Median seconds of fn over reps event-timed calls, after 3 warm-up calls."""
     for _ in range(3):
         fn()

@@ -26,7 +26,7 @@ import threading
 import time
 
 from quarl.bench.rollout import MODEL_SIZES, parameter_count
-from quarl.bench.step import append_entry
+from quarl.bench.step import append_entry, bench_command
 
 DEFAULT_SIZES = "72b,32b,14b,7b"
 DEFAULT_RESULTS = os.path.join("bench", "results", "memory.md")
@@ -201,12 +201,10 @@ def run_bench_memory(args) -> int:
         ]
         if args.overrides:
             facts.append("overrides: " + " ".join(args.overrides))
-        command = shlex.join(["quarl", "bench", "memory", *getattr(args, "argv", sys.argv[sys.argv.index(
-            "memory") + 1:] if "memory" in sys.argv else sys.argv[1:])])
         append_entry(args.out, "B4 — largest qlora model on one GPU (`quarl bench memory`)",
                      "Appended by `quarl bench memory`; newest last. One RL step of quarl.rl.trainer.Trainer in "
                      "the qlora flow per Qwen2.5 size (random weights), largest first.",
-                     command, facts, table + "\n\n" + summary)
+                     bench_command(args, "memory"), facts, table + "\n\n" + summary)
     return 0
 
 

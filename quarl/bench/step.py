@@ -385,11 +385,13 @@ def append_entry(path: str, title: str, intro: str, command: str, facts: list[st
         fh.write("\n" + body + "\n")
 
 
-def _command(args) -> str:
+def bench_command(args, name: str) -> str:
+    """The `quarl bench NAME ...` command line that ran, for a results entry: args.argv when main() was given
+    an argument list, else what followed NAME on this process's command line (or the module's path)."""
     argv = getattr(args, "argv", None)
-    if argv is None:  # from the command line: what followed `quarl bench step` (or the module's path)
-        argv = sys.argv[sys.argv.index("step") + 1:] if "step" in sys.argv else sys.argv[1:]
-    return shlex.join(["quarl", "bench", "step", *argv])
+    if argv is None:
+        argv = sys.argv[sys.argv.index(name) + 1:] if name in sys.argv else sys.argv[1:]
+    return shlex.join(["quarl", "bench", name, *argv])
 
 
 def run_bench_step(args) -> int:
@@ -414,7 +416,7 @@ def run_bench_step(args) -> int:
         append_entry(args.out, "B3 — RL step (`quarl bench step`)",
                      "Appended by `quarl bench step`; newest last. One step of quarl.rl.trainer.Trainer on a "
                      "random-weight Qwen2.5 architecture, split into sync / rollout / prox / update / other.",
-                     _command(args), facts, table + "\n\n" + summary)
+                     bench_command(args, "step"), facts, table + "\n\n" + summary)
     return 0
 
 
