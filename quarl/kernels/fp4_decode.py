@@ -128,6 +128,25 @@ def _epilogue(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_pt
 # ---------------------------------------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step's operands for word indices wi [BKW]: code words v int32 [BN, BKW], their block-scale bytes
+    sc [BN, BKW] and x [R, BKW, 8] (rows w_rows / s_rows / x_rows are pointer columns [BN, 1] / [BN, 1] /
+    [R, 1, 1]). Masked loads give zero codes and zero x outside N, M and the padded K."""
+    kx = wi[:, None] * 8 + ar_e[None, :]  # element index [BKW, 8]
+    if EVEN_K:
+        v = tl.load(w_rows + wi[None, :], mask=n_ok[:, None], other=0)
+        sc = tl.load(s_rows + (wi // WPG)[None, :], mask=n_ok[:, None], other=0)
+        x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None], other=0.0)
+    else:
+        w_ok = n_ok[:, None] & (wi < KW)[None, :]
+        v = tl.load(w_rows + wi[None, :], mask=w_ok, other=0)
+        sc = tl.load(s_rows + (wi // WPG)[None, :], mask=w_ok, other=0)
+        # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
+        x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None] & (kx < K)[None, :, :], other=0.0)
+    return v, sc, x3
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp4_dec_fma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -153,17 +172,7 @@ def _fp4_dec_fma_kernel(
     acc = tl.zeros((BM, BN, BKW), dtype=tl.float32)
     for it in range(0, words_per_split // BKW):
         wi = pid_k * words_per_split + it * BKW + ar_w  # word index [BKW]
-        kx = wi[:, None] * 8 + ar_e[None, :]  # element index [BKW, 8]
-        if EVEN_K:
-            v = tl.load(w_rows + wi[None, :], mask=n_ok[:, None], other=0)
-            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=n_ok[:, None], other=0)
-            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None], other=0.0)
-        else:
-            w_ok = n_ok[:, None] & (wi < KW)[None, :]
-            v = tl.load(w_rows + wi[None, :], mask=w_ok, other=0)
-            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=w_ok, other=0)
-            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
-            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None] & (kx < K)[None, :, :], other=0.0)
+        v, sc, x3 = _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG, EVEN_K)
         x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BM, BKW)
         lo, hi = _halves_f32(_pair_bits(v, 0))
         p = x0[:, None, :] * lo[None, :, :] + x4[:, None, :] * hi[None, :, :]
@@ -225,16 +234,7 @@ def _fp4_dec_mma_kernel(
     acc = tl.zeros((BN, BMX), dtype=tl.float32)
     for it in range(0, words_per_split // BKW):
         wi = pid_k * words_per_split + it * BKW + ar_w
-        kx = wi[:, None] * 8 + ar_e[None, :]
-        if EVEN_K:
-            v = tl.load(w_rows + wi[None, :], mask=n_ok[:, None], other=0)
-            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=n_ok[:, None], other=0)
-            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None], other=0.0)
-        else:
-            w_ok = n_ok[:, None] & (wi < KW)[None, :]
-            v = tl.load(w_rows + wi[None, :], mask=w_ok, other=0)
-            sc = tl.load(s_rows + (wi // WPG)[None, :], mask=w_ok, other=0)
-            x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None] & (kx < K)[None, :, :], other=0.0)
+        v, sc, x3 = _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG, EVEN_K)
         sf = _scale_f32(sc, IS_MX)
         x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BMX, BKW)
         acc = _scaled_dot(_pair_bits(v, 0), x0, x4, sf, acc, DT, DOT_F32)
