@@ -46,9 +46,9 @@ def _default_text(value) -> str:
 
 def config_reference() -> str:
     """Markdown: one table per section (key, default, meaning), in RunConfig's order."""
-    defaults = config_to_dict(RunConfig())
-    out = [HEADER]
     cfg = RunConfig()
+    defaults = config_to_dict(cfg)
+    out = [HEADER]
     for section in dataclasses.fields(RunConfig):
         value = getattr(cfg, section.name)
         if not dataclasses.is_dataclass(value):

@@ -103,7 +103,7 @@ class QuarlForCausalLM(nn.Module):
                         if owners[id(param)] > 1:
                             shared[id(param)] = new
                     module._parameters[pname] = new
-                    del new
+                    del new  # else this name keeps the weight alive after configure() drops it below
             for bname, buf in list(module._buffers.items()):
                 if buf is not None and buf.is_meta:
                     module._buffers[bname] = torch.empty_like(buf, device=device)
