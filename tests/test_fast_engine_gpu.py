@@ -86,19 +86,20 @@ def compare_greedy(model, ref_outs, fast_outs, prompts):
     return compared, total
 
 
-@pytest.mark.parametrize("hq,hkv,d,kv_dtype", [(28, 4, 128, torch.bfloat16), (8, 2, 64, torch.bfloat16),
-                                               (4, 2, 24, torch.bfloat16), (28, 4, 128, FP8_KV_DTYPE)])
+@pytest.mark.parametrize("hq,hkv,d,kv_dtype,kv_scale", [(28, 4, 128, torch.bfloat16, 1.0), (8, 2, 64, torch.bfloat16, 1.0),
+                                                        (4, 2, 24, torch.bfloat16, 1.0), (28, 4, 128, FP8_KV_DTYPE, 1.0),
+                                                        (8, 2, 64, FP8_KV_DTYPE, 0.037)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_decode_attention_matches_float64(hq, hkv, d, kv_dtype, splits):
+def test_triton_decode_attention_matches_float64(hq, hkv, d, kv_dtype, kv_scale, splits):
     from quarl.kernels.decode_attention import decode_attention
 
     B, C = 6, 700
     q = torch.randn(B, hq, d, device=DEV).bfloat16()
-    k = torch.randn(B + 2, hkv, C, d, device=DEV).to(kv_dtype)
-    v = torch.randn(B + 2, hkv, C, d, device=DEV).to(kv_dtype)
+    k = (torch.randn(B + 2, hkv, C, d, device=DEV) / kv_scale).to(kv_dtype)
+    v = (torch.randn(B + 2, hkv, C, d, device=DEV) / kv_scale).to(kv_dtype)
     lengths = torch.tensor([1, 2, 65, 300, 699, 700], device=DEV)
-    out = decode_attention(q, k, v, lengths, splits)
-    ref = decode_attention_torch(q.double(), k, v, lengths, C)
+    out = decode_attention(q, k, v, lengths, splits, kv_scale=kv_scale)
+    ref = decode_attention_torch(q.double(), k, v, lengths, C, kv_scale=kv_scale)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
 

@@ -100,6 +100,24 @@ def test_activation_quantization_is_exact(fmt):
         assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), f"{fmt} codes differ (M={m} K={k})"
 
 
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fake_quantize_activation_is_exact(fmt, dtype):
+    """The one-pass W8A8 activation rounding equals the reference quantize -> dequantize bit for bit."""
+    from quarl.formats.registry import fake_quantize_unchecked
+    from quarl.kernels import fake_quantize_activation
+
+    for shape in [(1, 512), (5, 1000), (64, 200), (2, 150, 3584)]:
+        x = (torch.randn(*shape, device="cuda") * torch.rand(*shape[:-1], 1, device="cuda") * 10).to(dtype)
+        x.view(-1, shape[-1])[0, : shape[-1] // 2] = 0  # a zero 1x128 group / half row
+        ref = fake_quantize_unchecked(x, fmt, "activation")
+        y = fake_quantize_activation(x, fmt)
+        assert y.shape == x.shape and y.dtype == dtype
+        assert torch.equal(y, ref), f"{fmt} {dtype} {shape}: max diff {(y.double() - ref.double()).abs().max():.3g}"
+        assert not torch.equal(y, x), "the rounding must change some values (else this test cannot fail)"
+
+
 W8_CASES = [
     ("raw", Cfg(16, 64, 256, stages=4)),
     ("raw", Cfg(64, 64, 128)),

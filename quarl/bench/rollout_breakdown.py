@@ -5,7 +5,7 @@ are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
   step       the engine's captured decode step (noise refill included), as in generation;
   linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path);
   attention  the decode attention of every layer over `context` + 1 columns;
-  sampling   filtered log-probs + Gumbel-max + gather on [batch, vocab] float32 logits;
+  sampling   the step's sampler (`fast_step.sample_next`) on [batch, vocab] logits in the model dtype;
   other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
 Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth; the linears
 also their compute floor, 2 * weights * batch / matrix rate.
@@ -39,8 +39,7 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     matrix_rate: FLOP/s of the linears' tensor cores (2x bf16 for W8A8) for their compute floor.
     """
     from quarl.model.qlinear import QuantLinear
-    from quarl.rollout.fast_step import gumbel_max
-    from quarl.rollout.sampling import filtered_logprobs
+    from quarl.rollout.fast_step import sample_next
 
     cfg, st, cache = model.config, engine.state, engine.cache
     dev, dtype = model.device, model.dtype
@@ -76,15 +75,9 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
             out["attention_ms"] = _graph_ms(torch, lambda: [att(q, cache.keys[i], cache.values[i], lengths, kv_len)
                                                             for i in range(cfg.num_layers)])
 
-            logits = torch.randn(batch, cfg.vocab_size, device=dev)
+            logits = torch.randn(batch, cfg.vocab_size, device=dev, dtype=dtype)
             u = torch.rand(batch, cfg.vocab_size, device=dev)
-
-            def sample():
-                lp = filtered_logprobs(logits, params)
-                tok = logits.argmax(-1) if params.greedy else gumbel_max(lp, u)
-                return lp.gather(1, tok[:, None])
-
-            out["sampling_ms"] = _graph_ms(torch, sample)
+            out["sampling_ms"] = _graph_ms(torch, lambda: sample_next(logits, params, None if params.greedy else u))
         finally:
             model.set_rollout(False)
             st.done.fill_(True)
@@ -96,7 +89,7 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     out["linears_compute_floor_ms"] = 1e3 * 2.0 * sum(m.in_features * m.out_features for m in linears) * batch \
         / matrix_rate
     out["attention_floor_ms"] = 1e3 * kv_bytes / bandwidth
-    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * 8 / bandwidth  # logits + noise read once
+    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * (4 + dtype.itemsize) / bandwidth  # logits + noise
     out["context"], out["batch"] = context, batch
     return out
 

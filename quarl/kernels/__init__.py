@@ -18,7 +18,8 @@ from dataclasses import replace
 
 from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
-__all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "kernels_available", "plan_for"]
+__all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
+           "kernels_available", "plan_for"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -88,6 +89,31 @@ def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
     from quarl.kernels.dequant import dequantize_fp4_weight
 
     return dequantize_fp4_weight(qweight, dtype)
+
+
+# Formats whose activation rounding has a one-pass kernel (the 8-bit ones; fp4 activations are W4A4, no kernel).
+_ACT_FAKE_QUANT_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block")
+
+
+def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """dequantize(quantize(x, fmt, "activation")) in x's shape and dtype, with no input checks (a hot path).
+
+    x: [..., K] floating. On a GPU, for the 8-bit formats and bf16/fp16/fp32 x, one Triton pass
+    (`quarl.kernels.act_quant.fake_quantize_activation`, bit for bit the same values); elsewhere the reference
+    `quarl.formats.registry.fake_quantize_unchecked` (a dozen elementwise kernels). No gradient flows through
+    either: wrap it in a straight-through estimator.
+    """
+    if (x.is_cuda and fmt in _ACT_FAKE_QUANT_FORMATS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.dim() >= 1 and x.shape[-1] > 0 and kernels_available(x.device)):
+        from quarl.kernels.act_quant import fake_quantize_activation as kernel
+
+        x2d = x.detach().reshape(-1, x.shape[-1])
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        return kernel(x2d, fmt).reshape(x.shape)
+    from quarl.formats.registry import fake_quantize_unchecked
+
+    return fake_quantize_unchecked(x, fmt, "activation")
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):

@@ -5,6 +5,10 @@ Matches `quarl.formats.quantize(x, fmt, "activation")` bit for bit (same scale a
   fp8-block    one scale per 1x128 group, scales [M, Kp/128];
   fp8-tensor   one scale for the whole tensor (0-dim; its amax is a torch reduction, then this kernel).
 One program per row: two passes over the row for per-row scales (the second pass hits L1/L2).
+
+`fake_quantize_activation` runs the same kernel but writes dequantize(quantize(x)) in x's dtype instead of the
+codes: the W8A8 values a bf16 GEMM multiplies where no 8-bit kernel is faster, in one pass instead of the dozen
+elementwise PyTorch kernels of `quarl.formats.fake_quantize`.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_sm, stride_sg,
-                      IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+                      IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, DEQUANT: tl.constexpr):
     """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
     (MODE 0: [M] at stride_sm, written; 1: [M, KP/128] at strides (stride_sm, stride_sg), written;
-    2: one scale read from s_ptr)."""
+    2: one scale read from s_ptr).
+    DEQUANT: q is [M, K] in q_ptr's float dtype and receives code * scale (rounded once from float32, as
+    `QuantizedTensor.dequantize`) instead of the codes; the scales are still written."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
     row = tl.program_id(0)
     ar = tl.arange(0, BLOCK)
@@ -44,16 +50,25 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
         if MODE == 1:
             vg = tl.reshape(v, (BLOCK // 128, 128))
             sg = safe_scale(tl.max(tl.abs(vg), axis=1), QMAX)
-            q = tl.reshape(quantize_tile(vg, sg[:, None], IS_INT8), (BLOCK,))
+            qg = quantize_tile(vg, sg[:, None], IS_INT8)
+            if DEQUANT:
+                q = tl.reshape(qg.to(tl.float32) * sg[:, None], (BLOCK,))
+            else:
+                q = tl.reshape(qg, (BLOCK,))
             ar_g = tl.arange(0, BLOCK // 128)
             tl.store(s_ptr + row * stride_sm + (k // 128 + ar_g) * stride_sg, sg, mask=k // 128 + ar_g < KP // 128)
         else:
             q = quantize_tile(v, s, IS_INT8)
-        if IS_INT8:
-            q = q.to(tl.int8)
+            if DEQUANT:
+                q = q.to(tl.float32) * s
+        if DEQUANT:
+            tl.store(q_row + k + ar, q.to(q_ptr.dtype.element_ty), mask=k + ar < K)
         else:
-            q = q.to(tl.uint8, bitcast=True)
-        tl.store(q_row + k + ar, q, mask=k + ar < KP)
+            if IS_INT8:
+                q = q.to(tl.int8)
+            else:
+                q = q.to(tl.uint8, bitcast=True)
+            tl.store(q_row + k + ar, q, mask=k + ar < KP)
 
 
 def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False
@@ -64,9 +79,26 @@ def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major:
     scales_column_major: fp8-block scales laid out column-major (a transposed [kp/128, M] buffer), the layout
     torch._scaled_mm's blockwise scaling expects.
     """
-    M, K = x.shape
     is_int8 = fmt == "int8"
-    codes = torch.empty((M, kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
+    codes = torch.empty((x.shape[0], kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
+    scales = _launch(x, codes, fmt, kp, scales_column_major, dequant=False)
+    return (codes if is_int8 else codes.view(torch.float8_e4m3fn)), scales
+
+
+def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [M, K] bf16/fp16/fp32 (rows contiguous) -> [M, K] in x.dtype, bit for bit
+    `quarl.formats.fake_quantize(x, fmt, "activation")` for fmt in "int8", "fp8", "fp8-block", "fp8-tensor"."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kp = -(-x.shape[1] // 128) * 128 if fmt == "fp8-block" else x.shape[1]
+    _launch(x, out, fmt, kp, False, dequant=True)
+    return out
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column_major: bool,
+            dequant: bool) -> torch.Tensor:
+    """Run `_act_quant_kernel` on x [M, K] into out (codes [M, kp], or values [M, K] with dequant); returns the
+    float32 scales (see `quantize_activation`)."""
+    M, K = x.shape
     if fmt == "fp8-block":
         mode = MODE_GROUP128
         if scales_column_major:
@@ -83,8 +115,8 @@ def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major:
     block = 1024 if kp >= 1024 else max(128, triton.next_power_of_2(kp))
     if M > 0:
         _act_quant_kernel[(M,)](
-            x, codes, scales, K, kp, x.stride(0), codes.stride(0), scales.stride(0) if scales.dim() else 0,
+            x, out, scales, K, kp, x.stride(0), out.stride(0), scales.stride(0) if scales.dim() else 0,
             scales.stride(1) if scales.dim() == 2 else 1,
-            IS_INT8=is_int8, MODE=mode, BLOCK=block, num_warps=4,
+            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, num_warps=4,
         )
-    return (codes if is_int8 else codes.view(torch.float8_e4m3fn)), scales
+    return scales

@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from quarl import kernels
-from quarl.formats.registry import fake_quantize_unchecked, quantize_unchecked
+from quarl.formats.registry import quantize_unchecked
 
 FORMAT = "fp8-block"
 
 
 def _rows_fp8(t: torch.Tensor) -> torch.Tensor:
     """t [R, C] with every row rounded in 1x128 groups along C (FP8-block activation rounding), same dtype."""
-    return fake_quantize_unchecked(t, FORMAT, "activation")
+    return kernels.fake_quantize_activation(t, FORMAT)
 
 
 def block_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,

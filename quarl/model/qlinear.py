@@ -363,7 +363,7 @@ class QuantLinear(nn.Module):
             y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
             xq = x2d if self.weight_only else _straight_through(
-                fake_quantize_unchecked(x2d, self.rollout_format, "activation"), x2d)
+                kernels.fake_quantize_activation(x2d, self.rollout_format), x2d)
             if self.weight_dequant is None and self.cache_dequantized is None and not self.frozen_base:
                 self._build_dequant_cache()  # no kernel serves this layer: keep the fallback at matmul speed
             y = F.linear(xq, self._dequantized_base(x.dtype), bias)
@@ -375,7 +375,7 @@ class QuantLinear(nn.Module):
         if self.quantized_backward:
             return fp8_block_linear(x, self.weight, bias)
         if not self.weight_only:
-            x = _straight_through(fake_quantize_unchecked(x.detach(), fmt, "activation"), x)
+            x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:
             return self._frozen_base_linear(x, bias)
         w = _straight_through(fake_quantize_unchecked(self.weight.detach(), fmt, "weight"), self.weight)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quarl import kernels
 from quarl.model.layers import apply_rope
 from quarl.rollout.fast_attention import AttentionFn
 from quarl.rollout.fast_cache import SlotKVCache
@@ -29,7 +30,7 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
         attention: decode attention function (see quarl.rollout.fast_attention).
         kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
     Returns:
-        float32 logits [B, vocab] (float64 for a float64 model).
+        logits [B, vocab] in the model's dtype (the sampler widens them to float32 itself).
     """
     B = tokens.shape[0]
     x = model.model.embed_tokens(tokens)  # [B, hidden]
@@ -50,8 +51,7 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
         out = attention(q[:, :, 0], cache.keys[attn.layer_idx], cache.values[attn.layer_idx], lengths, kv_len)
         x = x + attn.o_proj(out.reshape(B, Hq * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = model.lm_head(model.model.norm(x))
-    return logits if logits.dtype == torch.float64 else logits.float()
+    return model.lm_head(model.model.norm(x))
 
 
 def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -61,6 +61,25 @@ def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     noise (the token is skipped for that draw: probability 2^-24 per entry in float32).
     """
     return torch.argmax(logprobs - torch.log(-torch.log(uniform)), dim=-1)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of every row and its behaviour log-prob: (long [B], float32 [B]; float64 for float64 logits).
+
+    logits: [B, V] any float dtype; noise: [B, V] float32 uniform draws (None for greedy params). Greedy = argmax
+    of the logits; otherwise Gumbel-max over `filtered_logprobs`. Temperature sampling and greedy decoding of
+    16/32-bit logits on a GPU take the one-pass kernel `quarl.kernels.sampling` (the same draw up to float32
+    rounding); top-k / top-p, float64 and CPU logits the torch definition below.
+    """
+    plain = params.greedy or (params.top_k == 0 and params.top_p == 1.0)
+    if plain and logits.is_cuda and logits.dtype != torch.float64 and kernels.kernels_available(logits.device):
+        from quarl.kernels.sampling import sample_rows
+
+        return sample_rows(logits, noise, params.temperature)
+    logprobs = filtered_logprobs(logits, params)
+    new = logits.argmax(dim=-1) if params.greedy else gumbel_max(logprobs, noise)
+    return new, logprobs.gather(1, new[:, None]).squeeze(1)
 
 
 @dataclass
@@ -117,9 +136,8 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     tokens = state.last_token[:batch]
     positions = state.slot_len[:batch].clamp(max=C - 1)  # finished slots may sit at the last column
     logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
-    logprobs = filtered_logprobs(logits, params)
-    new = logits.argmax(dim=-1) if params.greedy else gumbel_max(logprobs, state.noise[:batch])
-    new_lp = logprobs.gather(1, new[:, None]).squeeze(1).to(state.out_logprobs.dtype)
+    new, new_lp = sample_next(logits, params, None if params.greedy else state.noise[:batch])
+    new_lp = new_lp.to(state.out_logprobs.dtype)
 
     active = ~state.done[:batch]
     rows = torch.arange(batch, device=tokens.device)
