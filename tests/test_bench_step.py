@@ -89,7 +89,8 @@ def test_results_entry_is_appended(tmp_path):
     assert text.count("\n## ") == 2 and "ignored title" not in text and "- fact one\n" in text
 
 
-@pytest.mark.parametrize("text", ["fp8", "bf16:fp8", "split:fp9", ",", "split:int8,unified:nope"])
+@pytest.mark.parametrize("text", ["fp8", "bf16:fp8", "split:fp9", ",", "split:int8,unified:nope", "split::fp8",
+                                  "split:fp8:fp16", "split:fp8:fp8:x"])
 def test_bad_settings_are_rejected(text):
     with pytest.raises(ValueError, match="FLOW|no settings"):
         parse_settings(text)
@@ -98,6 +99,9 @@ def test_bad_settings_are_rejected(text):
 def test_settings_parse():
     assert parse_settings("bf16, split:fp8,unified") == [Setting("bf16"), Setting("split", "fp8"),
                                                          Setting("unified")]
+    kv = parse_settings("bf16::fp8,split:fp8:fp8,split:int8:auto")
+    assert kv == [Setting("bf16", None, "fp8"), Setting("split", "fp8", "fp8"), Setting("split", "int8", "auto")]
+    assert [s.name for s in kv] == ["bf16::fp8", "split:fp8:fp8", "split:int8:auto"]
 
 
 def test_inconsistent_config_fails_before_running():
@@ -143,3 +147,12 @@ def test_rollout_roofline_share_uses_the_rollout_weights_and_the_w8a8_rate():
     assert row["rollout_roofline_s"] == pytest.approx(expected, rel=1e-12)
     assert row["rollout_roofline_pct"] == pytest.approx(100 * expected / row["rollout_s"], rel=1e-12)
     assert f"{row['rollout_roofline_pct']:.0f}%" in format_row(row)
+
+
+def test_a_setting_kv_overrides_the_kv_cache_option():
+    from quarl.bench.step import run_config
+
+    args = parse("--no-save", "--kv-cache", "auto")
+    own = run_config(args, Setting("split", "fp8", "fp8"), "/tmp/unused", torch.device("cpu"))
+    default = run_config(args, Setting("split", "fp8"), "/tmp/unused", torch.device("cpu"))
+    assert (own.precision.kv_cache, default.precision.kv_cache) == ("fp8", "auto")

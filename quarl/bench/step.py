@@ -1,7 +1,7 @@
 """B3 — one RL step of the real trainer, split into its phases (`quarl bench step`, BENCHMARKS.md).
 
-For each setting (precision flow and format, e.g. `bf16`, `split:fp8`, `unified:fp8-block`) a fresh
-Qwen2.5-architecture model with seeded random weights (`quarl.bench.rollout.build_model`; `tiny` = the CPU test
+For each setting (precision flow, format and optionally its KV cache, e.g. `bf16`, `split:fp8:fp8`,
+`unified:fp8-block`) a fresh Qwen2.5-architecture model with seeded random weights (`quarl.bench.rollout.build_model`; `tiny` = the CPU test
 model of `quarl.model.tiny`) is trained by `quarl.rl.trainer.Trainer` on a synthetic task:
 
 - prompts are `--prompt-len` random token ids, fed to the engine as token-id lists (no tokenizer);
@@ -46,29 +46,36 @@ TARGETS = f"sync <= {SYNC_TARGET_PCT:g}% of the step; low-precision step >= {SPE
 
 @dataclass(frozen=True)
 class Setting:
-    """One precision setting: a flow of quarl.precision.FLOWS and its format (None = the flow's default)."""
+    """One precision setting: a flow of quarl.precision.FLOWS, its format (None = the flow's default) and its KV
+    cache ("auto" | "fp8"; None = the --kv-cache option)."""
 
     flow: str
     format: str | None = None
+    kv: str | None = None
 
     @property
     def name(self) -> str:
-        return self.flow if self.format is None else f"{self.flow}:{self.format}"
+        if self.kv is None:
+            return self.flow if self.format is None else f"{self.flow}:{self.format}"
+        return f"{self.flow}:{self.format or ''}:{self.kv}"
 
 
 def parse_settings(text: str) -> list[Setting]:
-    """'bf16,split:fp8,unified:fp8-block' -> [Setting("bf16"), Setting("split", "fp8"), ...]."""
+    """'bf16,split:fp8,split:fp8:fp8' -> [Setting("bf16"), Setting("split", "fp8"), Setting("split", "fp8",
+    "fp8")]: FLOW[:FORMAT[:KV]], KV the setting's own KV cache (auto | fp8)."""
     from quarl.precision import FLOWS, QUANT_FORMATS
 
     out = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
-        flow, _, fmt = item.partition(":")
-        if flow not in FLOWS or (fmt and fmt not in QUANT_FORMATS) or (flow == "bf16" and fmt):
-            raise ValueError(f"setting {item!r}: write FLOW or FLOW:FORMAT with FLOW in {FLOWS} and FORMAT in "
-                             f"{QUANT_FORMATS} (bf16 takes no format), e.g. --settings bf16,split:fp8")
-        out.append(Setting(flow, fmt or None))
+        flow, fmt, kv, *rest = item.split(":") + [""] * 2
+        if (flow not in FLOWS or (fmt and fmt not in QUANT_FORMATS) or (flow == "bf16" and fmt)
+                or (kv and (kv not in ("auto", "fp8") or not (fmt or flow == "bf16"))) or any(rest)):
+            raise ValueError(f"setting {item!r}: write FLOW, FLOW:FORMAT or FLOW:FORMAT:KV with FLOW in {FLOWS}, "
+                             f"FORMAT in {QUANT_FORMATS} (bf16 takes none) and KV auto|fp8, e.g. --settings "
+                             "bf16,split:fp8:fp8")
+        out.append(Setting(flow, fmt or None, kv or None))
     if not out:
         raise ValueError(f"no settings given (e.g. --settings {DEFAULT_SETTINGS})")
     return out
@@ -80,9 +87,11 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Qwen2.5 architecture with random weights (tiny = the CPU test model)")
     parser.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tune (B3: 1.5b full, 7b rank 32)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
-                        help="comma list of FLOW[:FORMAT] (bf16 | split | unified | qlora; formats as in "
-                             "precision.format); the bf16 setting is the baseline of the speed-ups")
-    parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"), help="KV cache of every setting")
+                        help="comma list of FLOW[:FORMAT[:KV]] (bf16 | split | unified | qlora; formats as in "
+                             "precision.format; KV auto | fp8, default --kv-cache); the bf16 setting is the "
+                             "baseline of the speed-ups")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"),
+                        help="KV cache of every setting that names none")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -155,7 +164,7 @@ def run_config(args, setting: Setting, run_dir: str, device):
     from quarl.config import load_config
 
     overrides = [
-        f"model.device={device}", f"precision.flow={setting.flow}", f"precision.kv_cache={args.kv_cache}",
+        f"model.device={device}", f"precision.flow={setting.flow}", f"precision.kv_cache={setting.kv or args.kv_cache}",
         f"lora.rank={args.lora_rank}", f"rollout.prompts_per_step={args.prompts}",
         f"rollout.num_generations={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.max_batch_size={args.prompts * args.samples}", "rollout.temperature=1.0",
@@ -406,7 +415,7 @@ def run_bench_step(args) -> int:
         facts = [
             f"workload: Qwen2.5-{args.model_size} architecture (random weights), {tuning}, {args.prompts} prompts x "
             f"{args.samples} samples, {args.prompt_len} random prompt tokens, {args.max_new_tokens} new tokens "
-            f"(EOS ignored), KV cache {args.kv_cache}, {args.warmup} warm-up + {args.steps} timed step(s) per "
+            f"(EOS ignored), KV cache {args.kv_cache} (unless a setting names its own), {args.warmup} warm-up + {args.steps} timed step(s) per "
             "setting (median step reported)",
             "phases: the trainer's timers; other = step - the four phases (rewards, advantages, batch, logging, "
             "optimizer tail)",
