@@ -1,8 +1,9 @@
 """B3 — one RL step of the real trainer, split into its phases (`quarl bench step`, BENCHMARKS.md).
 
 For each setting (precision flow, format and optionally its KV cache, e.g. `bf16`, `split:fp8:fp8`,
-`unified:fp8-block`) a fresh Qwen2.5-architecture model with seeded random weights (`quarl.bench.rollout.build_model`; `tiny` = the CPU test
-model of `quarl.model.tiny`) is trained by `quarl.rl.trainer.Trainer` on a synthetic task:
+`unified:fp8-block`) a fresh Qwen2.5-architecture model with seeded random weights
+(`quarl.bench.rollout.build_model`; `tiny` = the CPU test model of `quarl.model.tiny`) is trained by
+`quarl.rl.trainer.Trainer` on a synthetic task:
 
 - prompts are `--prompt-len` random token ids, fed to the engine as token-id lists (no tokenizer);
 - the reward is uniform in [0, 1) from a seeded generator, so every group has non-zero advantages;
