@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quarl.formats import fake_quantize
-from quarl.model.fp8_training import FP8BlockLinear, block_matmul, fp8_block_linear
+from quarl.model.fp8_training import FP8BlockLinear, block_matmul, fp8_block_linear, quantized_weight
 from quarl.model.qlinear import QuantLinear
 from quarl.precision import PrecisionConfig
 
@@ -70,7 +70,8 @@ def test_forward_is_the_unified_forward_bit_for_bit_and_leading_dims_are_kept():
     with torch.no_grad():
         assert torch.equal(fp8(x), y)  # rollout and training compute the same function
     assert torch.equal(fp8_block_linear(x, fp8.weight, fp8.bias), y)
-    assert torch.equal(block_matmul(x.reshape(-1, 300), fp8.weight, fp8.bias), y.reshape(-1, 200))
+    qw = quantized_weight(fp8.weight, x.dtype)
+    assert torch.equal(block_matmul(x.reshape(-1, 300), qw, fp8.bias), y.reshape(-1, 200))
 
 
 def test_configuration_errors_say_what_to_use():

@@ -118,6 +118,39 @@ def test_fake_quantize_activation_is_exact(fmt, dtype):
         assert not torch.equal(y, x), "the rounding must change some values (else this test cannot fail)"
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_block_weight_quantization_is_exact(dtype):
+    """One-pass 128x128 tile quantization of W and of W^T (read from W) equals the reference bit for bit."""
+    from quarl.kernels import try_quantize_fp8_block_weight
+
+    for n, k in [(130, 200), (384, 512), (96, 3584), (4608, 300)]:
+        w = (torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda") * 3).to(dtype)
+        w[:128, :128] = 0  # an all-zero tile: scale 1
+        for transpose in (False, True):
+            ref = quantize((w.t() if transpose else w).contiguous(), "fp8-block", "weight")
+            q = try_quantize_fp8_block_weight(w, transpose)
+            assert q.shape == ref.shape and q.data.shape == ref.data.shape, (n, k, transpose)
+            assert torch.equal(q.scale, ref.scale), f"scales differ N={n} K={k} transpose={transpose}"
+            assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), \
+                f"codes differ N={n} K={k} transpose={transpose}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_column_group_rounding_is_exact(dtype):
+    """FP8-block rounding of x^T returned untransposed equals the reference on the transposed copy."""
+    from quarl.formats.registry import fake_quantize_unchecked
+    from quarl.kernels import fake_quantize_columns
+
+    for m, n in [(1, 64), (130, 70), (4096, 384), (300, 3584)]:
+        x = (torch.randn(m, n, device="cuda") * torch.rand(1, n, device="cuda") * 5).to(dtype)
+        ref = fake_quantize_unchecked(x.t().contiguous(), "fp8-block", "activation").t()
+        y = fake_quantize_columns(x)
+        assert y.shape == x.shape and y.dtype == dtype
+        assert torch.equal(y, ref), f"M={m} N={n}: max diff {(y.double() - ref.double()).abs().max():.3g}"
+
+
 W8_CASES = [
     ("raw", Cfg(16, 64, 256, stages=4)),
     ("raw", Cfg(64, 64, 128)),

@@ -19,7 +19,7 @@ from dataclasses import replace
 from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
-           "kernels_available", "plan_for"]
+           "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available", "plan_for"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -114,6 +114,34 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     from quarl.formats.registry import fake_quantize_unchecked
 
     return fake_quantize_unchecked(x, fmt, "activation")
+
+
+def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] with every column rounded in 1x128 groups along M (FP8-block), in x's dtype and layout: the
+    values of `fake_quantize(x.t(), "fp8-block", "activation").t()`, the weight-gradient operands of FP8
+    training (`quarl.model.fp8_training`). One Triton pass and no transposed copy on a GPU; elsewhere the
+    reference on the transposed copy."""
+    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
+            kernels_available(x.device):
+        from quarl.kernels.act_quant import fake_quantize_columns as kernel
+
+        return kernel(x if x.stride(1) == 1 else x.contiguous())
+    from quarl.formats.registry import fake_quantize_unchecked
+
+    return fake_quantize_unchecked(x.t().contiguous(), "fp8-block", "activation").t()
+
+
+def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False):
+    """The fp8-block weight QuantizedTensor of w [N, K] (or of w^T [K, N] with transpose) by one Triton pass on a
+    GPU: the codes and scales of `quantize(w, "fp8-block", "weight")` bit for bit (see
+    `quarl.kernels.weight_quant`). None off the GPU or for other dtypes/shapes: use the reference then."""
+    if not (w.is_cuda and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return None
+    if w.stride(1) != 1 or not kernels_available(w.device):
+        return None
+    from quarl.kernels.weight_quant import quantize_fp8_block_weight
+
+    return quantize_fp8_block_weight(w, transpose)
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):

@@ -71,6 +71,31 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
             tl.store(q_row + k + ar, q, mask=k + ar < KP)
 
 
+@triton.jit
+def _column_groups_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om, BLOCK_N: tl.constexpr):
+    """x [M, N] -> out [M, N] (x's dtype): every column's 128-row group (pid 0) rounded to FP8 E4M3 with its own
+    scale and dequantized; pid 1 picks BLOCK_N columns. Rows past M load as 0 (they do not change the amax)."""
+    rm = tl.program_id(0) * 128 + tl.arange(0, 128)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    v = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = safe_scale(tl.max(tl.abs(v), axis=0), 448.0)
+    q = quantize_tile(v, s[None, :], False).to(tl.float32) * s[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] bf16/fp16/fp32 (rows contiguous) -> [M, N] in x.dtype: the FP8-block activation rounding of x^T
+    (1x128 groups along M), returned untransposed, i.e. bit for bit
+    `fake_quantize(x.t().contiguous(), "fp8-block", "activation").t()` without either transposed copy."""
+    M, N = x.shape
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M and N:
+        _column_groups_kernel[(triton.cdiv(M, 128), triton.cdiv(N, 64))](
+            x, out, M, N, x.stride(0), out.stride(0), BLOCK_N=64, num_warps=4)
+    return out
+
+
 def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in

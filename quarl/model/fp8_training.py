@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from quarl import kernels
+from quarl.formats import QuantizedTensor
 from quarl.formats.registry import quantize_unchecked
 
 FORMAT = "fp8-block"
@@ -35,17 +36,27 @@ def _rows_fp8(t: torch.Tensor) -> torch.Tensor:
     return kernels.fake_quantize_activation(t, FORMAT)
 
 
-def block_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transpose: bool = False) -> QuantizedTensor:
+    """The FP8-block weight operand: Q(w) in 128x128 tiles, or Q(w^T) with transpose, from w [N, K] rounded to
+    dtype (the compute dtype, as the rollout copy). On a GPU one Triton pass over w, no transposed copy
+    (`quarl.kernels.try_quantize_fp8_block_weight`); elsewhere the reference quantizer. Same codes either way."""
+    w = w.detach().to(dtype)
+    q = kernels.try_quantize_fp8_block_weight(w, transpose)
+    if q is None:
+        q = quantize_unchecked((w.t() if transpose else w).contiguous(), FORMAT, "weight")
+    return q
+
+
+def block_matmul(a: torch.Tensor, qb: QuantizedTensor, bias: torch.Tensor | None = None,
                  prefer_kernel: bool = True) -> torch.Tensor:
-    """Q(a) @ Q(b)^T (+ bias) for a [R, C] (1x128 groups along C) and b [S, C] (128x128 tiles) -> [R, S] in
-    a.dtype; bias [S] or None.
+    """Q(a) @ deq(qb)^T (+ bias) for a [R, C] (1x128 groups along C) and an FP8-block weight qb [S, C] (see
+    `quantized_weight`) -> [R, S] in a.dtype; bias [S] or None.
 
     On a GPU an FP8 kernel (it quantizes `a` itself, exactly as `quantize` does): always with prefer_kernel,
     otherwise only where the kernel measured faster than bf16, which is the rollout forward's own choice
     (`kernels.try_quantized_matmul`). Elsewhere the dequantized operands multiplied in a.dtype, which is the
     rollout fallback and, bit for bit, the unified flow's straight-through forward.
     """
-    qb = quantize_unchecked(b.to(a.dtype).contiguous(), FORMAT, "weight")  # kernels read row-major codes
     bias = None if bias is None else bias.to(a.dtype)
     matmul = kernels.quantized_matmul if prefer_kernel else kernels.try_quantized_matmul
     y = matmul(a.contiguous(), qb, False, bias)
@@ -64,7 +75,8 @@ class FP8BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The forward takes the rollout forward's path, so rollout and training compute the same function.
-        y = block_matmul(x, weight.detach(), None if bias is None else bias.detach(), prefer_kernel=False)
+        y = block_matmul(x, quantized_weight(weight, x.dtype), None if bias is None else bias.detach(),
+                         prefer_kernel=False)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return y
@@ -75,10 +87,10 @@ class FP8BlockLinear(torch.autograd.Function):
         g = grad_out.to(x.dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = block_matmul(g, weight.detach().t())  # W^T [K, N] in its own 128x128 tiles
+            grad_x = block_matmul(g, quantized_weight(weight, x.dtype, transpose=True))  # W^T [K, N] in its tiles
         if ctx.needs_input_grad[1]:
-            # Both operands grouped along M (the reduction): rows of g^T and rows of x^T.
-            grad_w = F.linear(_rows_fp8(g.t().contiguous()), _rows_fp8(x.t().contiguous())).to(weight.dtype)
+            # Both operands grouped along M (the reduction): rows of g^T and rows of x^T, i.e. columns of g and x.
+            grad_w = (kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b
