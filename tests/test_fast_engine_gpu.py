@@ -177,3 +177,23 @@ def test_fp8_kv_cache_close_to_bf16_cache():
     a = torch.tensor([o.completions[0].logprobs[0] for o in bf16])
     b = torch.tensor([o.completions[0].logprobs[0] for o in fp8])
     assert torch.isfinite(b).all() and (a - b).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scale", [(torch.bfloat16, 1.0), (FP8_KV_DTYPE, 1.0), (FP8_KV_DTYPE, 0.037)])
+def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_scale):
+    from quarl.kernels.kv_write import write_kv
+    from quarl.rollout.fast_cache import SlotKVCache
+
+    B, H, C, D = 9, 4, 50, 128
+    cache = SlotKVCache(1, 12, H, D, C, kv_dtype, DEV, kv_scale)
+    k = (torch.randn(B, H, 1, D, device=DEV) * 300).bfloat16()[:, :, 0]  # some values beyond +-448: saturate
+    v = torch.randn(B, H, D, device=DEV).bfloat16()
+    positions = torch.randint(0, C, (B,), device=DEV)
+    write_kv(k, v, cache.keys[0], cache.values[0], positions, kv_scale)
+    ref_k, ref_v = torch.zeros_like(cache.keys[0]), torch.zeros_like(cache.values[0])
+    rows = torch.arange(B, device=DEV)
+    ref_k[rows, :, positions] = cache.to_storage(k)
+    ref_v[rows, :, positions] = cache.to_storage(v)
+    assert torch.equal(cache.keys[0].view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(cache.values[0].view(torch.uint8), ref_v.view(torch.uint8))
+    assert cache.keys[0].float().abs().amax() > 0

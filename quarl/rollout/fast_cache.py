@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from quarl import kernels
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, FP8_KV_MAX
 
 
@@ -34,6 +35,7 @@ class SlotKVCache:
         self.keys = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
         self.kv_scale = float(kv_scale)
+        self._fused_write: bool | None = None  # decided on the first decode write (kernels available there?)
 
     @staticmethod
     def nbytes_for(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -63,7 +65,16 @@ class SlotKVCache:
         return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
 
     def write_tokens(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Decode write: k, v [B, Hkv, D] of slots 0..B-1 at columns positions [B] (long). CUDA-graph safe."""
+        """Decode write: k, v [B, Hkv, D] of slots 0..B-1 at columns positions [B] (long). CUDA-graph safe.
+
+        On a GPU one Triton launch for both (`quarl.kernels.kv_write`, the same stored values)."""
+        if self._fused_write is None:
+            self._fused_write = k.is_cuda and kernels.kernels_available(k.device)
+        if self._fused_write and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype != torch.float64:
+            from quarl.kernels.kv_write import write_kv
+
+            write_kv(k, v, self.keys[layer], self.values[layer], positions, self.kv_scale)
+            return
         rows = torch.arange(k.shape[0], device=k.device)
         self.keys[layer][rows, :, positions] = self.to_storage(k)
         self.values[layer][rows, :, positions] = self.to_storage(v)
