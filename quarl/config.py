@@ -193,8 +193,9 @@ class RunConfig:
                 f"rollout.num_generations={self.rollout.num_generations} exceeds rollout.max_batch_size="
                 f"{self.rollout.max_batch_size}: a group is decoded together; raise max_batch_size"
             )
-        if self.precision.kv_cache == "fp8" and self.rollout.engine == "reference":
-            raise ConfigError("precision.kv_cache=fp8 needs the fast engine; set rollout.engine=fast (or auto on a GPU)")
+        if self.precision.kv_cache != "auto" and self.rollout.engine == "reference":
+            raise ConfigError(f"precision.kv_cache={self.precision.kv_cache} needs the fast engine; set "
+                              "rollout.engine=fast (or auto on a GPU)")
         if self.train.lr_schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.lr_schedule={self.train.lr_schedule!r}; choose constant, cosine or linear")
         batch = self.rollout.prompts_per_step * self.rollout.num_generations

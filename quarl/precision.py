@@ -24,7 +24,7 @@ FLOWS = ("bf16", "split", "unified", "qlora")
 QUANT_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 WEIGHT_ONLY_FORMATS = ("nvfp4", "mxfp4")  # no FP4 tensor cores on Hopper: W4A16 (BRIEF §3)
 DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
-KV_CACHE_FORMATS = ("auto", "fp8")
+KV_CACHE_FORMATS = ("auto", "fp8", "fp8-token")
 
 
 @dataclass
@@ -55,7 +55,7 @@ class PrecisionConfig:
     format: str | None = None  # None -> the flow's default (split: int8, unified: fp8-block, qlora: nvfp4)
     quantize_lm_head: bool = False  # lm_head (and embeddings) stay in full precision unless asked
     weight_only: bool | None = None  # None -> True for fp4 formats and for qlora, else W8A8
-    kv_cache: str = "auto"  # "auto" = the compute dtype; "fp8" = FP8 E4M3 KV cache (GPU engine)
+    kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -90,7 +90,7 @@ def test_results_entry_is_appended(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["fp8", "bf16:fp8", "split:fp9", ",", "split:int8,unified:nope", "split::fp8",
-                                  "split:fp8:fp16", "split:fp8:fp8:x"])
+                                  "split:fp8:fp16", "split:fp8:fp8:x", "split:fp8:", "split:"])
 def test_bad_settings_are_rejected(text):
     with pytest.raises(ValueError, match="FLOW|no settings"):
         parse_settings(text)
@@ -99,9 +99,17 @@ def test_bad_settings_are_rejected(text):
 def test_settings_parse():
     assert parse_settings("bf16, split:fp8,unified") == [Setting("bf16"), Setting("split", "fp8"),
                                                          Setting("unified")]
-    kv = parse_settings("bf16::fp8,split:fp8:fp8,split:int8:auto")
-    assert kv == [Setting("bf16", None, "fp8"), Setting("split", "fp8", "fp8"), Setting("split", "int8", "auto")]
-    assert [s.name for s in kv] == ["bf16::fp8", "split:fp8:fp8", "split:int8:auto"]
+    kv = parse_settings("bf16::fp8,split:fp8:fp8,split:int8:auto,split:fp8:fp8-token")
+    assert kv == [Setting("bf16", None, "fp8"), Setting("split", "fp8", "fp8"), Setting("split", "int8", "auto"),
+                  Setting("split", "fp8", "fp8-token")]
+    assert [s.name for s in kv] == ["bf16::fp8", "split:fp8:fp8", "split:int8:auto", "split:fp8:fp8-token"]
+
+
+def test_bench_kv_choices_are_the_config_values():
+    from quarl.bench.rollout import KV_CACHES
+    from quarl.precision import KV_CACHE_FORMATS
+
+    assert KV_CACHES == KV_CACHE_FORMATS
 
 
 def test_inconsistent_config_fails_before_running():

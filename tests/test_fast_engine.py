@@ -272,13 +272,62 @@ def test_fp8_kv_cache_saturates_and_round_trips():
     assert stored[0, 0, 2] == 448 and stored[0, 0, 3] == -448
 
 
+def test_token_scaled_fp8_cache_writes_codes_and_scales_everywhere():
+    """Decode and prefill writes store the rowwise-FP8 codes and scales of each head vector; move carries both."""
+    from quarl.formats import quantize
+
+    cache = SlotKVCache(2, 4, 2, 8, 6, FP8_KV_DTYPE, "cpu", token_scales=True)
+    k, v = torch.randn(3, 2, 8) * 1e3, torch.randn(3, 2, 8) * 1e-3
+    pos = torch.tensor([0, 5, 2])
+    cache.write_tokens(1, pos, k, v)
+    written = ((cache.keys[1], cache.key_scales[1], k), (cache.values[1], cache.value_scales[1], v))
+    for got_codes, got_scales, x in written:
+        ref = quantize(x, "fp8", "activation")
+        rows = torch.arange(3)
+        assert torch.equal(got_codes[rows, :, pos].view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(got_scales[rows, :, pos], ref.scale[..., 0])
+    kp, vp = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8) * 50
+    cache.write_prompts(0, torch.tensor([3, 1]), torch.tensor([1, 0]), kp, vp)
+    ref = quantize(vp[1], "fp8", "activation")
+    assert torch.equal(cache.values[0][3, :, :4].view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(cache.value_scales[0][3, :, :4], ref.scale[..., 0])
+    cache.move(torch.tensor([3]), torch.tensor([0]), 4)
+    assert torch.equal(cache.value_scales[0][0, :, :4], ref.scale[..., 0])
+    assert torch.equal(cache.values[0][0, :, :4].view(torch.uint8), ref.data.view(torch.uint8))
+    assert cache.nbytes_for(2, 4, 2, 8, 6, FP8_KV_DTYPE, True) == 2 * 2 * 4 * 2 * 6 * (8 + 4)
+    with pytest.raises(ValueError, match="token_scales"):
+        SlotKVCache(1, 1, 1, 8, 4, torch.float32, "cpu", token_scales=True)
+
+
+def test_token_scaled_attention_matches_float64():
+    """Attention over codes and per-token scales equals float64 attention over float32(code * scale) rounded to
+    q's dtype (here float64 q: the dequantized values exactly)."""
+    B, Hq, Hkv, C, D = 3, 4, 2, 12, 8
+    q = torch.randn(B, Hq, D, dtype=torch.float64)
+    k = (torch.randn(B + 1, Hkv, C, D) * 100).to(FP8_KV_DTYPE)
+    v = (torch.randn(B + 1, Hkv, C, D) * 100).to(FP8_KV_DTYPE)
+    ks, vs = torch.rand(B + 1, Hkv, C) * 1e-2, torch.rand(B + 1, Hkv, C) * 1e2
+    lengths = torch.tensor([1, 7, 12])
+    out = decode_attention_torch(q, k, v, lengths, C, k_scales=ks, v_scales=vs)
+    kd = (k.float() * ks[..., None]).double()
+    vd = (v.float() * vs[..., None]).double()
+    torch.testing.assert_close(out, naive_attention(q, kd, vd, lengths), atol=1e-9, rtol=1e-9)
+    plain = decode_attention_torch(q, k, v, lengths, C)
+    assert not torch.allclose(plain, out)  # the scales are applied
+
+
 def test_fp8_kv_cache_engine_close_to_float64(tok):
     """E4M3 keys/values (3 mantissa bits, relative step 1/8): the log-prob error follows the size of q.k, so a
     model with small activations (std 0.05 weights; measured max error ~0.02) stays within 0.05, while a
     float32 cache on the same model is within 1e-5."""
     model = make_model("llama", std=0.05)
     prompts = rand_prompts([6, 3])
-    outs = FastRolloutEngine(model, tok, max_batch_size=4, kv_cache_dtype="fp8").generate(
+    for kv in ("fp8", "fp8-token"):
+        _engine_close_to_float64(model, tok, prompts, kv)
+
+
+def _engine_close_to_float64(model, tok, prompts, kv):
+    outs = FastRolloutEngine(model, tok, max_batch_size=4, kv_cache_dtype=kv).generate(
         prompts, n=2, max_new_tokens=8, temperature=1.0, seed=0)
     for pr, out in zip(prompts, outs):
         for c in out.completions:

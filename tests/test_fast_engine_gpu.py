@@ -86,20 +86,28 @@ def compare_greedy(model, ref_outs, fast_outs, prompts):
     return compared, total
 
 
-@pytest.mark.parametrize("hq,hkv,d,kv_dtype,kv_scale", [(28, 4, 128, torch.bfloat16, 1.0), (8, 2, 64, torch.bfloat16, 1.0),
-                                                        (4, 2, 24, torch.bfloat16, 1.0), (28, 4, 128, FP8_KV_DTYPE, 1.0),
-                                                        (8, 2, 64, FP8_KV_DTYPE, 0.037)])
+# kv_scale -1 stands for per-token scales (a token-scaled FP8 cache).
+ATTENTION_CASES = [(28, 4, 128, torch.bfloat16, 1.0), (8, 2, 64, torch.bfloat16, 1.0), (4, 2, 24, torch.bfloat16, 1.0),
+                   (28, 4, 128, FP8_KV_DTYPE, 1.0), (8, 2, 64, FP8_KV_DTYPE, 0.037), (28, 4, 128, FP8_KV_DTYPE, -1.0)]
+
+
+@pytest.mark.parametrize("hq,hkv,d,kv_dtype,kv_scale", ATTENTION_CASES)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_triton_decode_attention_matches_float64(hq, hkv, d, kv_dtype, kv_scale, splits):
     from quarl.kernels.decode_attention import decode_attention
 
     B, C = 6, 700
     q = torch.randn(B, hq, d, device=DEV).bfloat16()
-    k = (torch.randn(B + 2, hkv, C, d, device=DEV) / kv_scale).to(kv_dtype)
-    v = (torch.randn(B + 2, hkv, C, d, device=DEV) / kv_scale).to(kv_dtype)
+    k = (torch.randn(B + 2, hkv, C, d, device=DEV) / abs(kv_scale)).to(kv_dtype)
+    v = (torch.randn(B + 2, hkv, C, d, device=DEV) / abs(kv_scale)).to(kv_dtype)
     lengths = torch.tensor([1, 2, 65, 300, 699, 700], device=DEV)
-    out = decode_attention(q, k, v, lengths, splits, kv_scale=kv_scale)
-    ref = decode_attention_torch(q.double(), k, v, lengths, C, kv_scale=kv_scale)
+    scales = {}
+    if kv_scale < 0:  # per-token scales over eight orders of magnitude, in both caches
+        scales = {n: torch.exp(torch.randn(B + 2, hkv, C, device=DEV) * 3) * 1e-2 for n in ("k_scales", "v_scales")}
+        kv_scale = 1.0
+    out = decode_attention(q, k, v, lengths, splits, kv_scale=kv_scale, **scales)
+    ref = decode_attention_torch(q.double(), k, v, lengths, C, kv_scale, scales.get("k_scales"),
+                                 scales.get("v_scales"))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
 
@@ -166,34 +174,41 @@ def test_quantized_split_flow_matches_reference_engine():
     compare_greedy(model, ref, fast, prompts)
 
 
-def test_fp8_kv_cache_close_to_bf16_cache():
+@pytest.mark.parametrize("kv", ["fp8", "fp8-token"])
+def test_fp8_kv_cache_close_to_bf16_cache(kv):
     torch.manual_seed(3)
     model = small_model()
     prompts = rand_prompts([8, 20, 3, 11], vocab=model.config.vocab_size)
     bf16 = FastRolloutEngine(model, None, max_batch_size=8).generate(prompts, n=2, max_new_tokens=16, temperature=0)
-    fp8 = FastRolloutEngine(model, None, max_batch_size=8, kv_cache_dtype="fp8").generate(
-        prompts, n=2, max_new_tokens=16, temperature=0)
+    engine = FastRolloutEngine(model, None, max_batch_size=8, kv_cache_dtype=kv)
+    fp8 = engine.generate(prompts, n=2, max_new_tokens=16, temperature=0)
+    expected = "float8_e4m3fn" if kv == "fp8" else kv
+    assert engine.last_stats["attention"] == "triton" and engine.last_stats["kv_cache"] == expected
     # compare the first token's log-prob (same context in both): FP8 keys/values move it a little
     a = torch.tensor([o.completions[0].logprobs[0] for o in bf16])
     b = torch.tensor([o.completions[0].logprobs[0] for o in fp8])
     assert torch.isfinite(b).all() and (a - b).abs().max() < 0.5
 
 
-@pytest.mark.parametrize("kv_dtype,kv_scale", [(torch.bfloat16, 1.0), (FP8_KV_DTYPE, 1.0), (FP8_KV_DTYPE, 0.037)])
-def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_scale):
+@pytest.mark.parametrize("kv_dtype,kv_scale,token", [(torch.bfloat16, 1.0, False), (FP8_KV_DTYPE, 1.0, False),
+                                                      (FP8_KV_DTYPE, 0.037, False), (FP8_KV_DTYPE, 1.0, True)])
+def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_scale, token):
     from quarl.kernels.kv_write import write_kv
     from quarl.rollout.fast_cache import SlotKVCache
 
     B, H, C, D = 9, 4, 50, 128
-    cache = SlotKVCache(1, 12, H, D, C, kv_dtype, DEV, kv_scale)
+    cache = SlotKVCache(1, 12, H, D, C, kv_dtype, DEV, kv_scale, token_scales=token)
     k = (torch.randn(B, H, 1, D, device=DEV) * 300).bfloat16()[:, :, 0]  # some values beyond +-448: saturate
     v = torch.randn(B, H, D, device=DEV).bfloat16()
-    positions = torch.randint(0, C, (B,), device=DEV)
-    write_kv(k, v, cache.keys[0], cache.values[0], positions, kv_scale)
-    ref_k, ref_v = torch.zeros_like(cache.keys[0]), torch.zeros_like(cache.values[0])
+    v[0, 0] = 0  # an all-zero vector (token scales: scale 1)
+    positions = torch.randperm(C, device=DEV)[:B]
+    write_kv(k, v, cache.keys[0], cache.values[0], positions, kv_scale, *cache.scales(0))
     rows = torch.arange(B, device=DEV)
-    ref_k[rows, :, positions] = cache.to_storage(k)
-    ref_v[rows, :, positions] = cache.to_storage(v)
-    assert torch.equal(cache.keys[0].view(torch.uint8), ref_k.view(torch.uint8))
-    assert torch.equal(cache.values[0].view(torch.uint8), ref_v.view(torch.uint8))
+    for got, x in ((cache.keys[0], k), (cache.values[0], v)):
+        ref = torch.zeros_like(got)
+        ref[rows, :, positions] = cache.quantize_tokens(x)[0] if token else cache.to_storage(x)
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    if token:
+        for got, x in ((cache.key_scales[0], k), (cache.value_scales[0], v)):
+            assert torch.equal(got[rows, :, positions], cache.quantize_tokens(x)[1])
     assert cache.keys[0].float().abs().amax() > 0

@@ -119,6 +119,20 @@ def test_fake_quantize_activation_is_exact(fmt, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "fp8-tensor"])
+def test_fp8_rounding_kernels_keep_nan_visible(fmt):
+    """A NaN activation must not come out finite (a clamp without NaN propagation would make it -448)."""
+    from quarl.kernels import fake_quantize_activation, fake_quantize_columns, try_quantize_fp8_block_weight
+
+    x = torch.randn(4, 300, device="cuda", dtype=torch.bfloat16)
+    x[1, 7] = float("nan")
+    assert torch.isnan(fake_quantize_activation(x, fmt)[1, 7])
+    if fmt == "fp8-block":
+        assert torch.isnan(fake_quantize_columns(x)[1, 7])
+        assert torch.isnan(try_quantize_fp8_block_weight(x).dequantize()[1, 7])
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_block_weight_quantization_is_exact(dtype):
     """One-pass 128x128 tile quantization of W and of W^T (read from W) equals the reference bit for bit."""

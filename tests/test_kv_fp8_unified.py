@@ -1,9 +1,11 @@
 """FP8 KV cache in the unified flow: the training forward reproduces the log-probs of rollouts that read an FP8
-KV cache (the fast engine, run on the CPU here), and differs from them without the KV rounding."""
+KV cache (the fast engine, run on the CPU here; scale 1 and per-token scales), and differs from them without the
+KV rounding."""
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from quarl.model.layers import Attention, fp8_kv_roundtrip
@@ -31,10 +33,11 @@ def test_fp8_roundtrip_matches_e4m3_rounding_and_saturates():
     assert (got[6].item() / 2 ** -9).is_integer() and abs(got[6].item() - 3.3e-3) <= 2 ** -10
 
 
-def test_training_forward_reproduces_fp8_kv_rollout_logprobs():
+@pytest.mark.parametrize("kv", ["fp8", "fp8-token"])
+def test_training_forward_reproduces_fp8_kv_rollout_logprobs(kv):
     torch.manual_seed(0)
     model = make_model("qwen2", torch.float32, std=0.3)
-    engine = FastRolloutEngine(model, tiny_tokenizer(), max_batch_size=8, kv_cache_dtype="fp8")
+    engine = FastRolloutEngine(model, tiny_tokenizer(), max_batch_size=8, kv_cache_dtype=kv)
     prompts = rand_prompts([5, 9, 3])
     outs = engine.generate(prompts, n=2, max_new_tokens=6, temperature=0.8, seed=1)
     rows = [(o.prompt_token_ids, c) for o in outs for c in o.completions]
@@ -52,7 +55,7 @@ def test_training_forward_reproduces_fp8_kv_rollout_logprobs():
                                     answer_lengths=batch.answer_lengths)
         return lp[mask]
 
-    with_kv = training_logprobs("fp8")
+    with_kv = training_logprobs(kv)
     without = training_logprobs(None)
     err_with = (with_kv - behaviour).abs().max().item()
     err_without = (without - behaviour).abs().max().item()
@@ -72,15 +75,29 @@ def test_kv_quant_gradients_are_straight_through():
     assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
-def test_unified_flow_with_fp8_kv_cache_stays_on_policy(tmp_path):
+@pytest.mark.parametrize("kv", ["fp8", "fp8-token"])
+def test_unified_flow_with_fp8_kv_cache_stays_on_policy(tmp_path, kv):
     from test_trainer import make_cfg, make_trainer, read_metrics
 
-    cfg = make_cfg(tmp_path, "precision.flow=unified", "precision.kv_cache=fp8", "rollout.engine=fast",
+    cfg = make_cfg(tmp_path, "precision.flow=unified", f"precision.kv_cache={kv}", "rollout.engine=fast",
                    "train.steps=1")
     trainer = make_trainer(cfg, arch="qwen2")
-    assert isinstance(trainer.engine, FastRolloutEngine)
-    assert all(m.kv_quant == "fp8" for m in trainer.model.modules() if isinstance(m, Attention))
+    assert isinstance(trainer.engine, FastRolloutEngine) and trainer.engine.kv_token_scales == (kv == "fp8-token")
+    assert all(m.kv_quant == kv for m in trainer.model.modules() if isinstance(m, Attention))
     trainer.train()
     record = read_metrics(tmp_path / "run")[0]
     # rollout (FP8 weights/activations, FP8 KV cache) and training compute the same function
     assert record["mismatch/max_abs_logp_diff"] < 1e-3, record["mismatch/max_abs_logp_diff"]
+
+
+def test_token_scaled_roundtrip_is_the_rowwise_fp8_format_and_does_not_saturate():
+    from quarl.formats import fake_quantize
+
+    x = torch.randn(2, 3, 5, 16) * torch.logspace(-4, 4, 5)[None, None, :, None]  # tokens of very different size
+    x[0, 0, 0] = 0  # an all-zero vector: scale 1, zeros back
+    got = fp8_kv_roundtrip(x, token_scales=True)
+    assert torch.equal(got, fake_quantize(x, "fp8", "activation"))
+    rel = ((got - x).abs() / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).amax()
+    assert rel <= 2.0**-4, rel  # E4M3 steps of 1/8 relative to each vector's own amax: half a step at most
+    assert torch.equal(got[0, 0, 0], torch.zeros(16))
+    assert (fp8_kv_roundtrip(x) - x).abs().amax() > 1e3  # the single-scale cache saturates the 1e4-sized tokens

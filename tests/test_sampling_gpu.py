@@ -60,13 +60,34 @@ def test_draws_follow_the_tempered_distribution():
     assert worst < 5, f"frequencies off by {worst:.1f} standard deviations"
 
 
-def test_sample_next_takes_the_kernel_for_plain_sampling_only():
-    """top-p keeps the torch path (its support is filtered); both paths give the same answer format."""
+def test_sample_next_takes_the_kernel_for_plain_sampling_only(monkeypatch):
+    """Temperature sampling and greedy decoding call the kernel, top-p keeps the torch path (its support is
+    filtered); both give the torch definition's answer."""
+    import quarl.kernels.sampling as sampling_kernel
+
+    calls = []
+    real = sampling_kernel.sample_rows
+    monkeypatch.setattr(sampling_kernel, "sample_rows", lambda *a: calls.append(1) or real(*a))
     logits = torch.randn(8, 1000, device=DEV, dtype=torch.bfloat16)
     noise = torch.rand(8, 1000, device=DEV)
-    for params in (SamplingParams(1.0), SamplingParams(1.0, top_p=0.5), SamplingParams(0.0)):
+    for params, kernel in ((SamplingParams(1.0), True), (SamplingParams(1.0, top_p=0.5), False),
+                           (SamplingParams(0.0), True)):
+        calls.clear()
         tok, lp = sample_next(logits, params, None if params.greedy else noise)
+        assert bool(calls) == kernel, params
         ref_lp = filtered_logprobs(logits, params)
         ref = logits.float().argmax(-1) if params.greedy else gumbel_max(ref_lp, noise)
         assert torch.equal(tok, ref), params
         torch.testing.assert_close(lp.float(), ref_lp.gather(1, ref[:, None]).squeeze(1), atol=2e-5, rtol=0)
+
+
+def test_nan_rows_give_a_valid_token_and_a_nan_logprob():
+    """A NaN row must not produce an index outside the vocabulary (it would crash the next embedding lookup)."""
+    from quarl.kernels.sampling import sample_rows
+
+    logits = torch.randn(3, 3000, device=DEV)
+    logits[0] = float("nan")
+    logits[1, 2100] = logits[1, 1700] = float("nan")
+    for noise, t in ((None, 0.0), (torch.rand(3, 3000, device=DEV), 0.7)):
+        tok, lp = sample_rows(logits, noise, t)
+        assert tok.tolist()[:2] == [0, 1700] and torch.isnan(lp[:2]).all() and torch.isfinite(lp[2])

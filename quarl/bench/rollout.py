@@ -28,7 +28,7 @@ import time
 import traceback
 
 PRECISIONS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
-KV_CACHES = ("auto", "fp8")
+KV_CACHES = ("auto", "fp8", "fp8-token")  # = quarl.precision.KV_CACHE_FORMATS (this module imports no torch)
 W8A8 = ("int8", "fp8", "fp8-block", "fp8-tensor")
 DEFAULT_SETTINGS = ("bf16:auto", "bf16:fp8", "int8:auto", "fp8:auto", "fp8-block:auto", "nvfp4:auto", "int8:fp8",
                     "fp8:fp8", "fp8-block:fp8", "nvfp4:fp8")
@@ -98,7 +98,7 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench rollout`."""
     parser.add_argument("--model-size", default="7b", help=f"Qwen2.5 architecture: {', '.join(MODEL_SIZES)}")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
-                        help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS) + "; KV auto|fp8)")
+                        help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS) + "; KV auto|fp8|fp8-token)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -119,7 +119,8 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_settings(text: str) -> list[tuple[str, str]]:
-    """'bf16:auto,int8:fp8' -> [("bf16", "auto"), ("int8", "fp8")] (KV defaults to auto)."""
+    """'bf16:auto,int8:fp8' -> [("bf16", "auto"), ("int8", "fp8")] (KV defaults to auto; auto, fp8 or
+    fp8-token)."""
     out = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -156,8 +157,14 @@ def linear_bytes_and_params(model) -> tuple[int, int]:
     return nbytes, params
 
 
+def kv_bytes_per_element(kv: str, head_dim: int, model_itemsize: int) -> float:
+    """Bytes the decode attention reads per cached key/value element: the model dtype's size ("auto"), 1 (FP8),
+    or 1 plus the float32 per-token scale spread over head_dim elements ("fp8-token")."""
+    return {"auto": float(model_itemsize), "fp8": 1.0, "fp8-token": 1.0 + 4.0 / head_dim}[kv]
+
+
 def roofline_seconds(weight_bytes: int, params: int, cfg, batch: int, prompt_len: int, new_tokens: int,
-                     unique_prompt_tokens: int, kv_bytes_per_elem: int, bandwidth: float, rate: float) -> float:
+                     unique_prompt_tokens: int, kv_bytes_per_elem: float, bandwidth: float, rate: float) -> float:
     """BENCHMARKS.md B2 roofline: sum over decode steps of max(bytes / bw, flops / rate) + prefill at `rate`.
 
     Step j (0-based) reads the weights and the KV cache of prompt_len + j columns for every sequence.
@@ -217,7 +224,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     total = statistics.median(totals)
     prefill = statistics.median(s["prefill_s"] for s in stats)
     weight_bytes, params = linear_bytes_and_params(model)
-    kv_elem = 1 if kv == "fp8" else 2
+    kv_elem = kv_bytes_per_element(kv, cfg.head_dim, model.dtype.itemsize)
     prec_rate = rate * (2 if prec in W8A8 else 1)
     roof = roofline_seconds(weight_bytes, params, cfg, batch, args.prompt_len, args.max_new_tokens,
                             args.prompts * args.prompt_len, kv_elem, bw, prec_rate)

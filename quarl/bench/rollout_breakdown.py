@@ -83,7 +83,7 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
             st.done.fill_(True)
     out["other_ms"] = out["step_ms"] - out["linears_ms"] - out["attention_ms"] - out["sampling_ms"]
     weight_bytes = sum(_linear_bytes(m) for m in linears)
-    kv_item = cache.keys[0].element_size()
+    kv_item = cache.keys[0].element_size() + (4 / cfg.head_dim if cache.token_scales else 0)
     kv_bytes = batch * (context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
     out["linears_floor_ms"] = 1e3 * weight_bytes / bandwidth
     out["linears_compute_floor_ms"] = 1e3 * 2.0 * sum(m.in_features * m.out_features for m in linears) * batch \

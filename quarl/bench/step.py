@@ -32,7 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from quarl.bench.rollout import MODEL_SIZES, build_model
+from quarl.bench.rollout import KV_CACHES, MODEL_SIZES, build_model
 
 MODEL_SIZE_CHOICES = (*MODEL_SIZES, "tiny")
 DEFAULT_SETTINGS = "bf16,split:fp8,unified:fp8-block"
@@ -48,7 +48,7 @@ TARGETS = f"sync <= {SYNC_TARGET_PCT:g}% of the step; low-precision step >= {SPE
 @dataclass(frozen=True)
 class Setting:
     """One precision setting: a flow of quarl.precision.FLOWS, its format (None = the flow's default) and its KV
-    cache ("auto" | "fp8"; None = the --kv-cache option)."""
+    cache ("auto" | "fp8" | "fp8-token"; None = the --kv-cache option)."""
 
     flow: str
     format: str | None = None
@@ -63,18 +63,21 @@ class Setting:
 
 def parse_settings(text: str) -> list[Setting]:
     """'bf16,split:fp8,split:fp8:fp8' -> [Setting("bf16"), Setting("split", "fp8"), Setting("split", "fp8",
-    "fp8")]: FLOW[:FORMAT[:KV]], KV the setting's own KV cache (auto | fp8)."""
-    from quarl.precision import FLOWS, QUANT_FORMATS
+    "fp8")]: FLOW[:FORMAT[:KV]], KV the setting's own KV cache (auto | fp8 | fp8-token)."""
+    from quarl.precision import FLOWS, KV_CACHE_FORMATS, QUANT_FORMATS
 
     out = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
-        flow, fmt, kv, *rest = item.split(":") + [""] * 2
+        parts = item.split(":")
+        flow, fmt, kv = (parts + ["", ""])[:3]
         if (flow not in FLOWS or (fmt and fmt not in QUANT_FORMATS) or (flow == "bf16" and fmt)
-                or (kv and (kv not in ("auto", "fp8") or not (fmt or flow == "bf16"))) or any(rest)):
+                or (kv and not (fmt or flow == "bf16")) or (len(parts) == 3 and kv not in KV_CACHE_FORMATS)
+                or len(parts) > 3 or (len(parts) == 2 and not fmt)):
             raise ValueError(f"setting {item!r}: write FLOW, FLOW:FORMAT or FLOW:FORMAT:KV with FLOW in {FLOWS}, "
-                             f"FORMAT in {QUANT_FORMATS} (bf16 takes none) and KV auto|fp8, e.g. --settings "
+                             f"FORMAT in {QUANT_FORMATS} (bf16 takes none) and KV in {KV_CACHE_FORMATS}, e.g. "
+                             "--settings "
                              "bf16,split:fp8:fp8")
         out.append(Setting(flow, fmt or None, kv or None))
     if not out:
@@ -89,9 +92,9 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tune (B3: 1.5b full, 7b rank 32)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
                         help="comma list of FLOW[:FORMAT[:KV]] (bf16 | split | unified | qlora; formats as in "
-                             "precision.format; KV auto | fp8, default --kv-cache); the bf16 setting is the "
-                             "baseline of the speed-ups")
-    parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"),
+                             "precision.format; KV auto | fp8 | fp8-token, default --kv-cache); the first bf16 "
+                             "setting is the baseline of the speed-ups")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES,
                         help="KV cache of every setting that names none")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
@@ -234,12 +237,12 @@ def rollout_roofline(model, cfg, args, bandwidth: float, rate: float) -> float:
     """Seconds the rollout phase would take at the roofline of BENCHMARKS.md B2 (`quarl.bench.rollout`): per
     decode step the rollout weights and the KV cache read at `bandwidth`, or the linear FLOPs at `rate` (2x for
     W8A8 formats), whichever is longer, plus the unique prompt tokens' prefill at that rate."""
-    from quarl.bench.rollout import W8A8, linear_bytes_and_params, roofline_seconds
+    from quarl.bench.rollout import W8A8, kv_bytes_per_element, linear_bytes_and_params, roofline_seconds
 
     weight_bytes, params = linear_bytes_and_params(model)
     fmt = cfg.precision.resolved_format
     w8a8 = fmt in W8A8 and not cfg.precision.resolved_weight_only
-    kv_bytes = 1 if cfg.precision.kv_cache == "fp8" else model.dtype.itemsize
+    kv_bytes = kv_bytes_per_element(cfg.precision.kv_cache, model.config.head_dim, model.dtype.itemsize)
     return roofline_seconds(weight_bytes, params, model.config, args.prompts * args.samples, args.prompt_len,
                             args.max_new_tokens, args.prompts * args.prompt_len, kv_bytes, bandwidth,
                             rate * (2 if w8a8 else 1))

@@ -19,7 +19,8 @@ from dataclasses import replace
 from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
-           "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available", "plan_for"]
+           "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available", "fp8_kernels_available",
+           "plan_for"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -43,6 +44,12 @@ def kernels_available(device: torch.device | None = None) -> bool:
     if not torch.cuda.is_available() or not _triton_importable():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def fp8_kernels_available(device: torch.device | None = None) -> bool:
+    """`kernels_available` and FP8 E4M3 in Triton, which needs compute capability >= 8.9 (Ada, Hopper): the
+    kernels that read or write FP8 values. Older GPUs take the reference paths for FP8 (emulated, exact)."""
+    return kernels_available(device) and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _blockwise_cublas_ok(n: int, k: int) -> bool:
@@ -101,10 +108,13 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     x: [..., K] floating. On a GPU, for the 8-bit formats and bf16/fp16/fp32 x, one Triton pass
     (`quarl.kernels.act_quant.fake_quantize_activation`, bit for bit the same values); elsewhere the reference
     `quarl.formats.registry.fake_quantize_unchecked` (a dozen elementwise kernels). No gradient flows through
-    either: wrap it in a straight-through estimator.
+    either: wrap it in a straight-through estimator. NaN inputs: the reference turns the NaN's whole scaling group
+    into NaN, the kernel only the NaN element (its group's scale comes from the other values); either way the
+    NaN reaches the output.
     """
+    available = fp8_kernels_available if fmt.startswith("fp8") else kernels_available
     if (x.is_cuda and fmt in _ACT_FAKE_QUANT_FORMATS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.dim() >= 1 and x.shape[-1] > 0 and kernels_available(x.device)):
+            and x.dim() >= 1 and x.shape[-1] > 0 and available(x.device)):
         from quarl.kernels.act_quant import fake_quantize_activation as kernel
 
         x2d = x.detach().reshape(-1, x.shape[-1])
@@ -122,13 +132,13 @@ def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:
     training (`quarl.model.fp8_training`). One Triton pass and no transposed copy on a GPU; elsewhere the
     reference on the transposed copy."""
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
-            kernels_available(x.device):
+            fp8_kernels_available(x.device):
         from quarl.kernels.act_quant import fake_quantize_columns as kernel
 
         return kernel(x if x.stride(1) == 1 else x.contiguous())
     from quarl.formats.registry import fake_quantize_unchecked
 
-    return fake_quantize_unchecked(x.t().contiguous(), "fp8-block", "activation").t()
+    return fake_quantize_unchecked(x.t().contiguous(), "fp8-block", "activation").t().contiguous()
 
 
 def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False):
@@ -137,7 +147,7 @@ def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False):
     `quarl.kernels.weight_quant`). None off the GPU or for other dtypes/shapes: use the reference then."""
     if not (w.is_cuda and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return None
-    if w.stride(1) != 1 or not kernels_available(w.device):
+    if w.stride(1) != 1 or not fp8_kernels_available(w.device):
         return None
     from quarl.kernels.weight_quant import quantize_fp8_block_weight
 

@@ -31,7 +31,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
     DEQUANT: q is [M, K] in q_ptr's float dtype and receives code * scale (rounded once from float32, as
     `QuantizedTensor.dequantize`) instead of the codes; the scales are still written."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 for long training batches
     ar = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -75,7 +75,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
 def _column_groups_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om, BLOCK_N: tl.constexpr):
     """x [M, N] -> out [M, N] (x's dtype): every column's 128-row group (pid 0) rounded to FP8 E4M3 with its own
     scale and dequantized; pid 1 picks BLOCK_N columns. Rows past M load as 0 (they do not change the amax)."""
-    rm = tl.program_id(0) * 128 + tl.arange(0, 128)
+    rm = tl.program_id(0).to(tl.int64) * 128 + tl.arange(0, 128)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     v = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -9,7 +9,9 @@ ranges (`num_splits` > 1 keeps the GPU busy when the batch is small).
 The cache may hold bf16/fp16 or FP8 E4M3 values (FP8 KV cache: stored value = x / kv_scale, read back as
 stored * kv_scale). Scores and the softmax are accumulated in float32. With an FP8 cache both dots take fp16
 operands (the codes widen exactly; q * scale and the probabilities are rounded to fp16, finer than bf16), and
-kv_scale is applied to q and to the result rather than to every cached value.
+kv_scale is applied to q and to the result rather than to every cached value. A token-scaled FP8 cache
+(per-token float32 scales next to the codes) multiplies each column's scores by its key scale and each
+probability by its value scale, normalised by the largest value scale of the program's column range.
 
 Imports Triton: load it only when `quarl.kernels.kernels_available()` says the kernels can run. The plain-torch
 semantics are `quarl.rollout.fast_attention.decode_attention_torch`.
@@ -26,15 +28,16 @@ import triton.language as tl
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
+    stride_sb, stride_sh,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh,
     sm_scale, kv_scale, split_len,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,6 +68,17 @@ def _decode_attention_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    ks_base = ks_ptr + b * stride_sb + kvh * stride_sh
+    vs_base = vs_ptr + b * stride_sb + kvh * stride_sh
+    if TOKEN_SCALES:
+        # Per-token value scales enter as p * v_scale before the fp16 PV dot. Divided by their largest value in
+        # this column range they lie in (0, 1] like p, so fp16 keeps them (a raw scale, amax / 448, can sit in
+        # fp16's subnormal range); the factor goes back onto acc at the end.
+        v_top = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            v_top = tl.maximum(v_top, tl.load(vs_base + n0 + offs_n, mask=n0 + offs_n < end, other=0.0))
+        v_norm = tl.max(v_top, 0)
+        v_norm = tl.where(v_norm > 0, v_norm, 1.0)
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
         n_ok = cols < end
@@ -75,15 +89,23 @@ def _decode_attention_kernel(
             k = k.to(tl.float16)
             v = v.to(tl.float16)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32
+        if TOKEN_SCALES:
+            s = s * tl.load(ks_base + cols, mask=n_ok, other=1.0)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if TOKEN_SCALES:
+            pv = p * (tl.load(vs_base + cols, mask=n_ok, other=0.0) / v_norm)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
         m_i = m_new
 
-    if FP8_KV:
+    if TOKEN_SCALES:
+        acc = acc * v_norm
+    elif FP8_KV:
         acc = acc * kv_scale
     tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
              mask=g_ok[:, None] & d_ok[None, :])
@@ -105,7 +127,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      num_splits: int = 1, kv_scale: float = 1.0, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3) -> torch.Tensor:
+                     num_stages: int = 3, k_scales: torch.Tensor | None = None,
+                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for one query token per sequence over its first `lengths[b]` cache columns.
 
     Args:
@@ -116,6 +139,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits: column ranges per sequence (see `choose_num_splits`); kv_scale: FP8 dequantisation scale.
         block_n, num_warps, num_stages: the tile; the defaults measured best or within 2 % of it for both cache
             dtypes at 128 and 512 sequences (bench/results/decode_attention.md).
+        k_scales, v_scales: [S, Hkv, C] float32 (last dim contiguous) per-token scales of a token-scaled FP8
+            cache (values = stored * scale; kv_scale must then be 1), or None.
     Returns:
         [B, Hq, D] in q's dtype.
     """
@@ -126,6 +151,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(v_cache.shape)} (need the same head_dim, >= B slots, Hq a multiple of Hkv)")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("decode_attention needs q, k_cache and v_cache contiguous in the last dimension")
+    token = k_scales is not None
+    if token and (v_scales is None or k_scales.shape != k_cache.shape[:3] or v_scales.shape != k_scales.shape
+                  or k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1 or kv_scale != 1.0
+                  or k_cache.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"per-token scales must be two [S, Hkv, C] = {tuple(k_cache.shape[:3])} float32 tensors "
+                         "with the same strides, contiguous in the last dimension, for an FP8 cache with kv_scale 1")
     G = Hq // Hkv
     split_len = -(-C // num_splits)
     split_len = -(-split_len // block_n) * block_n
@@ -134,16 +165,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m = torch.empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     grid = (B, Hkv, num_splits)
+    ks, vs = (k_scales, v_scales) if token else (acc, acc)  # unused pointers without token scales
     _decode_attention_kernel[grid](
-        q, k_cache, v_cache, lengths, acc, m, l_,
+        q, k_cache, v_cache, ks, vs, lengths, acc, m, l_,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        ks.stride(0) if token else 0, ks.stride(1) if token else 0,
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
         1.0 / math.sqrt(D), float(kv_scale), split_len,
         G=G, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, TOKEN_SCALES=token, num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(acc, m, l_).to(q.dtype)
 

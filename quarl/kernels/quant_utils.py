@@ -62,11 +62,13 @@ def quantize_tile(v, s, IS_INT8: tl.constexpr):
     """v float32 divided by its scales s (float32, broadcastable to v, e.g. [R, 1] row scales) -> codes.
 
     Returns int8 codes as integer-valued float32 (int8: round half to even, clamp +-127) or fp8 codes as a
-    float8e4nv tensor (clamp +-448, then the round-to-nearest-even conversion).
+    float8e4nv tensor (clamp +-448, then the round-to-nearest-even conversion). A NaN value gives an FP8 NaN
+    code (the clamp propagates it) so that a NaN input stays visible downstream; int8 has no NaN code.
     """
     q = tl.math.div_rn(v, s)
     if IS_INT8:
         q = (q + _RNE_MAGIC) - _RNE_MAGIC
         return tl.minimum(tl.maximum(q, -127.0), 127.0)
     else:
-        return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        q = tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)

@@ -33,8 +33,8 @@ def _block_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qr, stride_
     s [Kt, Nt]. Padding columns of q get zero codes (their values load as 0)."""
     tn = tl.program_id(0)
     tk = tl.program_id(1)
-    rn = tn * 128 + tl.arange(0, 128)
-    rk = tk * 128 + tl.arange(0, 128)
+    rn = tn.to(tl.int64) * 128 + tl.arange(0, 128)
+    rk = tk.to(tl.int64) * 128 + tl.arange(0, 128)
     v = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                 other=0.0).to(tl.float32)
     s = safe_scale(tl.max(tl.max(tl.abs(v), axis=1), axis=0), 448.0)

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from quarl import kernels
 from quarl.model.config import ModelConfig
 from quarl.model.qlinear import QuantLinear
 
@@ -121,17 +122,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 FP8_KV_MAX = 448.0
 
 
-def fp8_kv_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """The values an FP8 (E4M3, scale 1) KV cache hands back for keys/values x: clamp to +-448, round to E4M3,
-    cast back to x.dtype. Same shape; no gradient (callers add a straight-through term)."""
+def fp8_kv_roundtrip(x: torch.Tensor, token_scales: bool = False) -> torch.Tensor:
+    """The values an FP8 KV cache hands back for keys/values x [..., head_dim], in x's shape and dtype, without
+    gradient (callers add a straight-through term). Scale 1 (`precision.kv_cache=fp8`): clamp to +-448, round to
+    E4M3. token_scales (`fp8-token`): each head_dim vector rounded with its own scale, the "fp8" rowwise format
+    (`quarl.kernels.fake_quantize_activation`, one pass on a GPU)."""
+    if token_scales:
+        return kernels.fake_quantize_activation(x.detach(), "fp8")
     return x.detach().float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn).to(x.dtype)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embeddings and an optional KV cache.
 
-    `kv_quant = "fp8"` makes a full-sequence forward see the keys/values the way the fast engine's FP8 KV cache
-    serves them to decoding queries (unified flow: rollout and training then compute the same thing). Given
+    `kv_quant = "fp8"` or `"fp8-token"` makes a full-sequence forward see the keys/values the way the fast
+    engine's FP8 KV cache of that kind serves them to decoding queries (unified flow: rollout and training then
+    compute the same thing). Given
     `decode_start` [B] (the first column each row decoded rather than prefilled), queries from that column on
     attend to FP8-rounded keys/values (straight-through gradients); earlier (prefill) queries see them unrounded,
     as the engine's prefill does.
@@ -171,9 +177,10 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
         out = self._sdpa(q, k, v, attn_mask)
-        if self.kv_quant == "fp8" and decode_start is not None and kv_cache is None:
-            k_q = k + (fp8_kv_roundtrip(k) - k).detach()
-            v_q = v + (fp8_kv_roundtrip(v) - v).detach()
+        if self.kv_quant is not None and decode_start is not None and kv_cache is None:
+            token = self.kv_quant == "fp8-token"
+            k_q = k + (fp8_kv_roundtrip(k, token) - k).detach()
+            v_q = v + (fp8_kv_roundtrip(v, token) - v).detach()
             decoding = torch.arange(T, device=x.device)[None, :] >= decode_start.to(x.device)[:, None]  # [B, T]
             out = torch.where(decoding[:, None, :, None], self._sdpa(q, k_q, v_q, attn_mask), out)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

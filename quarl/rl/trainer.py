@@ -56,11 +56,11 @@ def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
     if kind == "auto":
         kind = "fast" if device.type == "cuda" else "reference"
     if kind == "reference":
-        if cfg.precision.kv_cache == "fp8":
-            raise ValueError("precision.kv_cache=fp8 needs rollout.engine=fast")
+        if cfg.precision.kv_cache != "auto":
+            raise ValueError(f"precision.kv_cache={cfg.precision.kv_cache} needs rollout.engine=fast")
         return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
-    kv = "fp8" if cfg.precision.kv_cache == "fp8" else "auto"
-    return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, kv_cache_dtype=kv)
+    return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
+                             kv_cache_dtype=cfg.precision.kv_cache)
 
 
 class GracefulInterrupt:
@@ -109,11 +109,11 @@ class Trainer:
             apply_uaq(self.model, cfg.uaq.scale)
         self.quantized_linears = apply_precision(self.model, cfg.precision)
         self.model.gradient_checkpointing = cfg.train.gradient_checkpointing
-        if cfg.precision.kv_cache == "fp8" and cfg.precision.flow == "unified":
+        if cfg.precision.kv_cache != "auto" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
             for module in self.model.modules():
                 if isinstance(module, Attention):
-                    module.kv_quant = "fp8"
+                    module.kv_quant = cfg.precision.kv_cache
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()

@@ -5,8 +5,15 @@ tokens in columns 0 .. len-1 (no padding: a sequence starts at column 0 of its s
 plain length masks and a finished slot is reused by writing the next prompt over it. The cache never moves
 during decoding; only `move` (compaction of the running set into the lowest slots) copies slots.
 
-FP8 KV cache (kv_dtype=torch.float8_e4m3fn): values are stored as clamp(x / kv_scale, +-448) in E4M3 and read
-back as stored * kv_scale. kv_scale defaults to 1 (no calibration data in RL; vLLM's default too).
+FP8 KV cache (kv_dtype=torch.float8_e4m3fn), two scalings:
+  * one scale (token_scales=False): values are stored as clamp(x / kv_scale, +-448) in E4M3 and read back as
+    stored * kv_scale. kv_scale defaults to 1 (no calibration data in RL; vLLM's default too). Cheapest; values
+    beyond +-448 saturate.
+  * per-token scales (token_scales=True, `precision.kv_cache=fp8-token`): every token's key (and value) vector of
+    every kv head gets its own float32 scale, amax over head_dim / 448, exactly the "fp8" rowwise format of
+    `quarl.formats` on rows of head_dim values; read back as float32(code * scale) rounded to the model dtype.
+    No calibration, no saturation; 4 more bytes per head_dim values. The scales live in `key_scales` /
+    `value_scales` [num_slots, num_kv_heads, capacity] float32 next to the codes.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from quarl import kernels
+from quarl.formats.registry import quantize_unchecked
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, FP8_KV_MAX
 
 
@@ -22,27 +30,38 @@ class SlotKVCache:
 
     Attributes:
         keys, values: lists (one per layer) of [num_slots, num_kv_heads, capacity, head_dim] tensors in kv_dtype.
-        kv_scale: float; dequantisation scale of an FP8 cache (1.0 otherwise).
+        kv_scale: float; dequantisation scale of a single-scale FP8 cache (1.0 otherwise).
+        key_scales, value_scales: lists (one per layer) of [num_slots, num_kv_heads, capacity] float32 per-token
+            scales of a token-scaled FP8 cache, else None.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 kv_dtype: torch.dtype, device: torch.device | str, kv_scale: float = 1.0):
+                 kv_dtype: torch.dtype, device: torch.device | str, kv_scale: float = 1.0,
+                 token_scales: bool = False):
         if num_slots < 1 or capacity < 1:
             raise ValueError(f"SlotKVCache needs num_slots >= 1 and capacity >= 1, got {num_slots}, {capacity}")
+        if token_scales and (kv_dtype != FP8_KV_DTYPE or kv_scale != 1.0):
+            raise ValueError("token_scales=True is an FP8 cache scaling (kv_dtype=torch.float8_e4m3fn) and replaces "
+                             f"the single kv_scale; got kv_dtype={kv_dtype}, kv_scale={kv_scale}")
         shape = (num_slots, num_kv_heads, capacity, head_dim)
         # Zeroed once: a length mask hides unwritten columns from the softmax, but the torch attention path still
         # multiplies them by probability 0, and 0 * NaN (uninitialised memory) would be NaN.
         self.keys = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
+        self.key_scales = self.value_scales = None
+        if token_scales:
+            self.key_scales = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
+            self.value_scales = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
         self.kv_scale = float(kv_scale)
         self._fused_write: bool | None = None  # decided on the first decode write (kernels available there?)
 
     @staticmethod
     def nbytes_for(num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, capacity: int,
-                   kv_dtype: torch.dtype) -> int:
-        """Bytes the cache will take (keys + values, all layers)."""
+                   kv_dtype: torch.dtype, token_scales: bool = False) -> int:
+        """Bytes the cache will take (keys + values, all layers; per-token scales included)."""
         item = torch.empty(0, dtype=kv_dtype).element_size()
-        return 2 * num_layers * num_slots * num_kv_heads * capacity * head_dim * item
+        per_column = head_dim * item + (4 if token_scales else 0)
+        return 2 * num_layers * num_slots * num_kv_heads * capacity * per_column
 
     @property
     def num_slots(self) -> int:
@@ -56,9 +75,26 @@ class SlotKVCache:
     def dtype(self) -> torch.dtype:
         return self.keys[0].dtype
 
+    @property
+    def token_scales(self) -> bool:
+        return self.key_scales is not None
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(key scales, value scales) [num_slots, num_kv_heads, capacity] of a layer, or (None, None)."""
+        if self.key_scales is None:
+            return None, None
+        return self.key_scales[layer], self.value_scales[layer]
+
+    def quantize_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-scaled FP8: x [..., head_dim] -> (E4M3 codes [..., head_dim], float32 scales [...]), the "fp8"
+        rowwise format of `quarl.formats` on the head_dim rows."""
+        qt = quantize_unchecked(x, "fp8", "activation")
+        return qt.data, qt.scale[..., 0]
+
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
-        """Model-dtype keys/values -> the cache dtype (scaled, saturated to +-448 for FP8; a cast that does not
-        saturate would turn large values into NaN)."""
+        """Model-dtype keys/values -> the cache dtype (scaled, saturated to +-448 for a single-scale FP8 cache; a
+        cast that does not saturate would turn large values into NaN). Not for a token-scaled cache
+        (`quantize_tokens`)."""
         if self.dtype != FP8_KV_DTYPE:
             return x.to(self.dtype)
         x = x.float() if self.kv_scale == 1.0 else x.float() / self.kv_scale
@@ -69,13 +105,20 @@ class SlotKVCache:
 
         On a GPU one Triton launch for both (`quarl.kernels.kv_write`, the same stored values)."""
         if self._fused_write is None:
-            self._fused_write = k.is_cuda and kernels.kernels_available(k.device)
+            available = kernels.fp8_kernels_available if self.dtype == FP8_KV_DTYPE else kernels.kernels_available
+            self._fused_write = k.is_cuda and available(k.device)
         if self._fused_write and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype != torch.float64:
             from quarl.kernels.kv_write import write_kv
 
-            write_kv(k, v, self.keys[layer], self.values[layer], positions, self.kv_scale)
+            write_kv(k, v, self.keys[layer], self.values[layer], positions, self.kv_scale, *self.scales(layer))
             return
         rows = torch.arange(k.shape[0], device=k.device)
+        if self.token_scales:
+            for codes, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+                q, s = self.quantize_tokens(x)
+                codes[layer][rows, :, positions] = q
+                scales[layer][rows, :, positions] = s
+            return
         self.keys[layer][rows, :, positions] = self.to_storage(k)
         self.values[layer][rows, :, positions] = self.to_storage(v)
 
@@ -84,12 +127,18 @@ class SlotKVCache:
         """Prefill write: k, v [P, Hkv, T, D] (right-padded prompts); slot slots[i] gets prompt rows[i] at
         columns 0..T-1 (padding columns are written too and masked by the slot's length later)."""
         T = k.shape[2]
+        if self.token_scales:
+            for codes, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+                q, s = self.quantize_tokens(x.index_select(0, rows))
+                codes[layer][slots, :, :T] = q
+                scales[layer][slots, :, :T] = s
+            return
         self.keys[layer][slots, :, :T] = self.to_storage(k.index_select(0, rows))
         self.values[layer][slots, :, :T] = self.to_storage(v.index_select(0, rows))
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, num_columns: int) -> None:
         """Copy columns [0, num_columns) of slots src [M] into slots dst [M] (disjoint sets), every layer."""
-        for buf in self.keys + self.values:
+        for buf in self.keys + self.values + (self.key_scales or []) + (self.value_scales or []):
             buf[dst, :, :num_columns] = buf[src, :, :num_columns]
 
 

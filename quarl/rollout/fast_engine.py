@@ -63,7 +63,8 @@ class FastRolloutEngine(RolloutEngine):
             max_batch_size: number of KV slots = most sequences decoded at once (>= n of every call).
             max_seq_len: slot length (prompt + max_new_tokens - 1 must fit); None = sized by the first call
                 that needs more (the cache is then reallocated).
-            kv_cache_dtype: "auto" (the model dtype), "fp8" (E4M3, scale 1) or a torch dtype.
+            kv_cache_dtype: "auto" (the model dtype), "fp8" (E4M3, scale 1), "fp8-token" (E4M3 with a float32
+                scale per token and kv head, see `fast_cache`) or a torch dtype.
             use_cuda_graphs: None = on for CUDA models.
             sync_every: decode steps between looks at the state from the host (>= 1).
             max_prefill_tokens: most (padded) prompt tokens in one prefill forward.
@@ -77,7 +78,8 @@ class FastRolloutEngine(RolloutEngine):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
-        self.kv_dtype = self._kv_dtype(kv_cache_dtype)
+        self.kv_token_scales = kv_cache_dtype == "fp8-token"
+        self.kv_dtype = self._kv_dtype("fp8" if self.kv_token_scales else kv_cache_dtype)
         self.use_cuda_graphs = (model.device.type == "cuda") if use_cuda_graphs is None else bool(use_cuda_graphs)
         if self.use_cuda_graphs and model.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a model on a CUDA device")
@@ -104,7 +106,7 @@ class FastRolloutEngine(RolloutEngine):
             if self.model.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 raise ValueError(f"an FP8 KV cache needs a bf16/fp16/float32 model, not {self.model.dtype}")
             return FP8_KV_DTYPE
-        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or a torch dtype, got {kv!r}")
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8-token' or a torch dtype, got {kv!r}")
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_new_tokens: int = 256,
@@ -163,18 +165,18 @@ class FastRolloutEngine(RolloutEngine):
         self._graphs.clear()
         self._check_memory(capacity)
         self.cache = SlotKVCache(c.num_layers, self.num_slots, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype,
-                                 model.device)
+                                 model.device, token_scales=self.kv_token_scales)
         self.state = DecodeState.allocate(self.num_slots, capacity, c.vocab_size, model.device,
                                           torch.float64 if model.dtype == torch.float64 else torch.float32)
         if self._attention is None:
             self._attention, self.attention_name = make_decode_attention(
                 model.device, model.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype,
-                self.cache.kv_scale, self.attention_backend)
+                self.cache.kv_scale, self.attention_backend, self.kv_token_scales)
 
     def _check_memory(self, capacity: int) -> None:
         c = self.model.config
         need = SlotKVCache.nbytes_for(c.num_layers, self.num_slots, c.num_kv_heads, c.head_dim, capacity,
-                                      self.kv_dtype)
+                                      self.kv_dtype, self.kv_token_scales)
         need += self.num_slots * (c.vocab_size * 4 + capacity * 12)  # noise, out_tokens, out_logprobs
         if self.model.device.type != "cuda":
             return
@@ -336,9 +338,9 @@ class _Run:
         if e.model.device.type == "cuda":
             torch.cuda.synchronize(e.model.device)
             self.prefill_s = sum(a.elapsed_time(b) for a, b in self.prefill_events) / 1e3
+        kv_cache = "fp8-token" if e.kv_token_scales else str(e.kv_dtype).replace("torch.", "")
         e.last_stats.update(total_s=time.perf_counter() - t0, prefill_s=self.prefill_s, decode_steps=self.steps,
-                            attention=e.attention_name, kv_cache=str(e.kv_dtype).replace("torch.", ""),
-                            cuda_graphs=e.use_cuda_graphs)
+                            attention=e.attention_name, kv_cache=kv_cache, cuda_graphs=e.use_cuda_graphs)
         return self.results
 
     # ------------------------------------------------------------------ admission

@@ -48,7 +48,8 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write_tokens(attn.layer_idx, positions, k[:, :, 0], v)
-        out = attention(q[:, :, 0], cache.keys[attn.layer_idx], cache.values[attn.layer_idx], lengths, kv_len)
+        li = attn.layer_idx
+        out = attention(q[:, :, 0], cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li))
         x = x + attn.o_proj(out.reshape(B, Hq * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x))
@@ -76,7 +77,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tenso
     if plain and logits.is_cuda and logits.dtype != torch.float64 and kernels.kernels_available(logits.device):
         from quarl.kernels.sampling import sample_rows
 
-        return sample_rows(logits, noise, params.temperature)
+        return sample_rows(logits, None if params.greedy else noise, params.temperature)
     logprobs = filtered_logprobs(logits, params)
     new = logits.argmax(dim=-1) if params.greedy else gumbel_max(logprobs, noise)
     return new, logprobs.gather(1, new[:, None]).squeeze(1)
