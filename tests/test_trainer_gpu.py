@@ -13,7 +13,12 @@ from test_trainer import FLOWS, make_cfg, read_metrics
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name,overrides", FLOWS, ids=[f[0] for f in FLOWS])
+# The FP8 KV caches need the fast engine, which the CPU flow tests do not use.
+GPU_FLOWS = FLOWS + [("unified-kv-fp8-token", ["precision.flow=unified", "precision.kv_cache=fp8-token"]),
+                     ("split-fp8-kv-fp8", ["precision.flow=split", "precision.format=fp8", "precision.kv_cache=fp8"])]
+
+
+@pytest.mark.parametrize("name,overrides", GPU_FLOWS, ids=[f[0] for f in GPU_FLOWS])
 def test_each_flow_on_cuda_with_the_fast_engine(tmp_path, name, overrides):
     from quarl.model.decoder import QuarlForCausalLM
     from quarl.model.tiny import tiny_config, tiny_tokenizer
