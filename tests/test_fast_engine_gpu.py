@@ -212,3 +212,23 @@ def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_sca
         for got, x in ((cache.key_scales[0], k), (cache.value_scales[0], v)):
             assert torch.equal(got[rows, :, positions], cache.quantize_tokens(x)[1])
     assert cache.keys[0].float().abs().amax() > 0
+
+
+def test_a_failing_kv_write_kernel_leaves_the_torch_write_in_charge(monkeypatch):
+    import quarl.kernels.kv_write as kv_write
+    from quarl.rollout.fast_cache import SlotKVCache
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(kv_write, "write_kv", broken)
+    cache = SlotKVCache(1, 4, 2, 64, 8, FP8_KV_DTYPE, DEV, token_scales=True)
+    k, v = torch.randn(3, 2, 64, device=DEV).bfloat16(), torch.randn(3, 2, 64, device=DEV).bfloat16()
+    positions = torch.tensor([0, 5, 7], device=DEV)
+    with pytest.warns(UserWarning, match="KV write failed"):
+        cache.write_tokens(0, positions, k, v)
+    assert cache._fused_write is False
+    codes, scales = cache.quantize_tokens(k)
+    rows = torch.arange(3, device=DEV)
+    assert torch.equal(cache.keys[0][rows, :, positions].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(cache.key_scales[0][rows, :, positions], scales)

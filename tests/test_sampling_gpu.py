@@ -91,3 +91,18 @@ def test_nan_rows_give_a_valid_token_and_a_nan_logprob():
     for noise, t in ((None, 0.0), (torch.rand(3, 3000, device=DEV), 0.7)):
         tok, lp = sample_rows(logits, noise, t)
         assert tok.tolist()[:2] == [0, 1700] and torch.isnan(lp[:2]).all() and torch.isfinite(lp[2])
+
+
+def test_a_failing_kernel_leaves_the_torch_sampler_in_charge(monkeypatch):
+    import quarl.kernels.sampling as sampling_kernel
+    import quarl.rollout.fast_step as fast_step
+
+    monkeypatch.setattr(fast_step, "_SAMPLING_KERNEL_OK", {})
+    monkeypatch.setattr(sampling_kernel, "sample_rows", lambda logits, *a: (torch.zeros_like(logits[:, 0]).long(),
+                                                                           torch.zeros_like(logits[:, 0])))
+    logits = torch.randn(5, 700, device=DEV) * 4
+    noise = torch.rand(5, 700, device=DEV)
+    with pytest.warns(UserWarning, match="sampling kernel disagrees"):
+        tok, lp = sample_next(logits, SamplingParams(1.0), noise)
+    ref_lp = filtered_logprobs(logits, SamplingParams(1.0))
+    assert torch.equal(tok, gumbel_max(ref_lp, noise))

@@ -18,6 +18,8 @@ FP8 KV cache (kv_dtype=torch.float8_e4m3fn), two scalings:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from quarl import kernels
@@ -103,15 +105,47 @@ class SlotKVCache:
     def write_tokens(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Decode write: k, v [B, Hkv, D] of slots 0..B-1 at columns positions [B] (long). CUDA-graph safe.
 
-        On a GPU one Triton launch for both (`quarl.kernels.kv_write`, the same stored values)."""
+        On a GPU one Triton launch for both (`quarl.kernels.kv_write`, the same stored values), once a first call
+        has checked it against the torch write (see `_kernel_write_ok`)."""
         if self._fused_write is None:
-            available = kernels.fp8_kernels_available if self.dtype == FP8_KV_DTYPE else kernels.kernels_available
-            self._fused_write = k.is_cuda and available(k.device)
+            self._fused_write = self._kernel_write_ok(k)
         if self._fused_write and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype != torch.float64:
             from quarl.kernels.kv_write import write_kv
 
             write_kv(k, v, self.keys[layer], self.values[layer], positions, self.kv_scale, *self.scales(layer))
             return
+        self._write_tokens_torch(layer, positions, k, v)
+
+    def _kernel_write_ok(self, k: torch.Tensor) -> bool:
+        """Whether the one-launch write may serve this cache: kernels available for its dtype, and on a small
+        probe cache (random keys/values of k's dtype, some beyond +-448) it stores exactly what the torch write
+        stores. A compile error or a difference warns and keeps the torch write. Runs once per cache, on the
+        first decode write (the engine's eager warm-up, never inside a graph capture)."""
+        available = kernels.fp8_kernels_available if self.dtype == FP8_KV_DTYPE else kernels.kernels_available
+        if not (k.is_cuda and k.dtype != torch.float64 and available(k.device)):
+            return False
+        from quarl.kernels.kv_write import write_kv
+
+        H, D = k.shape[1], k.shape[2]
+        probes = [SlotKVCache(1, 3, H, D, 4, self.dtype, k.device, self.kv_scale, self.token_scales) for _ in "ab"]
+        x = torch.randn(2, 2, H, D, device=k.device) * torch.tensor([1.0, 300.0], device=k.device)[:, None, None, None]
+        x = x.to(k.dtype)
+        positions = torch.tensor([3, 1], device=k.device)
+        try:
+            write_kv(x[0], x[1], probes[0].keys[0], probes[0].values[0], positions, self.kv_scale, *probes[0].scales(0))
+            probes[1]._write_tokens_torch(0, positions, x[0], x[1])
+            stored = [[t.view(torch.uint8) for t in p.keys + p.values + (p.key_scales or []) + (p.value_scales or [])]
+                      for p in probes]
+            same = all(torch.equal(a, b) for a, b in zip(*stored))
+        except Exception as e:  # a Triton that cannot compile the kernel: the torch write still works
+            warnings.warn(f"the one-launch KV write failed its check ({type(e).__name__}: {e}); using torch")
+            return False
+        if not same:
+            warnings.warn("the one-launch KV write stores other values than the torch write; using torch")
+        return same
+
+    def _write_tokens_torch(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The definition of `write_tokens` in torch ops (index_put of the converted keys/values)."""
         rows = torch.arange(k.shape[0], device=k.device)
         if self.token_scales:
             for codes, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):

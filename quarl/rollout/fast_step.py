@@ -8,6 +8,7 @@ exactly as in the reference engine; only the KV-cache layout (slots) and the att
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -74,13 +75,52 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tenso
     rounding); top-k / top-p, float64 and CPU logits the torch definition below.
     """
     plain = params.greedy or (params.top_k == 0 and params.top_p == 1.0)
-    if plain and logits.is_cuda and logits.dtype != torch.float64 and kernels.kernels_available(logits.device):
+    if plain and logits.is_cuda and logits.dtype != torch.float64 and _sampling_kernel_ok(logits.device):
         from quarl.kernels.sampling import sample_rows
 
         return sample_rows(logits, None if params.greedy else noise, params.temperature)
+    return _sample_next_torch(logits, params, noise)
+
+
+def _sample_next_torch(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch definition of `sample_next`."""
     logprobs = filtered_logprobs(logits, params)
     new = logits.argmax(dim=-1) if params.greedy else gumbel_max(logprobs, noise)
     return new, logprobs.gather(1, new[:, None]).squeeze(1)
+
+
+_SAMPLING_KERNEL_OK: dict[str, bool] = {}
+
+
+def _sampling_kernel_ok(device: torch.device) -> bool:
+    """Whether the sampling kernel may serve `device`: kernels available and, on its first use there, the same
+    draws and log-probs as `_sample_next_torch` on random logits (greedy and at temperature 0.7). A compile error
+    or a difference warns and keeps the torch sampler for the process. The check synchronises once; the first
+    call is an eager step (the engine warms up before it captures a graph)."""
+    key = str(device)
+    if key not in _SAMPLING_KERNEL_OK:
+        ok = kernels.kernels_available(device)
+        if ok:
+            from quarl.kernels.sampling import sample_rows
+
+            gen = torch.Generator(device=device).manual_seed(0)
+            logits = torch.randn(4, 3001, device=device, generator=gen) * 3
+            noise = torch.rand(4, 3001, device=device, generator=gen)
+            try:
+                for params in (SamplingParams(0.0), SamplingParams(0.7)):
+                    u = None if params.greedy else noise
+                    tok, lp = sample_rows(logits, u, params.temperature)
+                    ref_tok, ref_lp = _sample_next_torch(logits, params, u)
+                    ok = ok and torch.equal(tok, ref_tok) and bool(((lp - ref_lp).abs() < 1e-4).all())
+            except Exception as e:  # a Triton that cannot compile the kernel: the torch sampler still works
+                warnings.warn(f"the sampling kernel failed its check ({type(e).__name__}: {e}); using torch")
+                ok = False
+            else:
+                if not ok:
+                    warnings.warn("the sampling kernel disagrees with the torch sampler; using torch")
+        _SAMPLING_KERNEL_OK[key] = ok
+    return _SAMPLING_KERNEL_OK[key]
 
 
 @dataclass
