@@ -72,8 +72,8 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
             q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
             lengths = torch.full((batch,), context + 1, device=dev, dtype=torch.long)
             att = engine._attention
-            out["attention_ms"] = _graph_ms(torch, lambda: [att(q, cache.keys[i], cache.values[i], lengths, kv_len)
-                                                            for i in range(cfg.num_layers)])
+            out["attention_ms"] = _graph_ms(torch, lambda: [att(q, cache.keys[i], cache.values[i], lengths, kv_len,
+                                                                *cache.scales(i)) for i in range(cfg.num_layers)])
 
             logits = torch.randn(batch, cfg.vocab_size, device=dev, dtype=dtype)
             u = torch.rand(batch, cfg.vocab_size, device=dev)
