@@ -362,3 +362,17 @@ def test_tuning_tables_are_consistent(family):
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k) == expected
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k,
                                    prefer_kernel=True) == plan
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4"])
+def test_fake_quantize_weight_is_the_reference(fmt):
+    """The unified forward's weight rounding (one-pass kernels where they apply) equals the reference exactly."""
+    from quarl.formats.registry import fake_quantize_unchecked
+    from quarl.kernels import fake_quantize_weight
+
+    for n, k in [(130, 200), (384, 3584)]:
+        w = (torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda")).to(torch.bfloat16)
+        ref = fake_quantize_unchecked(w, fmt, "weight")
+        got = fake_quantize_weight(w, fmt)
+        assert got.dtype == w.dtype and torch.equal(got, ref), f"{fmt} N={n} K={k}"

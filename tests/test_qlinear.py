@@ -445,3 +445,12 @@ def test_cuda_qlora_training_forward_and_backward_match_float64(fmt):
     assert_matmul_close(y.detach().cpu(), x.double(), merged, layer.bias.detach().double().cpu(), dtype=torch.bfloat16)
     # dL/dx = g @ W: the same bound, with g as the input and W^T as the weight
     assert_matmul_close(xc.grad.cpu(), g.double(), merged.T, None, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4"])
+def test_weight_rounding_helper_is_the_reference_on_cpu(fmt):
+    """`kernels.fake_quantize_weight` (the unified training forward's weight rounding) is the reference values."""
+    from quarl import kernels
+
+    w = torch.randn(70, 300) * torch.rand(70, 1)
+    assert torch.equal(kernels.fake_quantize_weight(w, fmt), fake_quantize(w, fmt, "weight"))

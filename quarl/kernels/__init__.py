@@ -19,8 +19,8 @@ from dataclasses import replace
 from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
-           "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available", "fp8_kernels_available",
-           "plan_for"]
+           "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
+           "fp8_kernels_available", "plan_for"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -124,6 +124,22 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     from quarl.formats.registry import fake_quantize_unchecked
 
     return fake_quantize_unchecked(x, fmt, "activation")
+
+
+def fake_quantize_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """dequantize(quantize(w, fmt, "weight")) [N, K] in w's dtype, with no input checks (the unified flow's
+    training forward, every micro-batch). int8 / fp8 / fp8-tensor weights are scaled per row (or per tensor)
+    exactly as activations are, so they take `fake_quantize_activation`'s one pass; fp8-block takes the one-pass
+    tile quantizer, then the reference dequantization; other formats and CPU tensors the reference."""
+    if fmt in ("int8", "fp8", "fp8-tensor"):
+        return fake_quantize_activation(w, fmt)
+    if fmt == "fp8-block":
+        q = try_quantize_fp8_block_weight(w)
+        if q is not None:
+            return q.dequantize(w.dtype)
+    from quarl.formats.registry import fake_quantize_unchecked
+
+    return fake_quantize_unchecked(w, fmt, "weight")
 
 
 def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from quarl import kernels
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
-from quarl.formats.registry import fake_quantize_unchecked
 from quarl.model.fp8_training import fp8_block_linear
 
 # Settings that define a frozen (qlora) base; once its master weight is dropped only the LoRA settings may change.
@@ -378,7 +377,7 @@ class QuantLinear(nn.Module):
             x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:
             return self._frozen_base_linear(x, bias)
-        w = _straight_through(fake_quantize_unchecked(self.weight.detach(), fmt, "weight"), self.weight)
+        w = _straight_through(kernels.fake_quantize_weight(self.weight.detach(), fmt), self.weight)
         return F.linear(x, w, bias)
 
     def _frozen_base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
