@@ -1,4 +1,5 @@
-"""Shared pytest setup: `gpu` tests are skipped without CUDA; seeds are fresh per test unless a test fixes one."""
+"""Shared pytest setup: `gpu` tests are skipped without CUDA, `fp8` tests on GPUs without FP8 (compute capability
+< 8.9); seeds are fresh per test unless a test fixes one."""
 import os
 
 import pytest
@@ -7,6 +8,11 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        if torch.cuda.get_device_capability() < (8, 9):
+            skip_fp8 = pytest.mark.skip(reason="needs FP8 in Triton: compute capability >= 8.9 (Ada, Hopper)")
+            for item in items:
+                if item.get_closest_marker("fp8") is not None:
+                    item.add_marker(skip_fp8)
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")
     for item in items:

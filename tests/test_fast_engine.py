@@ -278,14 +278,16 @@ def test_token_scaled_fp8_cache_writes_codes_and_scales_everywhere():
 
     cache = SlotKVCache(2, 4, 2, 8, 6, FP8_KV_DTYPE, "cpu", token_scales=True)
     k, v = torch.randn(3, 2, 8) * 1e3, torch.randn(3, 2, 8) * 1e-3
+    k[2, 1] = 0  # an all-zero vector stores scale 0 (codes 0: the same values as the format's scale 1)
     pos = torch.tensor([0, 5, 2])
     cache.write_tokens(1, pos, k, v)
+    assert cache.key_scales[1][2, 1, 2] == 0
     written = ((cache.keys[1], cache.key_scales[1], k), (cache.values[1], cache.value_scales[1], v))
     for got_codes, got_scales, x in written:
         ref = quantize(x, "fp8", "activation")
         rows = torch.arange(3)
         assert torch.equal(got_codes[rows, :, pos].view(torch.uint8), ref.data.view(torch.uint8))
-        assert torch.equal(got_scales[rows, :, pos], ref.scale[..., 0])
+        assert torch.equal(got_scales[rows, :, pos], torch.where(x.abs().amax(-1) > 0, ref.scale[..., 0], 0))
     kp, vp = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8) * 50
     cache.write_prompts(0, torch.tensor([3, 1]), torch.tensor([1, 0]), kp, vp)
     ref = quantize(vp[1], "fp8", "activation")

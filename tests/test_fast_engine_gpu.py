@@ -88,7 +88,9 @@ def compare_greedy(model, ref_outs, fast_outs, prompts):
 
 # kv_scale -1 stands for per-token scales (a token-scaled FP8 cache).
 ATTENTION_CASES = [(28, 4, 128, torch.bfloat16, 1.0), (8, 2, 64, torch.bfloat16, 1.0), (4, 2, 24, torch.bfloat16, 1.0),
-                   (28, 4, 128, FP8_KV_DTYPE, 1.0), (8, 2, 64, FP8_KV_DTYPE, 0.037), (28, 4, 128, FP8_KV_DTYPE, -1.0)]
+                   *(pytest.param(*case, marks=pytest.mark.fp8) for case in [
+                       (28, 4, 128, FP8_KV_DTYPE, 1.0), (8, 2, 64, FP8_KV_DTYPE, 0.037),
+                       (28, 4, 128, FP8_KV_DTYPE, -1.0)])]
 
 
 @pytest.mark.parametrize("hq,hkv,d,kv_dtype,kv_scale", ATTENTION_CASES)
@@ -174,6 +176,7 @@ def test_quantized_split_flow_matches_reference_engine():
     compare_greedy(model, ref, fast, prompts)
 
 
+@pytest.mark.fp8
 @pytest.mark.parametrize("kv", ["fp8", "fp8-token"])
 def test_fp8_kv_cache_close_to_bf16_cache(kv):
     torch.manual_seed(3)
@@ -190,8 +193,10 @@ def test_fp8_kv_cache_close_to_bf16_cache(kv):
     assert torch.isfinite(b).all() and (a - b).abs().max() < 0.5
 
 
-@pytest.mark.parametrize("kv_dtype,kv_scale,token", [(torch.bfloat16, 1.0, False), (FP8_KV_DTYPE, 1.0, False),
-                                                      (FP8_KV_DTYPE, 0.037, False), (FP8_KV_DTYPE, 1.0, True)])
+@pytest.mark.parametrize("kv_dtype,kv_scale,token", [
+    (torch.bfloat16, 1.0, False),
+    *(pytest.param(FP8_KV_DTYPE, scale, token, marks=pytest.mark.fp8) for scale, token in
+      [(1.0, False), (0.037, False), (1.0, True)])])
 def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_scale, token):
     from quarl.kernels.kv_write import write_kv
     from quarl.rollout.fast_cache import SlotKVCache
@@ -214,6 +219,7 @@ def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_sca
     assert cache.keys[0].float().abs().amax() > 0
 
 
+@pytest.mark.fp8
 def test_a_failing_kv_write_kernel_leaves_the_torch_write_in_charge(monkeypatch):
     import quarl.kernels.kv_write as kv_write
     from quarl.rollout.fast_cache import SlotKVCache

@@ -63,10 +63,11 @@ def test_training_forward_reproduces_fp8_kv_rollout_logprobs(kv):
     assert err_without > 20 * max(err_with, 1e-6), (err_without, err_with)  # the FP8 rounding is visible
 
 
-def test_kv_quant_gradients_are_straight_through():
+@pytest.mark.parametrize("kv", ["fp8", "fp8-token"])
+def test_kv_quant_gradients_are_straight_through(kv):
     torch.manual_seed(0)
     model = make_model("llama", torch.float64)
-    set_kv_quant(model, "fp8")
+    set_kv_quant(model, kv)
     ids = torch.tensor([rand_prompts([7])[0]])
     start = torch.tensor([3])
     out = model(ids, decode_start=start).sum()
@@ -79,8 +80,9 @@ def test_kv_quant_gradients_are_straight_through():
 def test_unified_flow_with_fp8_kv_cache_stays_on_policy(tmp_path, kv):
     from test_trainer import make_cfg, make_trainer, read_metrics
 
-    cfg = make_cfg(tmp_path, "precision.flow=unified", f"precision.kv_cache={kv}", "rollout.engine=fast",
-                   "train.steps=1")
+    # rollout.engine stays auto for fp8-token: an FP8 KV cache picks the fast engine on a CPU too
+    engine = ["rollout.engine=fast"] if kv == "fp8" else []
+    cfg = make_cfg(tmp_path, "precision.flow=unified", f"precision.kv_cache={kv}", *engine, "train.steps=1")
     trainer = make_trainer(cfg, arch="qwen2")
     assert isinstance(trainer.engine, FastRolloutEngine) and trainer.engine.kv_token_scales == (kv == "fp8-token")
     assert all(m.kv_quant == kv for m in trainer.model.modules() if isinstance(m, Attention))

@@ -98,7 +98,8 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench rollout`."""
     parser.add_argument("--model-size", default="7b", help=f"Qwen2.5 architecture: {', '.join(MODEL_SIZES)}")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
-                        help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS) + "; KV auto|fp8|fp8-token)")
+                        help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS)
+                        + "; KV " + "|".join(KV_CACHES) + ")")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--prompt-len", type=int, default=256)

@@ -419,8 +419,8 @@ def run_bench_step(args) -> int:
         facts = [
             f"workload: Qwen2.5-{args.model_size} architecture (random weights), {tuning}, {args.prompts} prompts x "
             f"{args.samples} samples, {args.prompt_len} random prompt tokens, {args.max_new_tokens} new tokens "
-            f"(EOS ignored), KV cache {args.kv_cache} (unless a setting names its own), {args.warmup} warm-up + {args.steps} timed step(s) per "
-            "setting (median step reported)",
+            f"(EOS ignored), KV cache {args.kv_cache} (unless a setting names its own), {args.warmup} warm-up + "
+            f"{args.steps} timed step(s) per setting (median step reported)",
             "phases: the trainer's timers; other = step - the four phases (rewards, advantages, batch, logging, "
             "optimizer tail)",
         ]

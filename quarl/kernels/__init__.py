@@ -108,9 +108,9 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     x: [..., K] floating. On a GPU, for the 8-bit formats and bf16/fp16/fp32 x, one Triton pass
     (`quarl.kernels.act_quant.fake_quantize_activation`, bit for bit the same values); elsewhere the reference
     `quarl.formats.registry.fake_quantize_unchecked` (a dozen elementwise kernels). No gradient flows through
-    either: wrap it in a straight-through estimator. NaN inputs: the reference turns the NaN's whole scaling group
-    into NaN, the kernel only the NaN element (its group's scale comes from the other values); either way the
-    NaN reaches the output.
+    either: wrap it in a straight-through estimator. NaN inputs, FP8 formats: the NaN element stays NaN in both
+    (the reference then scales its whole group by 1, the kernel by the other values' amax); int8 has no NaN code,
+    and both lose it.
     """
     available = fp8_kernels_available if fmt.startswith("fp8") else kernels_available
     if (x.is_cuda and fmt in _ACT_FAKE_QUANT_FORMATS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

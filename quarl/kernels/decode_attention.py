@@ -39,7 +39,7 @@ def _decode_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b * slot stride can pass 2^31 in a large cache
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(len_ptr + b).to(tl.int32)  # int32 loop bounds whatever the lengths' dtype
@@ -154,7 +154,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     token = k_scales is not None
     if token and (v_scales is None or k_scales.shape != k_cache.shape[:3] or v_scales.shape != k_scales.shape
                   or k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1 or kv_scale != 1.0
-                  or k_cache.dtype != torch.float8_e4m3fn):
+                  or k_cache.dtype != torch.float8_e4m3fn or k_scales.dtype != torch.float32
+                  or v_scales.dtype != torch.float32):
         raise ValueError(f"per-token scales must be two [S, Hkv, C] = {tuple(k_cache.shape[:3])} float32 tensors "
                          "with the same strides, contiguous in the last dimension, for an FP8 cache with kv_scale 1")
     G = Hq // Hkv

@@ -5,7 +5,7 @@ The torch write (`quarl.rollout.fast_cache.SlotKVCache.to_storage` + an index_pu
 kernels for keys and as many for values per layer; this is one. Values are bit for bit the torch ones:
   * single-scale FP8: codes = e4m3(clamp(x * float32(1 / kv_scale), +-448)), round to nearest even (PyTorch's
     CUDA division by a scalar is that multiplication);
-  * token-scaled FP8: scale = amax over head_dim * float32(1/448) (1 for an all-zero vector), codes =
+  * token-scaled FP8: scale = amax over head_dim * float32(1/448) (stored as 0 for an all-zero vector), codes =
     e4m3(clamp(x / scale, +-448)): `quarl.formats` "fp8" rows, as `SlotKVCache.quantize_tokens`;
   * other cache dtypes: a plain cast.
 
@@ -27,8 +27,10 @@ def _to_cache(x, inv_scale, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, dtype
     s = inv_scale
     if TOKEN_SCALES:
         x32 = x.to(tl.float32)
-        s = safe_scale(tl.max(tl.abs(x32), axis=0), 448.0)
+        amax = tl.max(tl.abs(x32), axis=0)
+        s = safe_scale(amax, 448.0)
         q = quantize_tile(x32, s, False).to(dtype)
+        s = tl.where(amax > 0, s, 0.0)  # an all-zero vector stores scale 0 (see SlotKVCache.quantize_tokens)
     elif FP8:
         q = tl.maximum(x.to(tl.float32) * inv_scale, -448.0, propagate_nan=tl.PropagateNan.ALL)
         q = tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL).to(dtype)  # NaN stays NaN, as in torch
@@ -43,7 +45,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pos_ptr, stri
                      FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, h): k[b, h, :D], v[b, h, :D] -> caches [slot b, head h, column pos[b], :D] (and with
     TOKEN_SCALES their scales -> ks, vs [slot b, head h, column pos[b]])."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b * slot stride can pass 2^31 in a large cache
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -76,7 +78,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"write_kv needs k, v [B, Hkv, D] of one shape with a contiguous last dimension and two "
                          f"contiguous caches [>= B, Hkv, C, D]; got k {tuple(k.shape)}, caches {tuple(k_cache.shape)}")
     token = k_scales is not None
-    if token and (v_scales is None or not k_scales.is_contiguous() or k_scales.shape != k_cache.shape[:3]):
+    if token and any(t is None or t.dtype != torch.float32 or not t.is_contiguous() or t.shape != k_cache.shape[:3]
+                     for t in (k_scales, v_scales)):
         raise ValueError("a token-scaled cache needs k_scales and v_scales [S, Hkv, C] float32, contiguous")
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     # float32(1 / float32(kv_scale)): what x / kv_scale multiplies by in PyTorch's CUDA kernels.

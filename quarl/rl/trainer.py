@@ -48,13 +48,14 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 
 def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
-    """The fast engine (slot KV cache, CUDA graphs) on a GPU, the reference engine on a CPU, unless configured."""
+    """The fast engine (slot KV cache, CUDA graphs) on a GPU or with an FP8 KV cache, the reference engine on a CPU,
+    unless configured."""
     from quarl.rollout.engine import RolloutEngine
     from quarl.rollout.fast_engine import FastRolloutEngine
 
     kind = cfg.rollout.engine
-    if kind == "auto":
-        kind = "fast" if device.type == "cuda" else "reference"
+    if kind == "auto":  # an FP8 KV cache exists in the fast engine only (which also runs on a CPU)
+        kind = "fast" if device.type == "cuda" or cfg.precision.kv_cache != "auto" else "reference"
     if kind == "reference":
         if cfg.precision.kv_cache != "auto":
             raise ValueError(f"precision.kv_cache={cfg.precision.kv_cache} needs rollout.engine=fast")

@@ -13,7 +13,9 @@ FP8 KV cache (kv_dtype=torch.float8_e4m3fn), two scalings:
     every kv head gets its own float32 scale, amax over head_dim / 448, exactly the "fp8" rowwise format of
     `quarl.formats` on rows of head_dim values; read back as float32(code * scale) rounded to the model dtype.
     No calibration, no saturation; 4 more bytes per head_dim values. The scales live in `key_scales` /
-    `value_scales` [num_slots, num_kv_heads, capacity] float32 next to the codes.
+    `value_scales` [num_slots, num_kv_heads, capacity] float32 next to the codes. (The Triton attention applies
+    the scales in float32 to the scores and probabilities instead of rounding code * scale to the model dtype:
+    the same values up to that one rounding.)
 """
 
 from __future__ import annotations
@@ -89,9 +91,12 @@ class SlotKVCache:
 
     def quantize_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-scaled FP8: x [..., head_dim] -> (E4M3 codes [..., head_dim], float32 scales [...]), the "fp8"
-        rowwise format of `quarl.formats` on the head_dim rows."""
+        rowwise format of `quarl.formats` on the head_dim rows, except that an all-zero vector stores scale 0
+        instead of 1 (its codes are 0, so it reads back the same): a zero vector must not set the attention
+        kernel's value-scale normaliser (`quarl.kernels.decode_attention`)."""
         qt = quantize_unchecked(x, "fp8", "activation")
-        return qt.data, qt.scale[..., 0]
+        scale = qt.scale[..., 0]
+        return qt.data, torch.where(x.abs().amax(-1) > 0, scale, torch.zeros_like(scale))
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
         """Model-dtype keys/values -> the cache dtype (scaled, saturated to +-448 for a single-scale FP8 cache; a
@@ -128,8 +133,10 @@ class SlotKVCache:
 
         H, D = k.shape[1], k.shape[2]
         probes = [SlotKVCache(1, 3, H, D, 4, self.dtype, k.device, self.kv_scale, self.token_scales) for _ in "ab"]
-        x = torch.randn(2, 2, H, D, device=k.device) * torch.tensor([1.0, 300.0], device=k.device)[:, None, None, None]
-        x = x.to(k.dtype)
+        gen = torch.Generator(device=k.device).manual_seed(0)  # leaves the user's CUDA random stream alone
+        x = torch.randn(2, 2, H, D, device=k.device, generator=gen)
+        x = (x * torch.tensor([1.0, 300.0], device=k.device)[:, None, None, None]).to(k.dtype)
+        x[0, 0, 0] = 0  # an all-zero vector
         positions = torch.tensor([3, 1], device=k.device)
         try:
             write_kv(x[0], x[1], probes[0].keys[0], probes[0].values[0], positions, self.kv_scale, *probes[0].scales(0))

@@ -75,7 +75,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tenso
     rounding); top-k / top-p, float64 and CPU logits the torch definition below.
     """
     plain = params.greedy or (params.top_k == 0 and params.top_p == 1.0)
-    if plain and logits.is_cuda and logits.dtype != torch.float64 and _sampling_kernel_ok(logits.device):
+    if plain and logits.is_cuda and logits.dtype != torch.float64 and _sampling_kernel_ok(logits.device,
+                                                                                          logits.dtype):
         from quarl.kernels.sampling import sample_rows
 
         return sample_rows(logits, None if params.greedy else noise, params.temperature)
@@ -90,22 +91,22 @@ def _sample_next_torch(logits: torch.Tensor, params: SamplingParams, noise: torc
     return new, logprobs.gather(1, new[:, None]).squeeze(1)
 
 
-_SAMPLING_KERNEL_OK: dict[str, bool] = {}
+_SAMPLING_KERNEL_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _sampling_kernel_ok(device: torch.device) -> bool:
-    """Whether the sampling kernel may serve `device`: kernels available and, on its first use there, the same
-    draws and log-probs as `_sample_next_torch` on random logits (greedy and at temperature 0.7). A compile error
-    or a difference warns and keeps the torch sampler for the process. The check synchronises once; the first
-    call is an eager step (the engine warms up before it captures a graph)."""
-    key = str(device)
+def _sampling_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the sampling kernel may serve logits of `dtype` on `device`: kernels available and, on its first
+    use there, the same draws and log-probs as `_sample_next_torch` on random logits (greedy and at temperature
+    0.7). A compile error or a difference warns and keeps the torch sampler for the process. The check
+    synchronises once; the first call is an eager step (the engine warms up before it captures a graph)."""
+    key = (str(device), dtype)
     if key not in _SAMPLING_KERNEL_OK:
         ok = kernels.kernels_available(device)
         if ok:
             from quarl.kernels.sampling import sample_rows
 
             gen = torch.Generator(device=device).manual_seed(0)
-            logits = torch.randn(4, 3001, device=device, generator=gen) * 3
+            logits = (torch.randn(4, 3001, device=device, generator=gen) * 3).to(dtype)
             noise = torch.rand(4, 3001, device=device, generator=gen)
             try:
                 for params in (SamplingParams(0.0), SamplingParams(0.7)):
