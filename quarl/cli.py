@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from quarl.precision import QUANT_FORMATS
+from quarl.rollout.generate_cli import add_engine_arguments
 
 
 def _train(args) -> int:
@@ -45,24 +46,24 @@ def _eval(args) -> int:
     from quarl.model.precision_apply import apply_precision
     from quarl.devices import resolve_device
     from quarl.rl.evaluate import evaluate
-    from quarl.rollout.engine import RolloutEngine
-    from quarl.rollout.generate_cli import precision_config
+    from quarl.rollout.generate_cli import make_engine, precision_config
     from quarl.tasks.task import load_task
 
     device = resolve_device(args.device)
     precision = precision_config(args.precision)
-    model, tok = load_model(args.model, device=str(device), dtype=precision.torch_dtype(device), gguf_file=args.gguf_file)
+    model, tok = load_model(args.model, device=str(device), dtype=precision.torch_dtype(device),
+                            gguf_file=args.gguf_file)
     apply_precision(model, precision)
     data = DataSection(train=args.data, eval=args.data, eval_split=args.split, train_split=args.split,
                        eval_limit=args.limit, limit=args.limit, data_dir=args.data_dir,
                        prompt_template=args.prompt_template, system_prompt=args.system_prompt,
                        chat_template=not args.no_chat, num_eval=args.limit or 64)
     task = load_task(data, RewardSection(), tok, seed=args.seed)
-    engine = RolloutEngine(model, tok)
+    engine = make_engine(model, tok, args.engine, args.kv_cache, len(task.eval_examples) * args.n, args.n)
     result = evaluate(engine, task, task.eval_examples, n=args.n, temperature=args.temperature,
                       max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(json.dumps({"model": args.model, "data": args.data, "split": args.split, "precision": args.precision,
-                      **result}, indent=2))
+                      "engine": type(engine).__name__, "kv_cache": args.kv_cache, **result}, indent=2))
     return 0
 
 
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(p)
     p.set_defaults(fn=_eval)
 
     p = sub.add_parser("plot", help="PNG curves of a run (reward, held-out accuracy, mismatch KL, IS weights, time)")

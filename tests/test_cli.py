@@ -36,6 +36,23 @@ def test_eval_reports_accuracy_avg_and_pass(tiny_dir, capsys):
     assert result["pass@2"] >= result["avg@2"]
 
 
+@pytest.mark.parametrize("engine,kv", [("fast", "auto"), ("auto", "fp8-token")])
+def test_eval_on_the_fast_engine_and_an_fp8_kv_cache(tiny_dir, capsys, engine, kv):
+    rc = main(["eval", "--model", str(tiny_dir), "--data", "arithmetic", "--limit", "3", "--n", "2",
+               "--temperature", "1.0", "--max-new-tokens", "4", "--device", "cpu", "--engine", engine,
+               "--kv-cache", kv])
+    assert rc == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{"):])
+    assert result["engine"] == "FastRolloutEngine" and result["kv_cache"] == kv and result["num_examples"] == 3.0
+
+
+def test_an_fp8_kv_cache_needs_the_fast_engine(tiny_dir, capsys):
+    rc = main(["eval", "--model", str(tiny_dir), "--data", "arithmetic", "--limit", "2", "--device", "cpu",
+               "--engine", "reference", "--kv-cache", "fp8"])
+    assert rc == 2 and "--engine fast" in capsys.readouterr().err
+
+
 def test_eval_rejects_greedy_with_several_samples(tiny_dir, capsys):
     rc = main(["eval", "--model", str(tiny_dir), "--data", "arithmetic", "--limit", "2", "--n", "3",
                "--device", "cpu"])

@@ -351,11 +351,15 @@ def test_generate_cli_prints_completions(tmp_path, capsys):
     save_pretrained(make_model("llama"), tiny_tokenizer(), tmp_path / "m")
     parser = argparse.ArgumentParser()
     add_generate_arguments(parser)
-    args = parser.parse_args(["--model", str(tmp_path / "m"), "--prompt", "2+2=", "--prompt", "hi", "--n", "2",
-                              "--max-new-tokens", "5", "--device", "cpu", "--no-chat", "--temperature", "0"])
+    args_list = ["--model", str(tmp_path / "m"), "--prompt", "2+2=", "--prompt", "hi", "--n", "2",
+                 "--max-new-tokens", "5", "--device", "cpu", "--no-chat", "--temperature", "0"]
+    args = parser.parse_args(args_list)
     assert run_generate(args) == 0
     out = capsys.readouterr().out
     assert out.count("=== prompt") == 2 and out.count("--- completion") == 4 and "5 tokens, length" in out
+    # the same on the fast engine with a token-scaled FP8 KV cache (it runs on a CPU too)
+    assert run_generate(parser.parse_args([*args_list, "--kv-cache", "fp8-token"])) == 0
+    assert capsys.readouterr().out.count("--- completion") == 4
     assert parser.parse_args(["--prompt", "x"]).chat is True  # chat template on by default
     assert precision_config("bf16").flow == "bf16"
     cfg = precision_config("fp8-block")

@@ -7,9 +7,40 @@ import sys
 import time
 
 from quarl.devices import resolve_device
-from quarl.precision import QUANT_FORMATS
+from quarl.precision import KV_CACHE_FORMATS, QUANT_FORMATS
 
 PRECISIONS = ("bf16", *QUANT_FORMATS)
+ENGINES = ("auto", "fast", "reference")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--engine and --kv-cache (shared by `quarl generate` and `quarl eval`)."""
+    parser.add_argument("--engine", default="auto", choices=ENGINES,
+                        help="rollout engine: fast (slot KV cache, CUDA graphs on a GPU), reference (plain "
+                             "PyTorch); auto = fast on a GPU or with an FP8 KV cache, else reference")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHE_FORMATS,
+                        help="KV cache of the fast engine: auto (the model dtype), fp8 (E4M3, scale 1), fp8-token "
+                             "(E4M3, a scale per token and kv head)")
+
+
+def make_engine(model, tokenizer, engine: str, kv_cache: str, max_sequences: int, group_size: int = 1):
+    """The rollout engine for a CLI run of `max_sequences` sequences in groups of `group_size` (completions per
+    prompt). The fast engine gets min(max_sequences, 512 on a GPU / 64 on a CPU) slots, at least one group: the
+    rest wait in its queue."""
+    from quarl.rollout.engine import RolloutEngine
+    from quarl.rollout.fast_engine import FastRolloutEngine
+
+    if engine not in ENGINES or kv_cache not in KV_CACHE_FORMATS:
+        raise ValueError(f"--engine {engine!r} / --kv-cache {kv_cache!r}: choose from {ENGINES} / {KV_CACHE_FORMATS}")
+    if engine == "auto":
+        engine = "fast" if model.device.type == "cuda" or kv_cache != "auto" else "reference"
+    if engine == "reference":
+        if kv_cache != "auto":
+            raise ValueError(f"--kv-cache {kv_cache} is a fast-engine cache; use --engine fast (or auto)")
+        return RolloutEngine(model, tokenizer)
+    limit = 512 if model.device.type == "cuda" else 64  # a CPU cache of 512 slots would take gigabytes
+    slots = max(group_size, min(limit, max_sequences), 1)
+    return FastRolloutEngine(model, tokenizer, max_batch_size=slots, kv_cache_dtype=kv_cache)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +64,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default on)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    add_engine_arguments(parser)
 
 
 def precision_config(name: str):
@@ -50,7 +82,6 @@ def run_generate(args: argparse.Namespace) -> int:
     """Load the model, apply the precision, generate, print. Returns the exit code (0 on success)."""
     from quarl.model.loading import load_model
     from quarl.model.tokenizer import apply_chat
-    from quarl.rollout.engine import RolloutEngine
 
     device = resolve_device(args.device)
     precision = precision_config(args.precision)
@@ -67,7 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"[quarl] loaded {args.model} on {device} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     prompts = [apply_chat(tokenizer, p, system=args.system) if args.chat else p for p in args.prompt]
-    engine = RolloutEngine(model, tokenizer)
+    engine = make_engine(model, tokenizer, args.engine, args.kv_cache, len(prompts) * args.n, args.n)
     t0 = time.perf_counter()
     outputs = engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed)
