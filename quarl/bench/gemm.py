@@ -29,6 +29,8 @@ import sys
 import time
 from dataclasses import asdict
 
+from quarl.bench import add_output_arguments, bench_main
+
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
 DEFAULT_FORMATS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
@@ -114,10 +116,7 @@ def add_bench_gemm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes that compile and check the kernels before timing (0 = none)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate plan (tuning), not the dispatch")
-    parser.add_argument("--json", default=None, help="also write every measurement to this JSON file")
-    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
-    parser.add_argument("--seed", type=int, default=0)
+    add_output_arguments(parser, DEFAULT_RESULTS, "also write every measurement to this JSON file")
 
 
 def _parse_list(text: str, allowed, what: str, cast=str) -> list:
@@ -530,9 +529,7 @@ def _append_results(path: str, torch, triton, bw: float, rate: float, table: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quarl bench gemm", description=__doc__.split("\n")[0])
-    add_bench_gemm_arguments(parser)
-    return run_bench_gemm(parser.parse_args(argv))
+    return bench_main("gemm", __doc__, add_bench_gemm_arguments, run_bench_gemm, argv)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 
+from quarl.bench import add_output_arguments, bench_main
 from quarl.bench.rollout import MODEL_SIZES, parameter_count
 from quarl.bench.step import append_entry, bench_command
 
@@ -53,9 +54,7 @@ def add_bench_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override passed to every run, repeatable")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
-    parser.add_argument("--seed", type=int, default=0)
+    add_output_arguments(parser, DEFAULT_RESULTS)
 
 
 def parse_sizes(text: str) -> list[str]:
@@ -209,12 +208,7 @@ def run_bench_memory(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quarl bench memory", description=__doc__.split("\n")[0])
-    add_bench_memory_arguments(parser)
-    args = parser.parse_args(argv)
-    if argv is not None:
-        args.argv = list(argv)
-    return run_bench_memory(args)
+    return bench_main("memory", __doc__, add_bench_memory_arguments, run_bench_memory, argv)
 
 
 if __name__ == "__main__":

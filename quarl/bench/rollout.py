@@ -27,6 +27,8 @@ import sys
 import time
 import traceback
 
+from quarl.bench import add_output_arguments, bench_main
+
 PRECISIONS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
 KV_CACHES = ("auto", "fp8", "fp8-token")  # = quarl.precision.KV_CACHE_FORMATS (this module imports no torch)
 W8A8 = ("int8", "fp8", "fp8-block", "fp8-tensor")
@@ -113,10 +115,7 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of timed generate calls, time one decode step and its parts (linears, "
                              "attention, sampling) at context prompt-len + max-new-tokens / 2")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
-    parser.add_argument("--seed", type=int, default=0)
+    add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
 def parse_settings(text: str) -> list[tuple[str, str]]:
@@ -377,9 +376,7 @@ def _append_results(path: str, torch, bw: float, rate: float, args, table: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quarl bench rollout", description=__doc__.split("\n")[0])
-    add_bench_rollout_arguments(parser)
-    return run_bench_rollout(parser.parse_args(argv))
+    return bench_main("rollout", __doc__, add_bench_rollout_arguments, run_bench_rollout, argv)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from quarl.bench import add_output_arguments, bench_main
 from quarl.bench.rollout import KV_CACHES, MODEL_SIZES, build_model
 
 MODEL_SIZE_CHOICES = (*MODEL_SIZES, "tiny")
@@ -108,10 +109,7 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    parser.add_argument("--out", default=DEFAULT_RESULTS, help="results file to append the dated entry to")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not append to the results file")
-    parser.add_argument("--seed", type=int, default=0)
+    add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
 # ---------------------------------------------------------------- model, task, trainer
@@ -434,12 +432,7 @@ def run_bench_step(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quarl bench step", description=__doc__.split("\n")[0])
-    add_bench_step_arguments(parser)
-    args = parser.parse_args(argv)
-    if argv is not None:
-        args.argv = list(argv)
-    return run_bench_step(args)
+    return bench_main("step", __doc__, add_bench_step_arguments, run_bench_step, argv)
 
 
 if __name__ == "__main__":
