@@ -39,6 +39,7 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     matrix_rate: FLOP/s of the linears' tensor cores (2x bf16 for W8A8) for their compute floor.
     """
     from quarl.model.qlinear import QuantLinear
+    from quarl.bench.rollout import kv_bytes_per_element
     from quarl.rollout.fast_step import sample_next
 
     cfg, st, cache = model.config, engine.state, engine.cache
@@ -83,7 +84,9 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
             st.done.fill_(True)
     out["other_ms"] = out["step_ms"] - out["linears_ms"] - out["attention_ms"] - out["sampling_ms"]
     weight_bytes = sum(_linear_bytes(m) for m in linears)
-    kv_item = cache.keys[0].element_size() + (4 / cfg.head_dim if cache.token_scales else 0)
+    # the cache's own element size ("auto" = the stored dtype's), plus the per-token scales of an fp8-token cache
+    kv_item = kv_bytes_per_element("fp8-token" if cache.token_scales else "auto", cfg.head_dim,
+                                   cache.keys[0].element_size())
     kv_bytes = batch * (context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
     out["linears_floor_ms"] = 1e3 * weight_bytes / bandwidth
     out["linears_compute_floor_ms"] = 1e3 * 2.0 * sum(m.in_features * m.out_features for m in linears) * batch \

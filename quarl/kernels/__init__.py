@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -44,6 +45,20 @@ def kernels_available(device: torch.device | None = None) -> bool:
     if not torch.cuda.is_available() or not _triton_importable():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def kernel_passes_check(what: str, check) -> bool:
+    """Run check(), True when a kernel agrees with its torch definition on a small probe. An exception (e.g. a
+    Triton that cannot compile the kernel) or a disagreement warns "<what> ...; using torch" and gives False, so
+    the caller keeps its torch path."""
+    try:
+        ok = bool(check())
+    except Exception as e:  # the torch path still works
+        warnings.warn(f"{what} failed its check ({type(e).__name__}: {e}); using torch")
+        return False
+    if not ok:
+        warnings.warn(f"{what} disagrees with its torch definition; using torch")
+    return ok
 
 
 def fp8_kernels_available(device: torch.device | None = None) -> bool:

@@ -9,7 +9,6 @@ definition on a self-check, the torch definition otherwise.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import torch
@@ -91,7 +90,7 @@ def make_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: i
     torch_fn = _torch_attention(kv_scale)
     if backend == "torch":
         return torch_fn, "torch"
-    from quarl.kernels import fp8_kernels_available, kernels_available
+    from quarl.kernels import fp8_kernels_available, kernel_passes_check, kernels_available
 
     available = fp8_kernels_available if kv_dtype == FP8_KV_DTYPE else kernels_available
     usable = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and available(device)
@@ -104,14 +103,8 @@ def make_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: i
     fn = _triton_attention(kv_scale, num_sms)
     if backend == "triton":
         return fn, "triton"
-    try:
-        err = _self_check(fn, torch_fn, device, dtype, num_heads, num_kv_heads, head_dim, kv_dtype, token_scales)
-    except Exception as e:  # a compile or launch failure: the torch path still works
-        warnings.warn(f"Triton decode attention failed its self-check ({type(e).__name__}: {e}); using torch")
-        return torch_fn, "torch"
-    if not err < 2e-2:
-        warnings.warn(f"Triton decode attention disagrees with the torch definition (rel. error {err:.2e}); "
-                      "using torch")
+    if not kernel_passes_check("Triton decode attention", lambda: _self_check(
+            fn, torch_fn, device, dtype, num_heads, num_kv_heads, head_dim, kv_dtype, token_scales) < 2e-2):
         return torch_fn, "torch"
     return fn, "triton"
 
