@@ -68,7 +68,12 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
 
             linears = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)] + [model.lm_head]
             inputs = {k: torch.randn(batch, k, device=dev, dtype=dtype) for k in {m.in_features for m in linears}}
-            out["linears_ms"] = _graph_ms(torch, lambda: [m(inputs[m.in_features]) for m in linears])
+            calls = linears
+            if engine._decoder is not None:  # the GEMMs the fused decode runs: q/k/v and gate/up stacked
+                dec = engine._decoder
+                calls = [c for layer, qkv, gate_up in zip(model.model.layers, dec.qkv, dec.gate_up)
+                         for c in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)] + [model.lm_head]
+            out["linears_ms"] = _graph_ms(torch, lambda: [c(inputs[c.in_features]) for c in calls])
 
             q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
             lengths = torch.full((batch,), context + 1, device=dev, dtype=torch.long)

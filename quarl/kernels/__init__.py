@@ -21,7 +21,7 @@ from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
            "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
-           "fp8_kernels_available", "plan_for"]
+           "fp8_kernels_available", "plan_for", "fp8_codes_handoff", "fp8_matmul_from_codes", "decode_fused_ok"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -244,3 +244,86 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
     from quarl.kernels.dispatch import run_plan
 
     return run_plan(plan, x, qweight, bias)
+
+
+def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
+    """Whether a GEMM of m activation rows with this weight runs as cuBLAS FP8 rowwise (`torch._scaled_mm`), so
+    that a fused norm / SiLU·mul kernel can hand it the activation codes (`fp8_matmul_from_codes`) instead of
+    the bf16 activations it would quantize itself."""
+    if getattr(qweight, "fmt", None) != "fp8" or weight_only or not qweight.data.is_cuda:
+        return False
+    if not fp8_kernels_available(qweight.data.device):
+        return False
+    n, k = qweight.shape
+    return plan_for("fp8", False, m, n, k, qweight.data.device).kind == "scaled_mm"
+
+
+def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: torch.Tensor | None,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """Q(x) @ deq(W)^T (+ bias) from per-token FP8 activation codes [M, K] (float8_e4m3fn) and scales float32
+    [M, 1], for an "fp8" (rowwise) weight QuantizedTensor [N, K] -> [M, N] in out_dtype: the same values as
+    `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, "fp8", "activation")."""
+    if qweight.fmt != "fp8" or codes.dtype != torch.float8_e4m3fn or codes.shape[1] != qweight.shape[1]:
+        raise ValueError(f"fp8_matmul_from_codes needs float8_e4m3fn codes [M, {qweight.shape[1]}] and an 'fp8' "
+                         f"weight; got codes {codes.dtype} {tuple(codes.shape)}, weight {qweight.fmt!r}")
+    from quarl.kernels.dispatch import scaled_mm_codes
+
+    return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)
+
+
+_DECODE_FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def decode_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused decode kernels (`quarl.kernels.decode_fused`) may serve `dtype` activations on `device`:
+    bf16 (their roundings are bf16's), kernels available (FP8 ones for the FP8 codes) and, on first use there,
+    each kernel within one rounding of its PyTorch definition on random rows (`kernel_passes_check`; a failure
+    warns and keeps torch)."""
+    key = (str(device), dtype)
+    if key not in _DECODE_FUSED_OK:
+        ok = dtype == torch.bfloat16 and fp8_kernels_available(device)
+        if ok:
+            ok = kernel_passes_check("the fused decode kernels", lambda: _decode_fused_agrees(device, dtype))
+        _DECODE_FUSED_OK[key] = ok
+    return _DECODE_FUSED_OK[key]
+
+
+def _decode_fused_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """The three fused decode kernels against their torch definitions (values within one rounding in dtype,
+    FP8 codes of the kernel's own values bit for bit)."""
+    import torch.nn.functional as F
+
+    from quarl.formats import quantize
+    from quarl.kernels.decode_fused import rms_norm_rows, rope_rows, silu_mul_rows
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen).to(dtype)
+
+    def close(a, b) -> bool:  # one bf16 rounding: |a - b| <= 2^-7 |b| plus a tiny absolute slack
+        return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-6).all())
+
+    def codes_match(h, c, s) -> bool:
+        ref = quantize(h, "fp8", "activation")
+        return torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(s, ref.scale)
+
+    x, d, w, noise = randn(6, 200), randn(6, 200), randn(200), randn(200) * 0.01
+    r, h, _, _ = rms_norm_rows(x, d, w, noise, 1e-6)
+    r_ref = x + d
+    rf = r_ref.float()
+    h_ref = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + noise).float()).to(dtype)
+    _, _, c, s = rms_norm_rows(x, d, w, noise, 1e-6, "fp8", write_h=True)
+    ok = torch.equal(r, r_ref) and close(h, h_ref) and codes_match(h, c, s)
+
+    gu = randn(6, 2 * 300)
+    a, _, _ = silu_mul_rows(gu[:, :300], gu[:, 300:])
+    _, c, s = silu_mul_rows(gu[:, :300], gu[:, 300:], "fp8")
+    ok = ok and close(a, F.silu(gu[:, :300]) * gu[:, 300:]) and codes_match(a, c, s)
+
+    qkv, cos, sin = randn(5, 6 * 16), randn(5, 16), randn(5, 16)
+    q, k = rope_rows(qkv, cos, sin, 3, 1, 16)
+    x4 = qkv[:, :4 * 16].reshape(5, 4, 16)
+    rot = torch.cat((-x4[..., 8:], x4[..., :8]), dim=-1)
+    ref = x4 * cos[:, None] + rot * sin[:, None]
+    return ok and torch.equal(torch.cat((q, k), dim=1), ref)

@@ -30,12 +30,20 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
     column-major, scale_b the [ceil(N/128), Kp/128] tile scales transposed (the layouts cuBLAS's blockwise
     scaling reads). Rowwise and blockwise scaling produce bf16 only: fp16 callers get one extra rounding.
     """
-    fmt, n = qweight.fmt, qweight.shape[0]
+    fmt = qweight.fmt
     m = x.shape[0]
     if fmt == "fp8-block" and m % 16:
         # Measured working with M a multiple of 16 only: pad rows (zero codes, scale 1), drop them after.
         x = F.pad(x, (0, 0, 0, 16 - m % 16))
     codes, sx = quantize_activation(x, fmt, qweight.data.shape[1], scales_column_major=fmt == "fp8-block")
+    return scaled_mm_codes(codes, sx, qweight, bias, x.dtype)[:m]
+
+
+def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm on activation codes [M, Kp] and scales from `quantize_activation` (layouts as in
+    `_scaled_mm`) times an fp8 / fp8-tensor / fp8-block weight -> [M, N] in out_dtype."""
+    fmt, n = qweight.fmt, qweight.shape[0]
     if fmt == "fp8-block":
         if n % 128 or (qweight.data.shape[1] // 128) % 4:
             raise ValueError(
@@ -47,13 +55,13 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
         sw = qweight.scale.reshape(1, n)
     else:
         sw = qweight.scale
-    out_dtype = x.dtype if fmt == "fp8-tensor" else torch.bfloat16
-    fused_bias = None if (bias is None or fmt == "fp8-block") else bias.to(out_dtype)  # blockwise: no bias
+    mm_dtype = out_dtype if fmt == "fp8-tensor" else torch.bfloat16
+    fused_bias = None if (bias is None or fmt == "fp8-block") else bias.to(mm_dtype)  # blockwise: no bias
     # b must be column-major: the [N, Kp] row-major codes transposed are exactly that, without a copy.
-    y = torch._scaled_mm(codes, qweight.data.t(), scale_a=sx, scale_b=sw, bias=fused_bias, out_dtype=out_dtype)
-    y = y[:m].to(x.dtype)
+    y = torch._scaled_mm(codes, qweight.data.t(), scale_a=sx, scale_b=sw, bias=fused_bias, out_dtype=mm_dtype)
+    y = y.to(out_dtype)
     if bias is not None and fused_bias is None:
-        y = y + bias.to(x.dtype)
+        y = y + bias.to(out_dtype)
     return y
 
 

@@ -55,7 +55,8 @@ class FastRolloutEngine(RolloutEngine):
 
     def __init__(self, model, tokenizer, max_batch_size: int = 512, max_seq_len: int | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto", use_cuda_graphs: bool | None = None,
-                 sync_every: int = 16, max_prefill_tokens: int = 32768, attention_backend: str = "auto"):
+                 sync_every: int = 16, max_prefill_tokens: int = 32768, attention_backend: str = "auto",
+                 fused_decode: bool | None = None):
         """
         Args:
             model: a QuarlForCausalLM (any device and dtype; CUDA + bf16 is the fast case).
@@ -69,6 +70,8 @@ class FastRolloutEngine(RolloutEngine):
             sync_every: decode steps between looks at the state from the host (>= 1).
             max_prefill_tokens: most (padded) prompt tokens in one prefill forward.
             attention_backend: "auto" (Triton where it runs, else torch), "triton" or "torch".
+            fused_decode: decode with q/k/v and gate/up fused into one GEMM each and the fused norm / rotary /
+                SiLU·mul kernels (`fused_decode`, same values); None = on where the model supports it.
         """
         super().__init__(model, tokenizer, max_batch_size)
         if max_seq_len is not None and max_seq_len < 2:
@@ -86,6 +89,13 @@ class FastRolloutEngine(RolloutEngine):
         self.sync_every = int(sync_every)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.attention_backend = attention_backend
+        from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
+
+        if fused_decode and not fused_decode_supported(model):
+            raise ValueError("fused_decode=True needs a model without per-head q/k norms (Qwen3 uses the module "
+                             "path); pass fused_decode=None or False")
+        use_fused = fused_decode_supported(model) if fused_decode is None else bool(fused_decode)
+        self._decoder = FusedDecoder(model) if use_fused else None
         self.num_slots = self.max_batch_size
         self.buckets = batch_buckets(self.num_slots)
         self.cache: SlotKVCache | None = None
@@ -155,6 +165,8 @@ class FastRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ setup
     def _prepare(self, needed_columns: int) -> None:
         """Allocate (or grow) the slot cache and state; drop captured graphs if the model's tensors changed."""
+        if self._decoder is not None:
+            self._decoder.prepare()  # re-stack fused weights a reconfiguration replaced (moves buffers)
         if self._fingerprint is not None and self._fingerprint != self._model_fingerprint():
             self._graphs.clear()  # re-configured weights live in new buffers: the old graphs read stale memory
         if self.cache is not None and self.cache.capacity >= needed_columns:
@@ -211,7 +223,7 @@ class FastRolloutEngine(RolloutEngine):
         if not params.greedy:
             self.state.noise[:batch].uniform_(generator=gen)
         if not self.use_cuda_graphs:
-            decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params)
+            decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
             return
         key = (batch, kv_len, params)
         graph = self._graphs.get(key)
@@ -223,7 +235,7 @@ class FastRolloutEngine(RolloutEngine):
                 self.last_stats["graph_error"] = f"{type(e).__name__}: {e}"
                 self.use_cuda_graphs = False
                 torch.cuda.synchronize(self.model.device)
-                decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params)
+                decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
                 return
         graph.replay()
 
@@ -238,7 +250,7 @@ class FastRolloutEngine(RolloutEngine):
         side = torch.cuda.Stream(device=self.model.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params)
+            decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(self.state.counters(), saved):
             t.copy_(s)
@@ -246,7 +258,7 @@ class FastRolloutEngine(RolloutEngine):
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params)
+            decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
         self._graphs[(batch, kv_len, params)] = graph
         self.last_stats["graph_captures"] = self.last_stats.get("graph_captures", 0) + 1
         self.last_stats["capture_s"] = self.last_stats.get("capture_s", 0.0) + time.perf_counter() - t0

@@ -165,17 +165,22 @@ class DecodeState:
 
 
 def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: AttentionFn, batch: int, kv_len: int,
-                params: SamplingParams) -> None:
+                params: SamplingParams, decoder=None) -> None:
     """Advance slots 0..batch-1 by one token (in place on `state` and `cache`); finished/idle slots only compute.
 
     Sampling: greedy = argmax of the raw logits; otherwise Gumbel-max over the filtered log-probs
     (argmax(log q - log(-log u)) with u = state.noise, an exact draw from q). The recorded behaviour log-prob
     is log q(token) of the distribution the token was drawn from (`filtered_logprobs`).
+    decoder: a `fused_decode.FusedDecoder` for `model` (fused projections and kernels), or None for the
+    module-by-module forward (`decode_logits`); both give the same values.
     """
     C = cache.capacity
     tokens = state.last_token[:batch]
     positions = state.slot_len[:batch].clamp(max=C - 1)  # finished slots may sit at the last column
-    logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
+    if decoder is not None:
+        logits = decoder.logits(cache, tokens, positions, attention, kv_len)
+    else:
+        logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
     new, new_lp = sample_next(logits, params, None if params.greedy else state.noise[:batch])
     new_lp = new_lp.to(state.out_logprobs.dtype)
 

@@ -1,0 +1,207 @@
+"""Fused elementwise kernels of the rollout decode step (one token per sequence; rows = sequences).
+
+Unfused, each RMSNorm is seven PyTorch kernels, rotary embedding five per tensor, SiLU·mul two, and every W8A8
+linear first quantizes its input in a kernel of its own. At a rollout batch of 512 these small kernels took
+about a quarter of a 7B decode step on an H200 (bench/results/rollout.md). Here each group is one pass:
+
+  rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h, and optionally h's per-token
+                  8-bit codes and scales (the next linear's activation quantization);
+  silu_mul_rows   silu(gate) * up -> h, optionally with its codes and scales;
+  rope_rows       rotary embedding of the q and k heads of the fused q/k/v projection output.
+
+Every kernel rounds where the PyTorch modules round (bf16 after the residual add, after the norm, after silu,
+after the product; the rotary products and their sum), so the values equal the module path's up to float32
+summation order in the norm's mean square. Quantization follows `quarl.formats` bit for bit from those values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quarl.kernels.quant_utils import quantize_tile, safe_scale
+
+
+@triton.jit
+def _store_codes(q_ptr, s_ptr, row, offs, mask, h, amax, QUANT_INT8: tl.constexpr):
+    """Per-row scale from amax, codes of h (float32) at q_ptr + offs (int8, or fp8 as raw bytes)."""
+    QMAX: tl.constexpr = 127.0 if QUANT_INT8 else 448.0
+    s = safe_scale(amax, QMAX)
+    q = quantize_tile(h, s, QUANT_INT8)
+    if QUANT_INT8:
+        q = q.to(tl.int8)
+    else:
+        q = q.to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(s_ptr + row, s)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, eps, stride_x, stride_d,
+                     HAS_DELTA: tl.constexpr, HAS_NOISE: tl.constexpr, WRITE_H: tl.constexpr,
+                     QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row; the whole row stays in registers (BLOCK >= H)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * stride_d + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the residual add, rounded
+        tl.store(r_ptr + row * H + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)  # rsqrtf, as torch.rsqrt
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    if HAS_NOISE:  # AQN: the rollout weight is w + noise, rounded to the weight's dtype
+        w = (w.to(tl.float32) + tl.load(n_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(w.dtype)
+    h = (xf * inv * w.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    if WRITE_H:
+        tl.store(h_ptr + row * H + offs, h, mask=ok)
+    if QUANT:
+        hf = h.to(tl.float32)
+        _store_codes(q_ptr + row * H, s_ptr, row, offs, ok, hf, tl.max(tl.abs(hf), axis=0), QUANT_INT8)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
+                     WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row, BLOCK columns at a time; with QUANT a first pass finds the row's amax (the second
+    pass recomputes h from the L2-resident inputs rather than storing and re-reading it)."""
+    row = tl.program_id(0).to(tl.int64)
+    ar = tl.arange(0, BLOCK)
+    g_row = g_ptr + row * stride_g
+    u_row = u_ptr + row * stride_u
+    if QUANT:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            ok = start + ar < N
+            g = tl.load(g_row + start + ar, mask=ok, other=0.0).to(tl.float32)
+            u = tl.load(u_row + start + ar, mask=ok, other=0.0)
+            s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(u.dtype)
+            h = (s.to(tl.float32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+        row_amax = tl.max(amax, axis=0)
+    for start in range(0, N, BLOCK):
+        ok = start + ar < N
+        g = tl.load(g_row + start + ar, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_row + start + ar, mask=ok, other=0.0)
+        s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(u.dtype)
+        h = (s.to(tl.float32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        if WRITE_H:
+            tl.store(h_ptr + row * N + start + ar, h, mask=ok)
+        if QUANT:
+            _store_codes(q_ptr + row * N, s_ptr, row, start + ar, ok, h.to(tl.float32), row_amax, QUANT_INT8)
+
+
+@triton.jit
+def _round_bf16(v):
+    """float32 -> the nearest bf16 value (ties to even), still float32. Integer arithmetic on purpose: with a plain
+    conversion the compiler contracts a rounded product and the add that follows into one bf16 FMA (one rounding
+    where PyTorch has two)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, stride_x, stride_c, D: tl.constexpr):
+    """Program (row, head) over the HQ query heads then the key heads of one fused projection row."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    x = tl.load(x_ptr + row * stride_x + head * D + d)
+    # rotate_half(x) = cat(-x[D/2:], x[:D/2])
+    partner = tl.load(x_ptr + row * stride_x + head * D + (d + half) % D)
+    rot = tl.where(d < half, -partner.to(tl.float32), partner.to(tl.float32))
+    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
+    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
+    # bf16 x bf16 is exact in float32, so each rounding below is PyTorch's bf16 multiply / add
+    y = _round_bf16(_round_bf16(x.to(tl.float32) * c) + _round_bf16(rot * s)).to(x.dtype)
+    if head < HQ:
+        tl.store(q_ptr + (row * HQ + head) * D + d, y)
+    else:
+        n_kv = tl.num_programs(1) - HQ
+        tl.store(k_ptr + (row * n_kv + head - HQ) * D + d, y)
+
+
+def _codes(m: int, n: int, quant: str | None, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if quant is None:
+        return None, None
+    dtype = torch.int8 if quant == "int8" else torch.uint8
+    return torch.empty((m, n), dtype=dtype, device=device), torch.empty((m, 1), dtype=torch.float32, device=device)
+
+
+def _typed(codes: torch.Tensor | None, quant: str | None) -> torch.Tensor | None:
+    return codes.view(torch.float8_e4m3fn) if codes is not None and quant == "fp8" else codes
+
+
+def _check_quant(quant: str | None) -> None:
+    if quant not in (None, "int8", "fp8"):
+        raise ValueError(f"fused decode kernels quantize to the rowwise formats 'int8' or 'fp8', got {quant!r}")
+
+
+def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, noise: torch.Tensor | None,
+                  eps: float, quant: str | None = None, write_h: bool = True):
+    """x, delta: [M, H] (bf16/fp16, rows contiguous); weight, noise: [H] -> (residual, h, codes, scales).
+
+    residual = x + delta ([M, H], new tensor; x itself when delta is None); h = RMSNorm(residual) with weight
+    (+ noise) ([M, H], None unless write_h); quant "int8"/"fp8": codes [M, H] (int8 / float8_e4m3fn) and
+    scales float32 [M, 1] of h per token, else None, None.
+    """
+    _check_quant(quant)
+    M, H = x.shape
+    if x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
+        raise ValueError(f"rms_norm_rows needs x and delta [M, H] with contiguous rows, got {tuple(x.shape)}")
+    residual = torch.empty_like(x) if delta is not None else x
+    h = torch.empty((M, H), dtype=x.dtype, device=x.device) if write_h else None
+    codes, scales = _codes(M, H, quant, x.device)
+    block = triton.next_power_of_2(H)
+    if M:
+        _rms_norm_kernel[(M,)](
+            x, delta if delta is not None else x, weight, noise if noise is not None else weight, residual,
+            h if h is not None else x, codes if codes is not None else x, scales if scales is not None else x,
+            H, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
+            HAS_DELTA=delta is not None, HAS_NOISE=noise is not None, WRITE_H=write_h, QUANT=quant is not None,
+            QUANT_INT8=quant == "int8", BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    return residual, h, _typed(codes, quant), scales
+
+
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True):
+    """gate, up: [M, N] (rows contiguous; may be the two halves of one fused projection output) ->
+    (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None)."""
+    _check_quant(quant)
+    M, N = gate.shape
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError(f"silu_mul_rows needs gate and up [M, N] with contiguous rows, got {tuple(gate.shape)} "
+                         f"and {tuple(up.shape)}")
+    h = torch.empty((M, N), dtype=up.dtype, device=up.device) if write_h else None
+    codes, scales = _codes(M, N, quant, up.device)
+    if M:
+        _silu_mul_kernel[(M,)](
+            gate, up, h if h is not None else up, codes if codes is not None else up,
+            scales if scales is not None else up, N, gate.stride(0), up.stride(0),
+            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", BLOCK=2048, num_warps=8)
+    return h, _typed(codes, quant), scales
+
+
+def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv: [M, >= (Hq + Hkv) * D] bf16 (q heads then k heads first in each row, rows contiguous); cos, sin:
+    [M, D] bf16 (rows contiguous) -> (q [M, Hq, D], k [M, Hkv, D]) rotated, new contiguous tensors."""
+    M = qkv.shape[0]
+    D = head_dim
+    if qkv.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+        raise ValueError(f"rope_rows rounds like PyTorch's bf16 ops and takes bf16 tensors, got {qkv.dtype}")
+    if D & (D - 1) or qkv.stride(1) != 1 or qkv.shape[1] < (num_heads + num_kv_heads) * D:
+        raise ValueError(f"rope_rows needs a power-of-two head_dim and rows of >= (Hq + Hkv) * D contiguous "
+                         f"values; got head_dim={D}, qkv {tuple(qkv.shape)}")
+    if cos.shape != (M, D) or sin.shape != (M, D) or cos.stride() != sin.stride() or cos.stride(1) != 1:
+        raise ValueError(f"cos and sin must be [M, D] = [{M}, {D}] with contiguous rows")
+    q = torch.empty((M, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((M, num_kv_heads, D), dtype=qkv.dtype, device=qkv.device)
+    if M:
+        _rope_kernel[(M, num_heads + num_kv_heads)](qkv, cos, sin, q, k, num_heads, qkv.stride(0), cos.stride(0),
+                                                    D=D, num_warps=1)
+    return q, k

@@ -1,0 +1,269 @@
+"""The fast engine's decode forward with fused projections and fused elementwise kernels.
+
+Same values as `fast_step.decode_logits` (the module-by-module forward), computed with fewer, larger kernels:
+  - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
+  - residual add + RMSNorm (+ the next linear's FP8 activation quantization), rotary embedding of q and k, and
+    SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`).
+Where the next linear is FP8 rowwise on cuBLAS (`kernels.fp8_codes_handoff`), the norm or SiLU·mul kernel hands it
+the activation codes and scales directly, so no separate quantization pass reads the activations again.
+
+On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
+`decode_logits` picks this forward when `fused_decode_supported(model)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quarl import kernels
+from quarl.model.layers import apply_rope
+from quarl.model.qlinear import QuantLinear
+
+_QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
+
+
+class FusedProjection:
+    """Linears that read one input ([M, K]) computed as one GEMM: y = [p(x) for p in parts] concatenated.
+
+    When the parts' rollout weights can be stacked along the output dimension (same format, no per-tensor scale,
+    whole fp8-block tiles), their buffers are moved into one concatenated buffer and each part's buffers become
+    row views of it: no second copy, and `QuantLinear.refresh` (the per-step sync) updates the fused weight in
+    place. Otherwise (full-precision parts, nvfp4's per-tensor global scale) the parts run one after another.
+    """
+
+    def __init__(self, parts: list[QuantLinear]):
+        self.parts = parts
+        self.sizes = [p.out_features for p in parts]
+        self._fused: dict[str, torch.Tensor] | None = None
+        self._fuse()
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    # -------------------------------------------------------------------------------------- building
+    def _stackable(self) -> bool:
+        first = self.parts[0]
+        fmt = first.rollout_format
+        if fmt is None or any(
+                p.rollout_format != fmt or p.weight_only != first.weight_only or p.in_features != first.in_features
+                or p.qweight_data is None or p.qweight_global_scale is not None or p.qweight_scale.dim() != 2
+                or (p.weight_dequant is None) != (first.weight_dequant is None) for p in self.parts):
+            return False
+        if fmt == "fp8-block":
+            return all(p.out_features % 128 == 0 for p in self.parts)
+        # one scale row per output row (int8 / fp8 rowwise) or per output row with K-groups (mxfp4)
+        return all(p.qweight_scale.shape[0] == p.out_features for p in self.parts)
+
+    def _views_current(self) -> bool:
+        """Whether every part's buffers are still the row views made by `_fuse` (a reconfigure replaces them)."""
+        if self._fused is None:
+            return False
+        for p, start in zip(self.parts, self._starts):
+            for name in _QBUFFERS:
+                buf, fused = getattr(p, name), self._fused.get(name)
+                if (buf is None) != (fused is None):
+                    return False
+                if buf is not None and buf.data_ptr() != fused[start[name]:].data_ptr():
+                    return False
+        return True
+
+    @torch.no_grad()
+    def _fuse(self) -> None:
+        self._fused = None
+        if not self._stackable():
+            return
+        fused, self._starts = {}, [dict() for _ in self.parts]
+        for name in _QBUFFERS:
+            bufs = [getattr(p, name) for p in self.parts]
+            if bufs[0] is None:
+                continue
+            fused[name] = torch.cat(bufs, dim=0)
+            row = 0
+            for p, start, buf in zip(self.parts, self._starts, bufs):
+                start[name] = row
+                p.register_buffer(name, fused[name][row:row + buf.shape[0]], persistent=p.frozen_base)
+                row += buf.shape[0]
+        self._fused = fused
+
+    # -------------------------------------------------------------------------------------- forward
+    def prepare(self) -> None:
+        """Re-stack the parts if a reconfiguration replaced their buffers since (call outside graph capture)."""
+        if not self._views_current():
+            self._fuse()
+
+    @property
+    def fused_qweight(self):
+        """The concatenated rollout weight as a QuantizedTensor [sum N, K]; None when the parts run apart
+        (not stackable, or not in rollout mode)."""
+        self.prepare()
+        if self._fused is None or not all(p.rollout for p in self.parts):
+            return None
+        from quarl.formats import QuantizedTensor
+
+        p = self.parts[0]
+        data_dtype, scale_dtype = p._qdtypes
+        return QuantizedTensor(p.rollout_format, "weight", self._fused["qweight_data"].view(data_dtype),
+                               self._fused["qweight_scale"].view(scale_dtype), None,
+                               torch.Size((sum(self.sizes), p.in_features)))
+
+    def _bias(self, dtype: torch.dtype, device) -> torch.Tensor | None:
+        if all(p.bias is None for p in self.parts):
+            return None
+        return torch.cat([p.bias.to(dtype) if p.bias is not None else torch.zeros(n, dtype=dtype, device=device)
+                          for p, n in zip(self.parts, self.sizes)])
+
+    def codes_handoff(self, m: int) -> str | None:
+        """"fp8" when the fused GEMM at m rows can take FP8 activation codes directly (see
+        `kernels.fp8_codes_handoff`), else None (it wants the bf16 activations)."""
+        qw = self.fused_qweight
+        if qw is None or any(p.lora_rank for p in self.parts):
+            return None
+        return "fp8" if _handoff(qw, self.parts[0], m) else None
+
+    def __call__(self, x: torch.Tensor | None, codes: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        """x [M, K] (compute dtype; may be None when codes are given), codes (float8 [M, K], float32 [M, 1]) from
+        a fused norm when `codes_handoff(M)` said so -> [M, sum N] in the compute dtype."""
+        qw = self.fused_qweight
+        if qw is None:
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        ref = x if x is not None else codes[0]
+        dtype = x.dtype if x is not None else self.parts[0].compute_dtype
+        bias = self._bias(dtype, ref.device)
+        if codes is not None:
+            return kernels.fp8_matmul_from_codes(codes[0], codes[1], qw, bias, dtype)
+        p0 = self.parts[0]
+        y = kernels.try_quantized_matmul(x, qw, p0.weight_only, bias) if x.is_cuda else None
+        if y is None:
+            if "weight_dequant" not in self._fused:
+                return torch.cat([p(x) for p in self.parts], dim=-1)  # each part builds its own fallback
+            xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
+            y = F.linear(xq, self._fused["weight_dequant"].to(dtype), bias)
+        if any(p.lora_rank for p in self.parts):
+            y = y + torch.cat([p._lora(x) if p.lora_rank else x.new_zeros(x.shape[0], n)
+                               for p, n in zip(self.parts, self.sizes)], dim=-1)
+        return y
+
+
+def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Tensor:
+    """One linear on x [M, K], or on FP8 activation codes when `linear_codes_handoff` allowed them."""
+    if codes is None:
+        return linear(x)
+    bias = None if linear.bias is None else linear.bias.to(linear.compute_dtype)
+    return kernels.fp8_matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
+
+
+def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
+    """As `FusedProjection.codes_handoff` for a single linear in rollout mode."""
+    if not linear.rollout or linear.rollout_format != "fp8" or linear.lora_rank or linear.qweight_data is None:
+        return None
+    return "fp8" if _handoff(linear.qweight, linear, m) else None
+
+
+def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
+    """Codes go from a fused kernel straight to cuBLAS FP8 only when both run: the fused kernels for this dtype
+    (else the activations take the torch pieces, which hand over bf16) and the FP8 GEMM at m rows."""
+    return (qweight.data.is_cuda and kernels.decode_fused_ok(qweight.data.device, linear.compute_dtype)
+            and kernels.fp8_codes_handoff(qweight, linear.weight_only, m))
+
+
+# ------------------------------------------------------------------------------------------ elementwise pieces
+def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None):
+    """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (FP8 codes [M, H],
+    scales [M, 1]) of the normed values when quant == "fp8" (then the normed values themselves are None)."""
+    noise = norm.rollout_noise if norm.rollout else None
+    if x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype):
+        from quarl.kernels.decode_fused import rms_norm_rows
+
+        r, h, c, s = rms_norm_rows(x, delta, norm.weight, noise, norm.eps, quant, write_h=quant is None)
+        return r, h, (None if quant is None else (c, s))
+    r = x if delta is None else x + delta
+    h = norm(r)
+    return r, h, _torch_codes(h, quant)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None):
+    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned)."""
+    if up.is_cuda and kernels.decode_fused_ok(up.device, up.dtype):
+        from quarl.kernels.decode_fused import silu_mul_rows
+
+        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None)
+        return h, (None if quant is None else (c, s))
+    h = F.silu(gate) * up
+    return h, _torch_codes(h, quant)
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int):
+    """q [M, Hq, D] and k [M, Hkv, D] rotated, from the q/k/v projection output [M, (Hq + 2 Hkv) D]."""
+    if qkv.is_cuda and kernels.decode_fused_ok(qkv.device, qkv.dtype) and not d & (d - 1) \
+            and cos.dtype == qkv.dtype:
+        from quarl.kernels.decode_fused import rope_rows
+
+        return rope_rows(qkv, cos, sin, hq, hkv, d)
+    m = qkv.shape[0]
+    q = qkv[:, :hq * d].reshape(m, hq, 1, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d)
+    c, s = cos[:, None, None], sin[:, None, None]
+    return apply_rope(q, c, s)[:, :, 0], apply_rope(k, c, s)[:, :, 0]
+
+
+def _torch_codes(h: torch.Tensor, quant: str | None):
+    if quant is None:
+        return None
+    from quarl.formats import quantize
+
+    qt = quantize(h, quant, "activation")
+    return qt.data, qt.scale
+
+
+# ------------------------------------------------------------------------------------------ the forward
+def fused_decode_supported(model) -> bool:
+    """Whether `FusedDecoder` covers this model: SiLU-gated MLPs, no per-head q/k norms (Qwen3 keeps the
+    module path)."""
+    return all(layer.self_attn.q_norm is None for layer in model.model.layers)
+
+
+class FusedDecoder:
+    """The fused projections of every layer, built once per engine (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.qkv = [FusedProjection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
+                    for l in model.model.layers]
+        self.gate_up = [FusedProjection([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+
+    def prepare(self) -> None:
+        """Make every fused weight current (re-stacks after a reconfiguration; no work otherwise)."""
+        for proj in self.qkv + self.gate_up:
+            proj.prepare()
+
+    def logits(self, cache, tokens: torch.Tensor, positions: torch.Tensor, attention, kv_len: int) -> torch.Tensor:
+        """Next-token logits [B, vocab] for slots 0..B-1 (see `fast_step.decode_logits`)."""
+        model = self.model
+        B = tokens.shape[0]
+        x = model.model.embed_tokens(tokens)  # [B, hidden]
+        cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)  # [B, 1, 1, D]
+        cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
+        lengths = positions + 1
+        delta = None
+        for layer, qkv_proj, gate_up in zip(model.model.layers, self.qkv, self.gate_up):
+            attn, mlp = layer.self_attn, layer.mlp
+            Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            x, h, codes = add_norm(layer.input_layernorm, x, delta, qkv_proj.codes_handoff(B))
+            qkv = qkv_proj(h, codes)  # [B, (Hq + 2 Hkv) D]
+            q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
+            v = qkv[:, (Hq + Hkv) * D:].view(B, Hkv, D)
+            li = attn.layer_idx
+            cache.write_tokens(li, positions, k, v)
+            out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li))
+            o = attn.o_proj(out.reshape(B, Hq * D))
+            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, gate_up.codes_handoff(B))
+            gu = gate_up(h, codes)
+            inter = mlp.down_proj.in_features
+            quant = linear_codes_handoff(mlp.down_proj, B)
+            a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant)
+            delta = linear_from(mlp.down_proj, a, codes)
+        _, h, _ = add_norm(model.model.norm, x, delta, None)
+        return model.lm_head(h)

@@ -1,0 +1,156 @@
+"""The fused decode forward (quarl.rollout.fused_decode) on the CPU: its torch pieces and stacked weights.
+
+Tolerances: the fused q/k/v and gate/up GEMMs multiply the same float32 values as the per-projection GEMMs, but a
+wider matrix may be blocked differently by the CPU BLAS, so outputs agree to float32 summation order (1e-5
+relative to the largest value); greedy tokens of the tiny models (O(1) logits) must be identical.
+"""
+
+import pytest
+import torch
+
+from quarl.model.precision_apply import apply_precision
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import PrecisionConfig
+from quarl.rollout.fast_engine import FastRolloutEngine
+from quarl.rollout.fast_step import decode_logits
+from quarl.rollout.fused_decode import FusedDecoder, FusedProjection, rope_qk, silu_mul, add_norm
+from tiny_models import make_model, rand_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def close(a, b, rel=1e-5):
+    torch.testing.assert_close(a, b, atol=rel * float(b.detach().abs().max()), rtol=0)
+
+
+def _parts(fmt, sizes=(64, 32, 32), k=48):
+    parts = []
+    for n in sizes:
+        p = QuantLinear(k, n, bias=True)
+        with torch.no_grad():
+            p.bias.normal_()
+        p.configure(rollout_format=fmt)
+        p.set_rollout(True)
+        parts.append(p)
+    return parts
+
+
+@pytest.mark.parametrize("fmt,stacked", [("int8", True), ("fp8", True), ("mxfp4", True), ("nvfp4", False),
+                                         ("fp8-tensor", False)])
+def test_fused_projection_equals_its_parts_and_follows_refresh(fmt, stacked):
+    """One GEMM over the stacked rollout weights gives the parts' outputs side by side; the parts' buffers are
+    views of the stacked one, so a sync (refresh after a weight update) reaches the fused GEMM."""
+    torch.manual_seed(0)
+    parts = _parts(fmt)
+    fused = FusedProjection(parts)
+    assert (fused.fused_qweight is not None) == stacked
+    x = torch.randn(5, 48)
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    with torch.no_grad():
+        for p in parts:
+            p.weight.mul_(-2.0)
+            p.refresh()
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_fused_projection_restacks_after_reconfigure_and_skips_unstackable_blocks():
+    torch.manual_seed(0)
+    parts = _parts("fp8")
+    fused = FusedProjection(parts)
+    x = torch.randn(3, 48)
+    for p in parts:
+        p.configure(rollout_format="int8")  # new buffers: the old views are gone
+        p.set_rollout(True)
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert fused.fused_qweight.fmt == "int8"
+    blocks = FusedProjection(_parts("fp8-block", sizes=(128, 64)))  # 64 rows: not whole 128x128 tiles
+    assert blocks.fused_qweight is None
+    for p in parts:
+        p.set_rollout(False)  # training mode: the parts' own (full-precision) forward
+    assert fused.fused_qweight is None
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_fused_projection_adds_each_parts_lora():
+    torch.manual_seed(0)
+    parts = _parts("fp8")
+    for p in parts:
+        p.configure(rollout_format="fp8", lora_rank=4)
+        p.set_rollout(True)
+        with torch.no_grad():
+            p.lora_B.normal_()
+    fused = FusedProjection(parts)
+    x = torch.randn(4, 48)
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_elementwise_pieces_match_the_modules():
+    """The torch definitions of the fused pieces are the modules' math (the GPU kernels are tested against them)."""
+    torch.manual_seed(0)
+    model = make_model("qwen2")
+    layer = model.model.layers[0]
+    norm = layer.input_layernorm
+    norm.set_rollout(True)
+    with torch.no_grad():
+        norm.rollout_noise.normal_(0, 0.1)
+    x, d = torch.randn(3, model.config.hidden_size), torch.randn(3, model.config.hidden_size)
+    r, h, codes = add_norm(norm, x, d, None)
+    assert codes is None and torch.equal(r, x + d) and torch.equal(h, norm(x + d))
+    _, _, codes = add_norm(norm, x, d, "fp8")
+    from quarl.formats import quantize
+
+    ref = quantize(norm(x + d), "fp8", "activation")
+    assert torch.equal(codes[0].float(), ref.data.float()) and torch.equal(codes[1], ref.scale)
+    g, u = torch.randn(3, 40), torch.randn(3, 40)
+    a, _ = silu_mul(g, u, None)
+    assert torch.equal(a, torch.nn.functional.silu(g) * u)
+    attn = layer.self_attn
+    Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    qkv = torch.randn(3, (Hq + 2 * Hkv) * D)
+    pos = torch.tensor([0, 5, 17])
+    cos, sin = model.model.rotary_emb(pos[:, None], qkv.dtype)
+    q, k = rope_qk(qkv, cos.reshape(3, D), sin.reshape(3, D), Hq, Hkv, D)
+    from quarl.model.layers import apply_rope
+
+    assert torch.equal(q, apply_rope(qkv[:, :Hq * D].view(3, Hq, 1, D), cos, sin)[:, :, 0])
+    assert torch.equal(k, apply_rope(qkv[:, Hq * D:(Hq + Hkv) * D].view(3, Hkv, 1, D), cos, sin)[:, :, 0])
+
+
+@pytest.mark.parametrize("precision,kv", [(None, "auto"), ("fp8", "fp8"), ("int8", "fp8-token"),
+                                          ("nvfp4", "auto")])
+def test_fused_decoder_logits_and_greedy_tokens_match_the_module_path(precision, kv):
+    torch.manual_seed(0)
+    model = make_model("qwen2")
+    pc = PrecisionConfig(flow="bf16") if precision is None else PrecisionConfig(flow="split", format=precision)
+    apply_precision(model, pc)
+    prompts = rand_prompts([5, 3, 8])
+    plain = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=False, kv_cache_dtype=kv)
+    ref = plain.generate(prompts, n=2, max_new_tokens=12, temperature=0.0)
+    fused = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=True, kv_cache_dtype=kv)
+    out = fused.generate(prompts, n=2, max_new_tokens=12, temperature=0.0)
+    model.set_rollout(True)
+    stacked = fused._decoder.qkv[0].fused_qweight is not None and fused._decoder.gate_up[0].fused_qweight is not None
+    model.set_rollout(False)
+    assert stacked == (precision in ("fp8", "int8"))
+    for o, r in zip(out, ref):
+        for c, cr in zip(o.completions, r.completions):
+            assert c.token_ids == cr.token_ids
+            close(torch.tensor(c.logprobs), torch.tensor(cr.logprobs), rel=1e-4)
+    # the logits of one step, directly
+    cache, decoder = fused.cache, FusedDecoder(model)
+    tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9])
+    model.set_rollout(True)
+    try:
+        with torch.no_grad():
+            want = decode_logits(model, cache, tokens, positions, fused._attention, cache.capacity)
+            got = decoder.logits(cache, tokens, positions, fused._attention, cache.capacity)
+    finally:
+        model.set_rollout(False)
+    close(got, want)
+
+
+def test_fused_decode_refuses_models_it_does_not_cover():
+    model = make_model("qwen3")  # per-head q/k norms
+    with pytest.raises(ValueError, match="q/k norms"):
+        FastRolloutEngine(model, None, max_batch_size=4, fused_decode=True)
+    assert FastRolloutEngine(model, None, max_batch_size=4)._decoder is None

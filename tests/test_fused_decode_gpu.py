@@ -1,0 +1,142 @@
+"""GPU: the fused decode kernels (quarl.kernels.decode_fused) against the PyTorch module math, and the fused
+decode forward against the module-by-module one.
+
+Tolerances: the residual add, SiLU·mul and rotary kernels round exactly where PyTorch rounds, so they must be bit
+for bit equal, up to the float32 summation order of the norm's mean square and the exp of SiLU: at most one bf16
+rounding step apart (2^-7 relative) and >= 99.9 % of elements identical. FP8/int8 codes are checked bit for bit
+against `quarl.formats.quantize` of the kernel's own bf16 values. Logits of the fused forward vs the module
+forward of a bf16 model: 3e-2 of the largest logit (a different GEMM algorithm for the stacked weights rounds bf16
+outputs differently).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quarl import kernels
+from quarl.formats import quantize
+from quarl.model.layers import apply_rope
+from quarl.model.precision_apply import apply_precision
+from quarl.precision import PrecisionConfig
+from quarl.rollout.fast_engine import FastRolloutEngine
+from quarl.rollout.fast_step import decode_logits
+from quarl.rollout.fused_decode import FusedDecoder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.fp8]
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def one_rounding_apart(got, want):
+    g, w = got.float(), want.float()
+    assert bool(((g - w).abs() <= w.abs() * 2.0**-7 + 1e-30).all()), (g - w).abs().max()
+    assert (g == w).float().mean() >= 0.999
+
+
+def assert_codes_of(h, codes, scales, fmt):
+    ref = quantize(h, fmt, "activation")
+    assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(scales, ref.scale)
+
+
+def test_the_self_check_accepts_the_kernels():
+    assert kernels.decode_fused_ok(torch.device(DEV), BF16)
+
+
+@pytest.mark.parametrize("m,h", [(1, 896), (37, 3584), (512, 5000)])
+@pytest.mark.parametrize("quant", [None, "fp8", "int8"])
+def test_add_rms_norm_kernel(m, h, quant):
+    from quarl.kernels.decode_fused import rms_norm_rows
+
+    x, d = torch.randn(m, h, device=DEV, dtype=BF16) * 3, torch.randn(m, h, device=DEV, dtype=BF16)
+    w, noise = 1 + 0.3 * torch.randn(h, device=DEV, dtype=BF16), 0.05 * torch.randn(h, device=DEV, dtype=BF16)
+    r, hh, codes, scales = rms_norm_rows(x, d, w, noise, 1e-6, quant)
+    assert torch.equal(r, x + d)
+    rf = (x + d).float()
+    want = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + noise).float()).to(BF16)
+    one_rounding_apart(hh, want)
+    if quant:
+        assert_codes_of(hh, codes, scales, quant)
+        _, none, c2, s2 = rms_norm_rows(x, d, w, noise, 1e-6, quant, write_h=False)
+        assert none is None and torch.equal(c2.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(s2, scales)
+    r0, h0, _, _ = rms_norm_rows(x, None, w, None, 1e-6)  # no residual add, no noise
+    assert r0 is x
+    xf = x.float()
+    one_rounding_apart(h0, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(BF16))
+
+
+@pytest.mark.parametrize("m,n", [(1, 1408), (300, 18944), (64, 1000)])
+@pytest.mark.parametrize("quant", [None, "fp8", "int8"])
+def test_silu_mul_kernel_on_the_halves_of_a_fused_output(m, n, quant):
+    from quarl.kernels.decode_fused import silu_mul_rows
+
+    gu = torch.randn(m, 2 * n, device=DEV, dtype=BF16) * 4
+    g, u = gu[:, :n], gu[:, n:]
+    h, codes, scales = silu_mul_rows(g, u, quant)
+    one_rounding_apart(h, F.silu(g) * u)
+    if quant:
+        assert_codes_of(h, codes, scales, quant)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(28, 4, 128), (8, 2, 64), (3, 3, 32)])
+def test_rope_kernel_is_bit_exact(hq, hkv, d):
+    from quarl.kernels.decode_fused import rope_rows
+
+    m = 77
+    qkv = torch.randn(m, (hq + 2 * hkv) * d, device=DEV, dtype=BF16)
+    angles = torch.rand(m, d // 2, device=DEV) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
+    q, k = rope_rows(qkv, cos, sin, hq, hkv, d)
+    c, s = cos[:, None, None], sin[:, None, None]
+    assert torch.equal(q, apply_rope(qkv[:, :hq * d].reshape(m, hq, 1, d), c, s)[:, :, 0])
+    assert torch.equal(k, apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d), c, s)[:, :, 0])
+
+
+def test_fp8_matmul_from_codes_equals_the_quantizing_matmul():
+    x = torch.randn(512, 3584, device=DEV, dtype=BF16)
+    qw = quantize(torch.randn(4608, 3584, device=DEV, dtype=BF16) * 0.02, "fp8", "weight")
+    bias = torch.randn(4608, device=DEV, dtype=BF16)
+    assert kernels.fp8_codes_handoff(qw, False, 512)
+    qx = quantize(x, "fp8", "activation")
+    got = kernels.fp8_matmul_from_codes(qx.data, qx.scale, qw, bias, BF16)
+    assert torch.equal(got, kernels.try_quantized_matmul(x, qw, False, bias))
+
+
+def _small_model(fmt):
+    from quarl.model.config import ModelConfig
+    from quarl.model.decoder import QuarlForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(architecture="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=3,
+                      num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=True, rope_theta=1e6,
+                      max_position_embeddings=4096, eos_token_ids=[4095])
+    model = QuarlForCausalLM(cfg, init_std=0.02)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.15)
+    model = model.to(DEV, BF16).eval()
+    apply_precision(model, PrecisionConfig(flow="bf16") if fmt is None else PrecisionConfig(flow="split", format=fmt))
+    return model
+
+
+@pytest.mark.parametrize("fmt,kv", [(None, "auto"), ("fp8", "fp8"), ("fp8", "fp8-token"), ("int8", "auto"),
+                                    ("nvfp4", "fp8")])
+def test_fused_decoder_logits_match_the_module_path(fmt, kv):
+    model = _small_model(fmt)
+    engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
+    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
+    cache = engine.cache
+    decoder = FusedDecoder(model)
+    for batch in (3, 512):  # codes handoff at 512 rows (cuBLAS FP8), the quantizing kernels at 3
+        tokens = torch.randint(0, 4096, (batch,), device=DEV)
+        positions = torch.randint(0, 60, (batch,), device=DEV)
+        model.set_rollout(True)
+        try:
+            with torch.no_grad():
+                want = decode_logits(model, cache, tokens, positions, engine._attention, cache.capacity)
+                got = decoder.logits(cache, tokens, positions, engine._attention, cache.capacity)
+        finally:
+            model.set_rollout(False)
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
