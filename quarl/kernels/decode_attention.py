@@ -4,7 +4,8 @@ Each program handles one sequence, one key/value head and one range of cache col
 that share that kv head (grouped-query attention) once, streams the keys/values of its columns in blocks with an
 online softmax, and writes an unnormalised partial result. Only the columns a sequence has filled are read, so
 the cost follows the real context lengths, not the cache capacity. A short torch epilogue merges the column
-ranges (`num_splits` > 1 keeps the GPU busy when the batch is small).
+ranges (`num_splits` > 1 keeps the GPU busy when the batch is small); with one range the kernel normalises and
+writes the result itself.
 
 The cache may hold bf16/fp16 or FP8 E4M3 values (FP8 KV cache: stored value = x / kv_scale, read back as
 stored * kv_scale). Scores and the softmax are accumulated in float32. With an FP8 cache both dots take fp16
@@ -37,7 +38,7 @@ def _decode_attention_kernel(
     stride_mb, stride_mh,
     sm_scale, kv_scale, split_len,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr, NORMALIZE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # b * slot stride can pass 2^31 in a large cache
     kvh = tl.program_id(1)
@@ -107,10 +108,16 @@ def _decode_attention_kernel(
         acc = acc * v_norm
     elif FP8_KV:
         acc = acc * kv_scale
-    tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
-             mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(m_ptr + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
-    tl.store(l_ptr + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
+    out_ptrs = acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+    if NORMALIZE:
+        # One column range: the result itself, in the output dtype (what merge_splits would compute)
+        l_safe = tl.where(g_ok, l_i, 1.0)
+        tl.store(out_ptrs, tl.math.div_rn(acc, l_safe[:, None]).to(acc_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(out_ptrs, acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
+        tl.store(l_ptr + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int = 64,
@@ -162,9 +169,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_len = -(-C // num_splits)
     split_len = -(-split_len // block_n) * block_n
     num_splits = -(-C // split_len)
-    acc = torch.empty(B, Hq, num_splits, D, device=q.device, dtype=torch.float32)
-    m = torch.empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
-    l_ = torch.empty_like(m)
+    normalize = num_splits == 1  # the kernel writes the result; no partials to merge
+    if normalize:
+        acc = torch.empty(B, Hq, 1, D, device=q.device, dtype=q.dtype)
+        m = l_ = acc  # unused
+    else:
+        acc = torch.empty(B, Hq, num_splits, D, device=q.device, dtype=torch.float32)
+        m = torch.empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
+        l_ = torch.empty_like(m)
     grid = (B, Hkv, num_splits)
     ks, vs = (k_scales, v_scales) if token else (acc, acc)  # unused pointers without token scales
     _decode_attention_kernel[grid](
@@ -174,11 +186,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0) if token else 0, ks.stride(1) if token else 0,
         acc.stride(0), acc.stride(1), acc.stride(2),
-        m.stride(0), m.stride(1),
+        0 if normalize else m.stride(0), 0 if normalize else m.stride(1),
         1.0 / math.sqrt(D), float(kv_scale), split_len,
         G=G, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n, TOKEN_SCALES=token, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, TOKEN_SCALES=token, NORMALIZE=normalize, num_warps=num_warps, num_stages=num_stages,
     )
+    if normalize:
+        return acc[:, :, 0]
     return merge_splits(acc, m, l_).to(q.dtype)
 
 
