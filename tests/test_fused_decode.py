@@ -10,7 +10,7 @@ import torch
 
 from quarl.model.precision_apply import apply_precision
 from quarl.model.qlinear import QuantLinear
-from quarl.precision import PrecisionConfig
+from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rollout.fast_engine import FastRolloutEngine
 from quarl.rollout.fast_step import decode_logits
 from quarl.rollout.fused_decode import FusedDecoder, FusedProjection, rope_qk, silu_mul, add_norm
@@ -61,8 +61,11 @@ def test_fused_projection_restacks_after_reconfigure_and_skips_unstackable_block
     for p in parts:
         p.configure(rollout_format="int8")  # new buffers: the old views are gone
         p.set_rollout(True)
+    assert fused.fused_qweight is None  # stale: the parts run apart until prepare() re-stacks
     close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    fused.prepare()
     assert fused.fused_qweight.fmt == "int8"
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     blocks = FusedProjection(_parts("fp8-block", sizes=(128, 64)))  # 64 rows: not whole 128x128 tiles
     assert blocks.fused_qweight is None
     for p in parts:
@@ -137,7 +140,8 @@ def test_fused_decoder_logits_and_greedy_tokens_match_the_module_path(precision,
             assert c.token_ids == cr.token_ids
             close(torch.tensor(c.logprobs), torch.tensor(cr.logprobs), rel=1e-4)
     # the logits of one step, directly
-    cache, decoder = fused.cache, FusedDecoder(model)
+    cache, decoder = fused.cache, FusedDecoder.for_model(model)
+    assert decoder is fused._decoder
     tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9])
     model.set_rollout(True)
     try:
@@ -154,3 +158,26 @@ def test_fused_decode_refuses_models_it_does_not_cover():
     with pytest.raises(ValueError, match="q/k norms"):
         FastRolloutEngine(model, None, max_batch_size=4, fused_decode=True)
     assert FastRolloutEngine(model, None, max_batch_size=4)._decoder is None
+
+
+def test_stacking_keeps_the_state_dict_and_one_decoder_serves_every_engine():
+    """A frozen (qlora) base saves its quantized buffers, never the dequantized cache; two engines on one model
+    share one decoder (two would re-stack the same buffers away from each other)."""
+    torch.manual_seed(0)
+    model = make_model("qwen2")
+    apply_precision(model, PrecisionConfig(flow="qlora", format="int8", lora=LoraConfig(rank=4)))
+    keys = set(model.state_dict())
+    a = FastRolloutEngine(model, None, max_batch_size=4)
+    b = FastRolloutEngine(model, None, max_batch_size=4)
+    assert a._decoder is b._decoder and a._decoder.qkv[0].fused_qweight is None  # not in rollout mode yet
+    model.set_rollout(True)
+    assert a._decoder.qkv[0].fused_qweight is not None
+    model.set_rollout(False)
+    assert set(model.state_dict()) == keys
+    fresh = make_model("qwen2")
+    apply_precision(fresh, PrecisionConfig(flow="qlora", format="int8", lora=LoraConfig(rank=4)))
+    fresh.load_state_dict(model.state_dict())  # strict: no extra keys
+    prompts = rand_prompts([4, 6])
+    out_a = a.generate(prompts, n=2, max_new_tokens=6, temperature=0.0)
+    out_b = b.generate(prompts, n=2, max_new_tokens=6, temperature=0.0)
+    assert [c.token_ids for o in out_a for c in o.completions] == [c.token_ids for o in out_b for c in o.completions]

@@ -126,7 +126,7 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
     engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
     engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
     cache = engine.cache
-    decoder = FusedDecoder(model)
+    decoder = FusedDecoder.for_model(model)
     for batch in (3, 512):  # codes handoff at 512 rows (cuBLAS FP8), the quantizing kernels at 3
         tokens = torch.randint(0, 4096, (batch,), device=DEV)
         positions = torch.randint(0, 60, (batch,), device=DEV)
@@ -140,3 +140,33 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
         scale = float(want.float().abs().max())
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_captured_graphs_follow_the_weight_sync(fmt):
+    """Generate, update the master weights and sync (refresh_rollout_weights), generate again: the fused engine's
+    CUDA graphs must read the new stacked weights (they are views the sync writes into), so its greedy tokens keep
+    agreeing with the module-path engine's, and both change from the first round."""
+    from quarl.model.precision_apply import refresh_rollout_weights
+    from quarl.model.qlinear import QuantLinear
+
+    model = _small_model(fmt)
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    fused = FastRolloutEngine(model, None, max_batch_size=16)
+    plain = FastRolloutEngine(model, None, max_batch_size=16, fused_decode=False)
+    rounds = []
+    for _ in range(2):
+        a = [c.token_ids for o in fused.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
+             for c in o.completions]
+        b = [c.token_ids for o in plain.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
+             for c in o.completions]
+        assert sum(x == y for x, y in zip(a, b)) >= 0.75 * len(a), (a, b)
+        rounds.append(a)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, QuantLinear) and m.weight is not None:
+                    m.weight.add_(torch.randn_like(m.weight) * 0.05)
+        refresh_rollout_weights(model)
+    assert fused._graphs and fused.use_cuda_graphs  # the second round replayed graphs captured in the first
+    assert sum(x != y for x, y in zip(*rounds)) >= 0.5 * len(rounds[0])  # the update changed the outputs

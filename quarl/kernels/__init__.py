@@ -263,9 +263,13 @@ def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bi
     """Q(x) @ deq(W)^T (+ bias) from per-token FP8 activation codes [M, K] (float8_e4m3fn) and scales float32
     [M, 1], for an "fp8" (rowwise) weight QuantizedTensor [N, K] -> [M, N] in out_dtype: the same values as
     `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, "fp8", "activation")."""
-    if qweight.fmt != "fp8" or codes.dtype != torch.float8_e4m3fn or codes.shape[1] != qweight.shape[1]:
-        raise ValueError(f"fp8_matmul_from_codes needs float8_e4m3fn codes [M, {qweight.shape[1]}] and an 'fp8' "
-                         f"weight; got codes {codes.dtype} {tuple(codes.shape)}, weight {qweight.fmt!r}")
+    if (qweight.fmt != "fp8" or codes.dtype != torch.float8_e4m3fn or codes.dim() != 2
+            or codes.shape[1] != qweight.data.shape[1]):
+        raise ValueError(f"fp8_matmul_from_codes needs float8_e4m3fn codes [M, {qweight.data.shape[1]}] and an "
+                         f"'fp8' weight; got codes {codes.dtype} {tuple(codes.shape)}, weight {qweight.fmt!r}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (codes.shape[0], 1):
+        raise ValueError(f"fp8_matmul_from_codes needs float32 per-token scales [{codes.shape[0]}, 1], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
     from quarl.kernels.dispatch import scaled_mm_codes
 
     return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)

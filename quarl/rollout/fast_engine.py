@@ -95,7 +95,7 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError("fused_decode=True needs a model without per-head q/k norms (Qwen3 uses the module "
                              "path); pass fused_decode=None or False")
         use_fused = fused_decode_supported(model) if fused_decode is None else bool(fused_decode)
-        self._decoder = FusedDecoder(model) if use_fused else None
+        self._decoder = FusedDecoder.for_model(model) if use_fused else None
         self.num_slots = self.max_batch_size
         self.buckets = batch_buckets(self.num_slots)
         self.cache: SlotKVCache | None = None
@@ -105,6 +105,7 @@ class FastRolloutEngine(RolloutEngine):
         self._graphs: dict = {}
         self._pool = None
         self._fingerprint = None
+        self._graph_fingerprint = None  # the model's tensor addresses when the current graphs were captured
         self.last_stats: dict = {}
 
     def _kv_dtype(self, kv: str | torch.dtype) -> torch.dtype:
@@ -254,6 +255,12 @@ class FastRolloutEngine(RolloutEngine):
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(self.state.counters(), saved):
             t.copy_(s)
+        if self._decoder is not None:
+            self._decoder.prepare()  # re-stack what the warm-up's fallbacks replaced, before capturing
+        fingerprint = self._model_fingerprint()
+        if fingerprint != self._graph_fingerprint:
+            self._graphs.clear()  # graphs captured earlier read buffers that have moved since
+            self._graph_fingerprint = fingerprint
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -1,6 +1,8 @@
 """The fast engine's decode forward with fused projections and fused elementwise kernels.
 
-Same values as `fast_step.decode_logits` (the module-by-module forward), computed with fewer, larger kernels:
+The same math as `fast_step.decode_logits` (the module-by-module forward), computed with fewer, larger kernels
+(on a CPU the same values; on a GPU the stacked GEMMs may take another cuBLAS algorithm than the per-projection
+ones, which rounds bf16 outputs differently, and the norm's mean square sums in another order):
   - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
   - residual add + RMSNorm (+ the next linear's FP8 activation quantization), rotary embedding of q and k, and
     SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`).
@@ -30,6 +32,8 @@ class FusedProjection:
     whole fp8-block tiles), their buffers are moved into one concatenated buffer and each part's buffers become
     row views of it: no second copy, and `QuantLinear.refresh` (the per-step sync) updates the fused weight in
     place. Otherwise (full-precision parts, nvfp4's per-tensor global scale) the parts run one after another.
+    Stacking happens at construction and in `prepare()` (after a reconfiguration replaced the parts' buffers),
+    never inside a forward, so a captured CUDA graph never contains it.
     """
 
     def __init__(self, parts: list[QuantLinear]):
@@ -83,22 +87,39 @@ class FusedProjection:
             row = 0
             for p, start, buf in zip(self.parts, self._starts, bufs):
                 start[name] = row
-                p.register_buffer(name, fused[name][row:row + buf.shape[0]], persistent=p.frozen_base)
+                persistent = name not in p._non_persistent_buffers_set  # keep each buffer's state-dict role
+                p.register_buffer(name, fused[name][row:row + buf.shape[0]], persistent=persistent)
                 row += buf.shape[0]
         self._fused = fused
 
+    @torch.no_grad()
+    def _build_dequant_cache(self, dtype: torch.dtype) -> None:
+        """A stacked deq(weight) cache in dtype whose row views become the parts' `weight_dequant` (which
+        `QuantLinear.refresh` keeps current), like the cache each part would build for its own fallback."""
+        qw = self.fused_qweight
+        deq = kernels.try_dequantize(qw, dtype)
+        self._fused["weight_dequant"] = deq if deq is not None else qw.dequantize(dtype)
+        row = 0
+        for p, start, n in zip(self.parts, self._starts, self.sizes):
+            start["weight_dequant"] = row
+            p.register_buffer("weight_dequant", self._fused["weight_dequant"][row:row + n], persistent=False)
+            row += n
+
     # -------------------------------------------------------------------------------------- forward
     def prepare(self) -> None:
-        """Re-stack the parts if a reconfiguration replaced their buffers since (call outside graph capture)."""
+        """Re-stack the parts if a reconfiguration (or a part's own fallback cache) replaced their buffers since;
+        drops the old stacked buffers first. Not during CUDA-graph capture."""
         if not self._views_current():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
+            self._fused = None
             self._fuse()
 
     @property
     def fused_qweight(self):
-        """The concatenated rollout weight as a QuantizedTensor [sum N, K]; None when the parts run apart
-        (not stackable, or not in rollout mode)."""
-        self.prepare()
-        if self._fused is None or not all(p.rollout for p in self.parts):
+        """The concatenated rollout weight as a QuantizedTensor [sum N, K]; None when the parts run apart (not
+        stackable, not in rollout mode, or their buffers changed since the last `prepare()`)."""
+        if not self._views_current() or not all(p.rollout for p in self.parts):
             return None
         from quarl.formats import QuantizedTensor
 
@@ -135,10 +156,14 @@ class FusedProjection:
         if codes is not None:
             return kernels.fp8_matmul_from_codes(codes[0], codes[1], qw, bias, dtype)
         p0 = self.parts[0]
-        y = kernels.try_quantized_matmul(x, qw, p0.weight_only, bias) if x.is_cuda else None
+        # as QuantLinear._rollout_forward: a frozen (qlora) base takes the quantized kernel even where bf16 won
+        matmul = kernels.quantized_matmul if p0.frozen_base else kernels.try_quantized_matmul
+        y = matmul(x, qw, p0.weight_only, bias) if x.is_cuda else None
         if y is None:
             if "weight_dequant" not in self._fused:
-                return torch.cat([p(x) for p in self.parts], dim=-1)  # each part builds its own fallback
+                if p0.frozen_base or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                    return torch.cat([p(x) for p in self.parts], dim=-1)
+                self._build_dequant_cache(dtype)  # no kernel serves the stacked shape: keep bf16 GEMM speed
             xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
             y = F.linear(xq, self._fused["weight_dequant"].to(dtype), bias)
         if any(p.lora_rank for p in self.parts):
@@ -226,7 +251,17 @@ def fused_decode_supported(model) -> bool:
 
 
 class FusedDecoder:
-    """The fused projections of every layer, built once per engine (see the module docstring)."""
+    """The fused projections of every layer (see the module docstring). One per model (`for_model`): two would
+    keep re-stacking the same modules' buffers away from each other."""
+
+    @classmethod
+    def for_model(cls, model) -> "FusedDecoder":
+        """The model's decoder, built on first use and kept on the model."""
+        decoder = model.__dict__.get("_quarl_fused_decoder")
+        if decoder is None:
+            decoder = cls(model)
+            model.__dict__["_quarl_fused_decoder"] = decoder  # a plain attribute: not a submodule, not saved
+        return decoder
 
     def __init__(self, model):
         self.model = model
