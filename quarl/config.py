@@ -108,6 +108,8 @@ class TrainSection:
     mini_batch_size: int | None = None  # sequences per optimizer step (None -> the whole batch)
     micro_batch_size: int = 8  # sequences per forward/backward (bounds memory)
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~30% more time
+    # score π_prox in a forward of its own even where the update's forward gives it (1 step/batch, no dropout)
+    recompute_proximal: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refills: int = 3  # DAPO: extra rollouts to refill dropped groups, at most
     overlong_filter: bool = False  # DAPO: mask answers cut at max_new_tokens

@@ -245,3 +245,32 @@ def test_local_training_file_needs_a_held_out_source(tmp_path):
         load_task(DataSection(train=str(path)), RewardSection(), tiny_tokenizer())
     task = load_task(DataSection(train=str(path), eval=str(path)), RewardSection(), tiny_tokenizer())
     assert len(task.train_examples) == 1 and task.correct("the answer is 2", task.eval_examples[0])
+
+
+@pytest.mark.parametrize("flow", [[], ["precision.flow=split", "precision.format=int8"],
+                                  ["precision.flow=unified", "precision.format=fp8-block"]])
+def test_proximal_from_the_update_equals_a_separate_scoring_pass(tmp_path, flow):
+    """One optimizer step per batch: π_prox read off the update's forward gives the same metrics, losses and
+    weights as scoring it in a separate forward (train.recompute_proximal=true)."""
+    runs = {}
+    for recompute in (False, True):
+        name = f"r{int(recompute)}"
+        trainer = make_trainer(make_cfg(tmp_path, *flow, f"train.recompute_proximal={str(recompute).lower()}",
+                                        name=name))
+        assert trainer.proximal_from_update(8) is not recompute
+        trainer.train()
+        runs[recompute] = (read_metrics(tmp_path / name), dict(trainer.model.named_parameters()))
+    (fast, w_fast), (slow, w_slow) = runs[False], runs[True]
+    keys = ["mismatch/kl", "mismatch/max_abs_logp_diff", "policy/entropy", "train/loss", "train/grad_norm"]
+    for a, b in zip(fast, slow):
+        for k in keys:
+            assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], b[k])
+    for name, p in w_fast.items():
+        torch.testing.assert_close(p, w_slow[name], rtol=1e-6, atol=1e-7)
+
+
+def test_proximal_needs_its_own_forward_when_the_weights_move_within_a_batch(tmp_path):
+    for extra in (["train.epochs=2"], ["train.mini_batch_size=4"], ["lora.rank=4", "lora.dropout=0.1"],
+                  ["loss.correction=bypass"]):
+        trainer = make_trainer(make_cfg(tmp_path, *extra, name="x" + str(len(extra[0]))))
+        assert not trainer.proximal_from_update(8), extra

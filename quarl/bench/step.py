@@ -12,7 +12,8 @@ For each setting (precision flow, format and optionally its KV cache, e.g. `bf16
 
 `--warmup` steps (CUDA-graph capture, Triton compilation) are followed by `--steps` timed steps. The reported
 step is the median timed step (by wall time, CUDA-synchronized around it) with the trainer's own phase timers:
-sync (re-quantization), rollout, prox (proximal log-probs), update (optimizer steps); `other` is the rest
+sync (re-quantization), rollout, prox (proximal log-probs; ~0 when the update's forward supplies them, see
+`Trainer.proximal_from_update`), update (optimizer steps); `other` is the rest
 (rewards, advantages, batch assembly, sample logging, and the asynchronous tail of the last optimizer step).
 The shares of the five parts sum to 100 % of the step.
 """

@@ -126,6 +126,7 @@ def answer_logprobs(
     logprobs = (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1))
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())
+        with torch.no_grad():  # row by row: the softmax temporaries of a whole micro-batch can be gigabytes
+            entropy = torch.cat([entropy_from_logits(row.detach()) for row in logits.split(1)]) \
+                if logits.shape[0] else entropy_from_logits(logits.detach())
     return logprobs, entropy

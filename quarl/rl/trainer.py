@@ -254,9 +254,32 @@ class Trainer:
         model.train(was_training)
         return out, entropy
 
-    def update(self, batch: RolloutBatch, proximal, reference, step: int) -> dict:
-        """Epochs x minibatches of optimizer steps on the clipped objective; returns token-weighted metrics."""
+    def proximal_from_update(self, batch_size: int) -> bool:
+        """Whether π_prox can be read off the update's own forward instead of a separate scoring pass.
+
+        With one optimizer step per batch (one epoch, one minibatch) every micro-batch's training forward runs on
+        the weights π_prox is defined by, and without dropout it computes the same values as `score` (which is
+        the same forward under no_grad), so the detached log-probs are π_prox. Off for the bypass correction
+        (no π_prox at all) and with train.recompute_proximal.
+        """
         tr = self.cfg.train
+        if tr.recompute_proximal or self.cfg.loss.correction == "bypass" or tr.epochs != 1:
+            return False
+        if tr.mini_batch_size is not None and tr.mini_batch_size < batch_size:
+            return False
+        return not any(getattr(m, "lora_dropout", 0.0) > 0 for m in self.model.modules())
+
+    def update(self, batch: RolloutBatch, proximal, reference, step: int, collect_proximal: bool = False) -> dict:
+        """Epochs x minibatches of optimizer steps on the clipped objective; returns token-weighted metrics.
+
+        collect_proximal: `proximal` is None and the (single) optimizer step's forward supplies it, detached
+        (see `proximal_from_update`); the collected log-probs and entropy [B, T-1] are then returned under the
+        keys "_proximal" and "_entropy".
+        """
+        tr = self.cfg.train
+        if collect_proximal:
+            collected = torch.zeros_like(batch.behaviour_logprobs)
+            collected_entropy = torch.zeros_like(batch.behaviour_logprobs)
         n = len(batch)
         mini = tr.mini_batch_size or n
         gen = torch.Generator().manual_seed(tr.seed * 31337 + step)
@@ -276,14 +299,20 @@ class Trainer:
                 for u0 in range(0, len(mini_rows), tr.micro_batch_size):
                     rows = mini_rows[u0 : u0 + tr.micro_batch_size]
                     sub = batch.select(rows)
-                    logprobs, _ = answer_logprobs(
+                    logprobs, ent = answer_logprobs(
                         self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                        self.cfg.rollout.temperature, sub.answer_width, answer_lengths=sub.answer_lengths,
+                        self.cfg.rollout.temperature, sub.answer_width, with_entropy=collect_proximal,
+                        answer_lengths=sub.answer_lengths,
                     )
                     width = logprobs.shape[1]  # the last `width` columns hold every answer token of these rows
                     dev = lambda t: None if t is None else t[rows, -width:].to(self.device)  # noqa: E731
+                    prox = dev(proximal)
+                    if collect_proximal:
+                        prox = logprobs.detach()
+                        collected[rows, -width:] = prox.float().cpu()
+                        collected_entropy[rows, -width:] = ent.float().cpu()
                     loss, metrics = policy_loss(
-                        logprobs, dev(proximal), sub.behaviour_logprobs[:, -width:].to(self.device),
+                        logprobs, prox, sub.behaviour_logprobs[:, -width:].to(self.device),
                         sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.loss_cfg,
                         reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
                     )
@@ -302,6 +331,8 @@ class Trainer:
             out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
             out["train/loss"] = sum(losses) / len(losses)
         out["train/optimizer_steps"] = len(grad_norms)
+        if collect_proximal:
+            out["_proximal"], out["_entropy"] = collected, collected_entropy
         return out
 
     def step(self, step: int) -> dict:
@@ -327,19 +358,23 @@ class Trainer:
         t0 = time.perf_counter()
         # bypass takes π_prox := μ and skips this forward (cheap, but the trust region then follows the rollout).
         bypass = self.cfg.loss.correction == "bypass"
+        from_update = self.proximal_from_update(len(batch))  # then the update's forward supplies π_prox
         proximal = entropy = None
-        if not bypass:
+        if not bypass and not from_update:
             proximal, entropy = self.score(self.model, batch, with_entropy=True)
         reference = self.score(self.reference, batch, False)[0] if self.reference is not None else None
         metrics["time/prox_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        update_metrics = self.update(batch, proximal, reference, step, collect_proximal=from_update)
+        if from_update:
+            proximal, entropy = update_metrics.pop("_proximal"), update_metrics.pop("_entropy")
+        metrics.update(update_metrics)
+        metrics["time/train_s"] = time.perf_counter() - t0
         mask = batch.answer_mask
         if proximal is not None and mask.sum() > 0:
             metrics.update(mismatch_metrics(batch.behaviour_logprobs, proximal, mask))
             metrics["policy/entropy"] = float((entropy * mask).sum() / mask.sum())
-
-        t0 = time.perf_counter()
-        metrics.update(self.update(batch, proximal, reference, step))
-        metrics["time/train_s"] = time.perf_counter() - t0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["time/step_s"] = time.perf_counter() - t_step
 
