@@ -181,3 +181,27 @@ def test_stacking_keeps_the_state_dict_and_one_decoder_serves_every_engine():
     out_a = a.generate(prompts, n=2, max_new_tokens=6, temperature=0.0)
     out_b = b.generate(prompts, n=2, max_new_tokens=6, temperature=0.0)
     assert [c.token_ids for o in out_a for c in o.completions] == [c.token_ids for o in out_b for c in o.completions]
+
+
+def test_parts_with_and_without_a_fallback_cache_still_stack():
+    """When only some parts built their dequantized fallback cache (e.g. a prefill shape with no kernel), prepare()
+    stacks them anyway, with one stacked cache that every part then views."""
+    torch.manual_seed(0)
+    parts = []
+    for n in (64, 32):
+        p = QuantLinear(48, n, bias=True)
+        p.cache_dequantized = False  # no cache from configure on
+        p.configure(rollout_format="int8")
+        p.set_rollout(True)
+        parts.append(p)
+    fused = FusedProjection(parts)
+    assert fused.fused_qweight is not None and parts[0].weight_dequant is None
+    parts[1]._build_dequant_cache()  # only this part: its buffer is not a view of anything stacked
+    assert fused.fused_qweight is None
+    fused.prepare()
+    assert fused.fused_qweight is not None
+    assert all(p.weight_dequant is not None for p in parts)
+    stacked = fused._fused["weight_dequant"]
+    assert parts[0].weight_dequant.data_ptr() == stacked.data_ptr()
+    x = torch.randn(3, 48)
+    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))

@@ -53,7 +53,7 @@ class FusedProjection:
         if fmt is None or any(
                 p.rollout_format != fmt or p.weight_only != first.weight_only or p.in_features != first.in_features
                 or p.qweight_data is None or p.qweight_global_scale is not None or p.qweight_scale.dim() != 2
-                or (p.weight_dequant is None) != (first.weight_dequant is None) for p in self.parts):
+                for p in self.parts):
             return False
         if fmt == "fp8-block":
             return all(p.out_features % 128 == 0 for p in self.parts)
@@ -79,10 +79,11 @@ class FusedProjection:
         if not self._stackable():
             return
         fused, self._starts = {}, [dict() for _ in self.parts]
+        caches = [p.weight_dequant for p in self.parts if p.weight_dequant is not None]
         for name in _QBUFFERS:
             bufs = [getattr(p, name) for p in self.parts]
-            if bufs[0] is None:
-                continue
+            if name == "weight_dequant" and len(caches) != len(self.parts):
+                continue  # only some parts built their fallback cache: one stacked cache for all, below
             fused[name] = torch.cat(bufs, dim=0)
             row = 0
             for p, start, buf in zip(self.parts, self._starts, bufs):
@@ -91,12 +92,14 @@ class FusedProjection:
                 p.register_buffer(name, fused[name][row:row + buf.shape[0]], persistent=persistent)
                 row += buf.shape[0]
         self._fused = fused
+        if caches and "weight_dequant" not in fused:
+            self._build_dequant_cache(caches[0].dtype)
 
     @torch.no_grad()
     def _build_dequant_cache(self, dtype: torch.dtype) -> None:
         """A stacked deq(weight) cache in dtype whose row views become the parts' `weight_dequant` (which
         `QuantLinear.refresh` keeps current), like the cache each part would build for its own fallback."""
-        qw = self.fused_qweight
+        qw = self._stacked_qweight()
         deq = kernels.try_dequantize(qw, dtype)
         self._fused["weight_dequant"] = deq if deq is not None else qw.dequantize(dtype)
         row = 0
@@ -121,6 +124,9 @@ class FusedProjection:
         stackable, not in rollout mode, or their buffers changed since the last `prepare()`)."""
         if not self._views_current() or not all(p.rollout for p in self.parts):
             return None
+        return self._stacked_qweight()
+
+    def _stacked_qweight(self):
         from quarl.formats import QuantizedTensor
 
         p = self.parts[0]
