@@ -64,6 +64,17 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, 
 
 
 @triton.jit
+def _silu_mul_block(g_row, u_row, start, ar, N, out_dtype: tl.constexpr):
+    """silu(gate) * up for columns start + ar of one row, rounded as PyTorch rounds (silu, then the product):
+    (h in out_dtype, in-range mask)."""
+    ok = start + ar < N
+    g = tl.load(g_row + start + ar, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_row + start + ar, mask=ok, other=0.0)
+    s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(u.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(out_dtype), ok
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
                      WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row, BLOCK columns at a time; with QUANT a first pass finds the row's amax (the second
@@ -72,22 +83,15 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
     ar = tl.arange(0, BLOCK)
     g_row = g_ptr + row * stride_g
     u_row = u_ptr + row * stride_u
+    out_dtype: tl.constexpr = h_ptr.dtype.element_ty
     if QUANT:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
-            ok = start + ar < N
-            g = tl.load(g_row + start + ar, mask=ok, other=0.0).to(tl.float32)
-            u = tl.load(u_row + start + ar, mask=ok, other=0.0)
-            s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(u.dtype)
-            h = (s.to(tl.float32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype)
             amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
         row_amax = tl.max(amax, axis=0)
     for start in range(0, N, BLOCK):
-        ok = start + ar < N
-        g = tl.load(g_row + start + ar, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(u_row + start + ar, mask=ok, other=0.0)
-        s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(u.dtype)
-        h = (s.to(tl.float32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype)
         if WRITE_H:
             tl.store(h_ptr + row * N + start + ar, h, mask=ok)
         if QUANT:
