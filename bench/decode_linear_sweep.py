@@ -16,6 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from quarl.bench.rollout_breakdown import _graph_ms
 from quarl.formats import quantize
 from quarl.kernels.act_quant import quantize_activation
 
@@ -26,19 +27,7 @@ SHAPES = {"q": (3584, 3584), "kv": (512, 3584), "qkv": (4608, 3584), "o": (3584,
 
 def graph_us(fn, reps: int = 50) -> float:
     """Mean microseconds per replay of a CUDA graph of fn."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps
+    return 1e3 * _graph_ms(torch, fn, reps)
 
 
 def sweep(ms: list[int]) -> None:

@@ -12,8 +12,8 @@ from quarl.model.precision_apply import apply_precision
 from quarl.model.qlinear import QuantLinear
 from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rollout.fast_engine import FastRolloutEngine
-from quarl.rollout.fast_step import decode_logits
-from quarl.rollout.fused_decode import FusedDecoder, FusedProjection, rope_qk, silu_mul, add_norm
+from quarl.rollout.fused_decode import (FusedDecoder, FusedProjection, add_norm, both_decode_logits, rope_qk,
+                                       silu_mul)
 from tiny_models import make_model, rand_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,16 +140,8 @@ def test_fused_decoder_logits_and_greedy_tokens_match_the_module_path(precision,
             assert c.token_ids == cr.token_ids
             close(torch.tensor(c.logprobs), torch.tensor(cr.logprobs), rel=1e-4)
     # the logits of one step, directly
-    cache, decoder = fused.cache, FusedDecoder.for_model(model)
-    assert decoder is fused._decoder
-    tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9])
-    model.set_rollout(True)
-    try:
-        with torch.no_grad():
-            want = decode_logits(model, cache, tokens, positions, fused._attention, cache.capacity)
-            got = decoder.logits(cache, tokens, positions, fused._attention, cache.capacity)
-    finally:
-        model.set_rollout(False)
+    assert FusedDecoder.for_model(model) is fused._decoder
+    want, got = both_decode_logits(model, fused, torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]))
     close(got, want)
 
 

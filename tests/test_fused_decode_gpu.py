@@ -19,8 +19,7 @@ from quarl.model.layers import apply_rope
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import PrecisionConfig
 from quarl.rollout.fast_engine import FastRolloutEngine
-from quarl.rollout.fast_step import decode_logits
-from quarl.rollout.fused_decode import FusedDecoder
+from quarl.rollout.fused_decode import both_decode_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fp8]
 DEV = "cuda"
@@ -125,18 +124,10 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
     model = _small_model(fmt)
     engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
     engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
-    cache = engine.cache
-    decoder = FusedDecoder.for_model(model)
     for batch in (3, 512):  # codes handoff at 512 rows (cuBLAS FP8), the quantizing kernels at 3
         tokens = torch.randint(0, 4096, (batch,), device=DEV)
         positions = torch.randint(0, 60, (batch,), device=DEV)
-        model.set_rollout(True)
-        try:
-            with torch.no_grad():
-                want = decode_logits(model, cache, tokens, positions, engine._attention, cache.capacity)
-                got = decoder.logits(cache, tokens, positions, engine._attention, cache.capacity)
-        finally:
-            model.set_rollout(False)
+        want, got = both_decode_logits(model, engine, tokens, positions)
         scale = float(want.float().abs().max())
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95

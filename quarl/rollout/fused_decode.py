@@ -308,3 +308,19 @@ class FusedDecoder:
             delta = linear_from(mlp.down_proj, a, codes)
         _, h, _ = add_norm(model.model.norm, x, delta, None)
         return model.lm_head(h)
+
+
+def both_decode_logits(model, engine, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """(module-path logits, fused logits) [B, vocab] of one decode step of `engine`'s cache, in rollout mode (for
+    tests and benchmarks comparing the two forwards)."""
+    cache, attention = engine.cache, engine._attention
+    model.set_rollout(True)
+    try:
+        with torch.no_grad():
+            from quarl.rollout.fast_step import decode_logits
+
+            want = decode_logits(model, cache, tokens, positions, attention, cache.capacity)
+            got = FusedDecoder.for_model(model).logits(cache, tokens, positions, attention, cache.capacity)
+    finally:
+        model.set_rollout(False)
+    return want, got
