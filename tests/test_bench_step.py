@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from quarl.bench.step import (PHASES, Setting, add_bench_step_arguments, append_entry, bench_step, format_row,
+from quarl.bench import append_entry
+from quarl.bench.step import (PHASES, Setting, add_bench_step_arguments, bench_step, format_row,
                               make_model, parse_settings, phase_row, run_bench_step)
 from quarl.config import ConfigError
 

@@ -20,7 +20,6 @@ worker processes (Triton's on-disk cache then serves the timing process).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from quarl.bench import add_output_arguments, bench_main
+from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
@@ -312,7 +311,6 @@ def run_bench_gemm(args) -> int:
     if not torch.cuda.is_available():
         print("quarl bench gemm needs a CUDA GPU (none found)", file=sys.stderr)
         return 1
-    import triton
     import torch.nn.functional as F
 
     from quarl.formats import quantize
@@ -418,7 +416,7 @@ def run_bench_gemm(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(dict(bw=bw, rate=rate, rows=rows), fh, indent=1, default=str)
     if not args.no_save and not args.sweep:
-        _append_results(args.out, torch, triton, bw, rate, table, summary)
+        _append_results(args, bw, rate, table, summary)
         print(f"appended to {args.out}")
     return 0
 
@@ -510,22 +508,13 @@ def _targets_summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _append_results(path: str, torch, triton, bw: float, rate: float, table: str, summary: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    cmd = " ".join(["quarl bench gemm"] + sys.argv[sys.argv.index("gemm") + 1:] if "gemm" in sys.argv else sys.argv)
-    with open(path, "a") as fh:
-        if new:
-            fh.write("# B1 — low-precision GEMM (`quarl bench gemm`)\n\nAppended by `quarl bench gemm`; newest last. "
-                     "Times are CUDA-graph replay medians per call, activation quantization included.\n")
-        fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
-        fh.write(f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}\n")
-        fh.write(f"- command: `{cmd}`\n")
-        fh.write(f"- ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
-                 f"{rate / 1e12:.0f} TFLOP/s (int8/fp8 roofline: 2x)\n\n")
-        fh.write(table + "\n\n")
-        if summary:
-            fh.write(summary + "\n")
+def _append_results(args, bw: float, rate: float, table: str, summary: str) -> None:
+    facts = [f"ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+             f"{rate / 1e12:.0f} TFLOP/s (int8/fp8 roofline: 2x)"]
+    append_entry(args.out, "B1 — low-precision GEMM (`quarl bench gemm`)",
+                 "Appended by `quarl bench gemm`; newest last. Times are CUDA-graph replay medians per call, "
+                 "activation quantization included.", bench_command(args, "gemm"), facts,
+                 table + ("\n\n" + summary if summary else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

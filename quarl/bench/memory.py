@@ -25,9 +25,8 @@ import tempfile
 import threading
 import time
 
-from quarl.bench import add_output_arguments, bench_main
+from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
 from quarl.bench.rollout import MODEL_SIZES, parameter_count
-from quarl.bench.step import append_entry, bench_command
 
 DEFAULT_SIZES = "72b,32b,14b,7b"
 DEFAULT_RESULTS = os.path.join("bench", "results", "memory.md")

@@ -18,7 +18,6 @@ rate, weight-only nvfp4 the bf16 rate.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -27,7 +26,7 @@ import sys
 import time
 import traceback
 
-from quarl.bench import add_output_arguments, bench_main
+from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
 
 PRECISIONS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
 KV_CACHES = ("auto", "fp8", "fp8-token")  # = quarl.precision.KV_CACHE_FORMATS (this module imports no torch)
@@ -319,7 +318,7 @@ def run_bench_rollout(args) -> int:
     if args.json:
         _write_json(args.json, bw, rate, rows, args)
     if not args.no_save:
-        _append_results(args.out, torch, bw, rate, args, table, summary)
+        _append_results(args.out, bw, rate, args, table, summary)
     return 0
 
 
@@ -353,26 +352,15 @@ def _summary(rows: list[dict], bf16_tok_s: float | None) -> str:
     return "\n".join(lines)
 
 
-def _append_results(path: str, torch, bw: float, rate: float, args, table: str, summary: str) -> None:
-    import triton
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    argv = sys.argv[sys.argv.index("rollout") + 1:] if "rollout" in sys.argv else sys.argv[1:]
-    cmd = " ".join(["quarl bench rollout"] + argv)
-    with open(path, "a") as fh:
-        if new:
-            fh.write("# B2 — rollout throughput (`quarl bench rollout`)\n\nAppended by `quarl bench rollout`; newest "
-                     "last. Random-weight Qwen2.5 architecture, FastRolloutEngine, EOS ignored.\n")
-        fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
-        fh.write(f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}\n")
-        fh.write(f"- command: `{cmd}`\n")
-        fh.write(f"- workload: Qwen2.5-{args.model_size} architecture, {args.prompts} prompts x {args.samples} "
-                 f"samples, {args.prompt_len} prompt tokens, {args.max_new_tokens} new tokens, temperature "
-                 f"{args.temperature}, sync every {args.sync_every} steps, {args.repeats} timed call(s) per setting\n")
-        fh.write(f"- ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
-                 f"{rate / 1e12:.0f} TFLOP/s (W8A8 roofline: 2x)\n\n")
-        fh.write(table + "\n\n" + summary + "\n")
+def _append_results(path: str, bw: float, rate: float, args, table: str, summary: str) -> None:
+    facts = [f"workload: Qwen2.5-{args.model_size} architecture, {args.prompts} prompts x {args.samples} samples, "
+             f"{args.prompt_len} prompt tokens, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+             f"sync every {args.sync_every} steps, {args.repeats} timed call(s) per setting",
+             f"ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+             f"{rate / 1e12:.0f} TFLOP/s (W8A8 roofline: 2x)"]
+    append_entry(path, "B2 — rollout throughput (`quarl bench rollout`)",
+                 "Appended by `quarl bench rollout`; newest last. Random-weight Qwen2.5 architecture, "
+                 "FastRolloutEngine, EOS ignored.", bench_command(args, "rollout"), facts, table + "\n\n" + summary)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,19 +21,17 @@ The shares of the five parts sum to 100 % of the step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import random
-import shlex
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 
-from quarl.bench import add_output_arguments, bench_main
+from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
 from quarl.bench.rollout import KV_CACHES, MODEL_SIZES, build_model
 
 MODEL_SIZE_CHOICES = (*MODEL_SIZES, "tiny")
@@ -369,41 +367,6 @@ def summarize(rows: list[dict]) -> str:
                 line += "; no bf16 step measured to compare with"
         lines.append(line)
     return "\n".join(lines)
-
-
-def append_entry(path: str, title: str, intro: str, command: str, facts: list[str], body: str) -> None:
-    """Append a dated entry (hardware, versions, command, facts, body) to a bench/results markdown file.
-
-    The file starts with `# {title}` and `intro` when it is new or empty.
-    """
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a") as fh:
-        if new:
-            fh.write(f"# {title}\n\n{intro}\n")
-        fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
-        fh.write(f"- GPU: {gpu}; torch {torch.__version__}; triton {triton_version}\n")
-        fh.write(f"- command: `{command}`\n")
-        fh.writelines(f"- {f}\n" for f in facts)
-        fh.write("\n" + body + "\n")
-
-
-def bench_command(args, name: str) -> str:
-    """The `quarl bench NAME ...` command line that ran, for a results entry: args.argv when main() was given
-    an argument list, else what followed NAME on this process's command line (or the module's path)."""
-    argv = getattr(args, "argv", None)
-    if argv is None:
-        argv = sys.argv[sys.argv.index(name) + 1:] if name in sys.argv else sys.argv[1:]
-    return shlex.join(["quarl", "bench", name, *argv])
 
 
 def run_bench_step(args) -> int:

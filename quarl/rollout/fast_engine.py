@@ -38,6 +38,7 @@ from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequ
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
 from quarl.rollout.fast_cache import PrefillCacheWriter, SlotKVCache
 from quarl.rollout.fast_step import DecodeState, decode_step
+from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
 from quarl.rollout.sampling import SamplingParams
 
 KV_BUCKET = 256  # column granularity of the torch attention path's static bound (one graph per bound)
@@ -89,8 +90,6 @@ class FastRolloutEngine(RolloutEngine):
         self.sync_every = int(sync_every)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.attention_backend = attention_backend
-        from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
-
         if fused_decode and not fused_decode_supported(model):
             raise ValueError("fused_decode=True needs a model without per-head q/k norms (Qwen3 uses the module "
                              "path); pass fused_decode=None or False")
