@@ -16,14 +16,12 @@ import copy
 import pytest
 import torch
 
-from quarl.model.config import ModelConfig
-from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import PrecisionConfig
 from quarl.rollout.engine import RolloutEngine
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, decode_attention_torch
 from quarl.rollout.fast_engine import FastRolloutEngine
-from tiny_models import make_model
+from tiny_models import make_model, small_qwen2
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -35,13 +33,7 @@ def tiny_model(arch="qwen2", std=0.25):
 
 def small_model():
     """Qwen2-style, 4 layers, hidden 512, GQA 8:2, head_dim 64, vocab 32000; lm_head std 0.15 -> logits std ~3."""
-    cfg = ModelConfig(architecture="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4,
-                      num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=True, rope_theta=1e6,
-                      max_position_embeddings=4096, eos_token_ids=[31999])
-    model = QuarlForCausalLM(cfg, init_std=0.02)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.15)
-    return model.to(DEV, torch.bfloat16).eval()
+    return small_qwen2(32000, 4, DEV)
 
 
 def rand_prompts(lengths, vocab=256):

@@ -20,6 +20,7 @@ from quarl.model.precision_apply import apply_precision
 from quarl.precision import PrecisionConfig
 from quarl.rollout.fast_engine import FastRolloutEngine
 from quarl.rollout.fused_decode import both_decode_logits
+from tiny_models import small_qwen2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fp8]
 DEV = "cuda"
@@ -103,17 +104,8 @@ def test_fp8_matmul_from_codes_equals_the_quantizing_matmul():
 
 
 def _small_model(fmt):
-    from quarl.model.config import ModelConfig
-    from quarl.model.decoder import QuarlForCausalLM
-
     torch.manual_seed(0)
-    cfg = ModelConfig(architecture="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=3,
-                      num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=True, rope_theta=1e6,
-                      max_position_embeddings=4096, eos_token_ids=[4095])
-    model = QuarlForCausalLM(cfg, init_std=0.02)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.15)
-    model = model.to(DEV, BF16).eval()
+    model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
     apply_precision(model, PrecisionConfig(flow="bf16") if fmt is None else PrecisionConfig(flow="split", format=fmt))
     return model
 

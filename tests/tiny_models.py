@@ -26,3 +26,17 @@ def make_model(arch="llama", dtype=torch.float32, std=0.25, **overrides):
 def rand_prompts(lengths):
     """Random byte-token prompts of the given lengths (lists of ids < 256)."""
     return [torch.randint(0, 256, (n,)).tolist() for n in lengths]
+
+
+def small_qwen2(vocab_size: int = 32000, num_layers: int = 4, device="cuda", dtype=torch.bfloat16):
+    """Qwen2-style, hidden 512, GQA 8:2, head_dim 64, 0.02 init; lm_head std 0.15 -> logits std ~3 (clear argmaxes).
+    EOS is the last token id."""
+    from quarl.model.config import ModelConfig
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=vocab_size, hidden_size=512, intermediate_size=1408,
+                      num_layers=num_layers, num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=True,
+                      rope_theta=1e6, max_position_embeddings=4096, eos_token_ids=[vocab_size - 1])
+    model = QuarlForCausalLM(cfg, init_std=0.02)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.15)
+    return model.to(device, dtype).eval()
