@@ -3,8 +3,8 @@ decode forward against the module-by-module one.
 
 Tolerances: the residual add, SiLU·mul and rotary kernels round exactly where PyTorch rounds, so they must be bit
 for bit equal, up to the float32 summation order of the norm's mean square and the exp of SiLU: at most one bf16
-rounding step apart (2^-7 relative) and >= 99.9 % of elements identical. FP8/int8 codes are checked bit for bit
-against `quarl.formats.quantize` of the kernel's own bf16 values. Logits of the fused forward vs the module
+rounding step apart (2^-7 relative) and at most max(2, 0.1 %) elements not identical. FP8/int8 codes are checked bit
+for bit against `quarl.formats.quantize` of the kernel's own bf16 values. Logits of the fused forward vs the module
 forward of a bf16 model: 3e-2 of the largest logit (a different GEMM algorithm for the stacked weights rounds bf16
 outputs differently).
 """
@@ -30,7 +30,9 @@ BF16 = torch.bfloat16
 def one_rounding_apart(got, want):
     g, w = got.float(), want.float()
     assert bool(((g - w).abs() <= w.abs() * 2.0**-7 + 1e-30).all()), (g - w).abs().max()
-    assert (g == w).float().mean() >= 0.999
+    # A float32 ulp of difference in a row's mean square flips a bf16 rounding about once in 10^4 elements, so a
+    # small row may hold one or two such flips: allow max(2, 0.1 %) differing elements.
+    assert int((g != w).sum()) <= max(2, g.numel() // 1000), int((g != w).sum())
 
 
 def assert_codes_of(h, codes, scales, fmt):
