@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the default tile (block_n 64, 4 warps, 2 stages)")
     args = ap.parse_args()
     bw, _ = measure_ceilings(torch)
-    variants = [(64, 4, 2)] if args.quick else list(itertools.product((32, 64, 128), (4, 8), (2, 3)))
+    variants = [(64, 4, 2)] if args.quick else list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3)))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; context {args.context}")
     print("| batch | KV | block_n | warps | stages | splits | ms | floor ms | % floor | rel. err |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

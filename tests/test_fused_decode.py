@@ -190,10 +190,30 @@ def test_parts_with_and_without_a_fallback_cache_still_stack():
     assert fused.fused_qweight is not None and parts[0].weight_dequant is None
     parts[1]._build_dequant_cache()  # only this part: its buffer is not a view of anything stacked
     assert fused.fused_qweight is None
-    fused.prepare()
+    assert fused.prepare() is True  # re-stacked: buffers moved
+    assert fused.prepare() is False  # already current: nothing moves
     assert fused.fused_qweight is not None
     assert all(p.weight_dequant is not None for p in parts)
     stacked = fused._fused["weight_dequant"]
     assert parts[0].weight_dequant.data_ptr() == stacked.data_ptr()
     x = torch.randn(3, 48)
     close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_engine_restacks_what_a_prefill_fallback_unstacked():
+    """A prefill runs the module path; a projection with no kernel for its shape builds its own dequantized cache
+    there, which un-stacks the fused weight. The engine stacks again after the prefill, so its decode steps use
+    the fused GEMMs."""
+    torch.manual_seed(0)
+    model = make_model("qwen2", dtype=torch.float32)
+    apply_precision(model, PrecisionConfig(flow="split", format="fp8"))
+    for m in model.modules():
+        if isinstance(m, QuantLinear):  # as on a GPU: no cache until a fallback needs one
+            m.register_buffer("weight_dequant", None, persistent=False)
+    engine = FastRolloutEngine(model, None, max_batch_size=4, use_cuda_graphs=False)
+    decoder = FusedDecoder.for_model(model)
+    decoder.prepare()
+    assert all(p.weight_dequant is None for p in decoder.qkv[0].parts)
+    engine.generate(rand_prompts([5, 3]), n=2, max_new_tokens=3, temperature=0)
+    assert all(p.weight_dequant is not None for p in decoder.qkv[0].parts)  # the prefill's fallbacks ran
+    assert all(proj._views_current() for proj in decoder.qkv + decoder.gate_up)

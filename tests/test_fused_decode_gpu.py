@@ -67,7 +67,7 @@ def test_add_rms_norm_kernel(m, h, quant):
     one_rounding_apart(h0, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(BF16))
 
 
-@pytest.mark.parametrize("m,n", [(1, 1408), (300, 18944), (64, 1000)])
+@pytest.mark.parametrize("m,n", [(1, 1408), (300, 18944), (64, 1000), (3, 40000)])  # 40000: two-pass kernel
 @pytest.mark.parametrize("quant", [None, "fp8", "int8"])
 def test_silu_mul_kernel_on_the_halves_of_a_fused_output(m, n, quant):
     from quarl.kernels.decode_fused import silu_mul_rows

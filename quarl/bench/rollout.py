@@ -31,6 +31,7 @@ from quarl.bench import add_output_arguments, append_entry, bench_command, bench
 PRECISIONS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
 KV_CACHES = ("auto", "fp8", "fp8-token")  # = quarl.precision.KV_CACHE_FORMATS (this module imports no torch)
 W8A8 = ("int8", "fp8", "fp8-block", "fp8-tensor")
+HEAD_SUFFIX = "+head"  # "fp8+head": lm_head quantized as well (it stays bf16 otherwise)
 DEFAULT_SETTINGS = ("bf16:auto", "bf16:fp8", "int8:auto", "fp8:auto", "fp8-block:auto", "nvfp4:auto", "int8:fp8",
                     "fp8:fp8", "fp8-block:fp8", "nvfp4:fp8")
 DEFAULT_RESULTS = os.path.join("bench", "results", "rollout.md")
@@ -100,7 +101,8 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-size", default="7b", help=f"Qwen2.5 architecture: {', '.join(MODEL_SIZES)}")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                         help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS)
-                        + "; KV " + "|".join(KV_CACHES) + ")")
+                        + f", a quantized one optionally with {HEAD_SUFFIX} to quantize lm_head too; KV "
+                        + "|".join(KV_CACHES) + ")")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -119,15 +121,17 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_settings(text: str) -> list[tuple[str, str]]:
     """'bf16:auto,int8:fp8' -> [("bf16", "auto"), ("int8", "fp8")] (KV defaults to auto; auto, fp8 or
-    fp8-token)."""
+    fp8-token). 'fp8+head:fp8' also quantizes lm_head (precision.quantize_lm_head)."""
     out = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
         prec, _, kv = item.partition(":")
         kv = kv or "auto"
-        if prec not in PRECISIONS or kv not in KV_CACHES:
-            raise ValueError(f"setting {item!r}: precision must be one of {PRECISIONS} and KV one of {KV_CACHES}")
+        base = prec.removesuffix(HEAD_SUFFIX)
+        if base not in PRECISIONS or kv not in KV_CACHES or prec == "bf16" + HEAD_SUFFIX:
+            raise ValueError(f"setting {item!r}: precision must be one of {PRECISIONS} (a quantized one may end in "
+                             f"{HEAD_SUFFIX!r} to quantize lm_head too) and KV one of {KV_CACHES}")
         out.append((prec, kv))
     if not out:
         raise ValueError("no settings given (e.g. --settings bf16:auto,fp8:fp8)")
@@ -185,15 +189,29 @@ def _sync_time(torch) -> float:
     return time.perf_counter()
 
 
+def configure_precision(model, prec: str) -> str:
+    """Put `model` in setting precision `prec` ("bf16", "fp8", "fp8+head", ...); returns the format without the
+    lm_head suffix. Settings run one after another on one model, so lm_head goes back to bf16 when the setting
+    does not quantize it (apply_precision itself leaves lm_head alone)."""
+    from quarl.model.precision_apply import apply_precision, base_settings, refresh_rollout_weights
+    from quarl.precision import PrecisionConfig
+
+    base, head = prec.removesuffix(HEAD_SUFFIX), prec.endswith(HEAD_SUFFIX)
+    pc = PrecisionConfig(flow="bf16") if base == "bf16" else PrecisionConfig(flow="split", format=base,
+                                                                               quantize_lm_head=head)
+    apply_precision(model, pc)
+    if not head and model.lm_head.rollout_format is not None:
+        model.lm_head.configure(**base_settings(PrecisionConfig(flow="bf16")))
+        refresh_rollout_weights(model)
+    return base
+
+
 def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate: float, cfg) -> dict:
     """Configure `model` for `prec`, warm up, time `args.repeats` generate calls; returns one result row."""
-    from quarl.model.precision_apply import apply_precision
-    from quarl.precision import PrecisionConfig
     from quarl.rollout.fast_engine import FastRolloutEngine
 
     t_setup = time.perf_counter()
-    pc = PrecisionConfig(flow="bf16") if prec == "bf16" else PrecisionConfig(flow="split", format=prec)
-    apply_precision(model, pc)
+    base = configure_precision(model, prec)
     batch = args.prompts * args.samples
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
@@ -207,7 +225,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
         from quarl.rollout.sampling import SamplingParams
 
         b = step_breakdown(torch, engine, model, batch, args.prompt_len + args.max_new_tokens // 2,
-                           SamplingParams(args.temperature), bw, rate * (2 if prec in W8A8 else 1))
+                           SamplingParams(args.temperature), bw, rate * (2 if base in W8A8 else 1))
         del engine
         return dict(precision=prec, kv_cache=kv, breakdown=b, setup_s=setup_s)
     totals, stats = [], []
@@ -224,7 +242,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     prefill = statistics.median(s["prefill_s"] for s in stats)
     weight_bytes, params = linear_bytes_and_params(model)
     kv_elem = kv_bytes_per_element(kv, cfg.head_dim, model.dtype.itemsize)
-    prec_rate = rate * (2 if prec in W8A8 else 1)
+    prec_rate = rate * (2 if base in W8A8 else 1)
     roof = roofline_seconds(weight_bytes, params, cfg, batch, args.prompt_len, args.max_new_tokens,
                             args.prompts * args.prompt_len, kv_elem, bw, prec_rate)
     row = dict(precision=prec, kv_cache=kv, tokens=tokens, expected_tokens=expected, total_s=total,

@@ -21,10 +21,24 @@ semantics are `quarl.rollout.fast_attention.decode_attention_torch`.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+
+# Triton's CPU interpreter (used to check this kernel without a GPU) runs no inline assembly: skip the pin there.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _widen_here(x):
+    """Identity on an fp16 tensor that the compiler may not move: it pins the fp8 -> fp16 widening of V before the
+    PV dot's operand layout change. Without it Triton widens after that change, reading the transposed fp8 operand
+    from shared memory one byte at a time (64 `ld.shared.b8` per thread per block, and 4-byte async copies); with
+    it, V is copied in 16-byte chunks, widened in registers and transposed as fp16 by `ldmatrix.trans`."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -38,7 +52,7 @@ def _decode_attention_kernel(
     stride_mb, stride_mh,
     sm_scale, kv_scale, split_len,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr, NORMALIZE: tl.constexpr, PIN_WIDEN: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # b * slot stride can pass 2^31 in a large cache
     kvh = tl.program_id(1)
@@ -87,8 +101,8 @@ def _decode_attention_kernel(
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         if FP8_KV:
+            v = _widen_here(v.to(tl.float16)) if PIN_WIDEN else v.to(tl.float16)
             k = k.to(tl.float16)
-            v = v.to(tl.float16)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32
         if TOKEN_SCALES:
             s = s * tl.load(ks_base + cols, mask=n_ok, other=1.0)[None, :]
@@ -189,7 +203,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         0 if normalize else m.stride(0), 0 if normalize else m.stride(1),
         1.0 / math.sqrt(D), float(kv_scale), split_len,
         G=G, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n, TOKEN_SCALES=token, NORMALIZE=normalize, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, TOKEN_SCALES=token, NORMALIZE=normalize,
+        PIN_WIDEN=not _INTERPRETED, num_warps=num_warps, num_stages=num_stages,
     )
     if normalize:
         return acc[:, :, 0]

@@ -99,6 +99,53 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
 
 
 @triton.jit
+def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u, WRITE_H: tl.constexpr,
+                         QUANT_INT8: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
+    """One program per row, the whole row on chip in up to three power-of-two pieces (C0 >= C1 >= C2, 0 = none;
+    C0 + C1 + C2 >= N): each product is computed once, then the row's scale and codes. Used with quantization,
+    where `_silu_mul_kernel` would compute every product twice (one pass for the amax, one for the codes)."""
+    row = tl.program_id(0).to(tl.int64)
+    g_row = g_ptr + row * stride_g
+    u_row = u_ptr + row * stride_u
+    out_dtype: tl.constexpr = h_ptr.dtype.element_ty
+    h0, ok0 = _silu_mul_block(g_row, u_row, 0, tl.arange(0, C0), N, out_dtype)
+    amax = tl.max(tl.abs(h0.to(tl.float32)), axis=0)
+    if C1 > 0:
+        h1, ok1 = _silu_mul_block(g_row, u_row, C0, tl.arange(0, C1), N, out_dtype)
+        amax = tl.maximum(amax, tl.max(tl.abs(h1.to(tl.float32)), axis=0))
+    if C2 > 0:
+        h2, ok2 = _silu_mul_block(g_row, u_row, C0 + C1, tl.arange(0, C2), N, out_dtype)
+        amax = tl.maximum(amax, tl.max(tl.abs(h2.to(tl.float32)), axis=0))
+    q_row = q_ptr + row * N
+    _store_codes(q_row, s_ptr, row, tl.arange(0, C0), ok0, h0.to(tl.float32), amax, QUANT_INT8)
+    if WRITE_H:
+        tl.store(h_ptr + row * N + tl.arange(0, C0), h0, mask=ok0)
+    if C1 > 0:
+        _store_codes(q_row, s_ptr, row, C0 + tl.arange(0, C1), ok1, h1.to(tl.float32), amax, QUANT_INT8)
+        if WRITE_H:
+            tl.store(h_ptr + row * N + C0 + tl.arange(0, C1), h1, mask=ok1)
+    if C2 > 0:
+        _store_codes(q_row, s_ptr, row, C0 + C1 + tl.arange(0, C2), ok2, h2.to(tl.float32), amax, QUANT_INT8)
+        if WRITE_H:
+            tl.store(h_ptr + row * N + C0 + C1 + tl.arange(0, C2), h2, mask=ok2)
+
+
+def row_pieces(n: int, pieces: int = 3, smallest: int = 128) -> tuple[int, ...]:
+    """n split into `pieces` power-of-two sizes, largest first, covering n with the least padding: the binary
+    digits of n from the top, the last piece rounded up (0 = unused piece). 18944 -> (16384, 2048, 512)."""
+    sizes, rest = [], n
+    while rest > 0 and len(sizes) < pieces - 1:
+        top = 1 << (rest.bit_length() - 1)
+        if top < smallest:
+            break
+        sizes.append(top)
+        rest -= top
+    if rest > 0:
+        sizes.append(max(smallest, triton.next_power_of_2(rest)))
+    return tuple(sizes + [0] * (pieces - len(sizes)))
+
+
+@triton.jit
 def _round_bf16(v):
     """float32 -> the nearest bf16 value (ties to even), still float32. Integer arithmetic on purpose: with a plain
     conversion the compiler contracts a rounded product and the add that follows into one bf16 FMA (one rounding
@@ -172,6 +219,9 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     return residual, h, _typed(codes, quant), scales
 
 
+ROW_ON_CHIP_MAX = 32768  # longest row `_silu_mul_row_kernel` holds (16 warps: 64 values per thread)
+
+
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True):
     """gate, up: [M, N] (rows contiguous; may be the two halves of one fused projection output) ->
     (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None)."""
@@ -182,7 +232,12 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None
                          f"and {tuple(up.shape)}")
     h = torch.empty((M, N), dtype=up.dtype, device=up.device) if write_h else None
     codes, scales = _codes(M, N, quant, up.device)
-    if M:
+    if M and quant is not None and N <= ROW_ON_CHIP_MAX:
+        c0, c1, c2 = row_pieces(N)
+        _silu_mul_row_kernel[(M,)](
+            gate, up, h if h is not None else up, codes, scales, N, gate.stride(0), up.stride(0),
+            WRITE_H=write_h, QUANT_INT8=quant == "int8", C0=c0, C1=c1, C2=c2, num_warps=16)
+    elif M:
         _silu_mul_kernel[(M,)](
             gate, up, h if h is not None else up, codes if codes is not None else up,
             scales if scales is not None else up, N, gate.stride(0), up.stride(0),

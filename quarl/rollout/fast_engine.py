@@ -288,6 +288,10 @@ class FastRolloutEngine(RolloutEngine):
             writer = PrefillCacheWriter(self.cache, torch.tensor([s for _, s in rows], device=device),
                                         torch.tensor([row_of[i] for i, _ in rows], device=device))
             model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer)
+            # A projection that fell back to bf16 in this forward built its own dequantized cache, which
+            # un-stacks its fused weight: stack again, else the decode steps run the parts one by one.
+            if self._decoder is not None and self._decoder.prepare():
+                self._graphs.clear()  # they read the buffers that just moved
         flat = [s for group in slots for s in group]
         idx = torch.tensor(flat, device=device)
         st = self.state

@@ -109,14 +109,16 @@ class FusedProjection:
             row += n
 
     # -------------------------------------------------------------------------------------- forward
-    def prepare(self) -> None:
+    def prepare(self) -> bool:
         """Re-stack the parts if a reconfiguration (or a part's own fallback cache) replaced their buffers since;
-        drops the old stacked buffers first. Not during CUDA-graph capture."""
-        if not self._views_current():
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
-            self._fused = None
-            self._fuse()
+        drops the old stacked buffers first. Not during CUDA-graph capture. Returns whether it re-stacked."""
+        if self._views_current():
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
+        self._fused = None
+        self._fuse()
+        return True
 
     @property
     def fused_qweight(self):
@@ -275,10 +277,10 @@ class FusedDecoder:
                     for l in model.model.layers]
         self.gate_up = [FusedProjection([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
 
-    def prepare(self) -> None:
-        """Make every fused weight current (re-stacks after a reconfiguration; no work otherwise)."""
-        for proj in self.qkv + self.gate_up:
-            proj.prepare()
+    def prepare(self) -> bool:
+        """Make every fused weight current (re-stacks after a reconfiguration; no work otherwise). Returns
+        whether any buffer moved (CUDA graphs captured before then read the old buffers)."""
+        return any([proj.prepare() for proj in self.qkv + self.gate_up])  # a list: prepare every one
 
     def logits(self, cache, tokens: torch.Tensor, positions: torch.Tensor, attention, kv_len: int) -> torch.Tensor:
         """Next-token logits [B, vocab] for slots 0..B-1 (see `fast_step.decode_logits`)."""
