@@ -230,3 +230,21 @@ def test_a_failing_kv_write_kernel_leaves_the_torch_write_in_charge(monkeypatch)
     rows = torch.arange(3, device=DEV)
     assert torch.equal(cache.keys[0][rows, :, positions].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(cache.key_scales[0][rows, :, positions], scales)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_second_generate_reuses_the_captured_graphs(precision):
+    """Graphs captured by one generate serve the next one with the same shapes: nothing in between (the prefill,
+    the fused-weight bookkeeping) may drop them."""
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    torch.manual_seed(0)
+    model = tiny_model("qwen2")
+    if precision != "bf16":
+        apply_precision(model, PrecisionConfig(flow="split", format=precision))
+    engine = FastRolloutEngine(model, None, max_batch_size=8, sync_every=4)
+    prompts = rand_prompts([5, 9, 3, 7])
+    engine.generate(prompts, n=2, max_new_tokens=12, temperature=1.0, seed=1, ignore_eos=True)
+    assert engine.last_stats["graph_captures"] > 0
+    engine.generate(prompts, n=2, max_new_tokens=12, temperature=1.0, seed=2, ignore_eos=True)
+    assert engine.last_stats["graph_captures"] == 0, engine.last_stats

@@ -217,3 +217,14 @@ def test_engine_restacks_what_a_prefill_fallback_unstacked():
     engine.generate(rand_prompts([5, 3]), n=2, max_new_tokens=3, temperature=0)
     assert all(p.weight_dequant is not None for p in decoder.qkv[0].parts)  # the prefill's fallbacks ran
     assert all(proj._views_current() for proj in decoder.qkv + decoder.gate_up)
+
+
+def test_prepare_reports_no_move_for_parts_that_do_not_stack():
+    """bf16 parts never stack: prepare() must say nothing moved (the engine drops its CUDA graphs when it says
+    otherwise, which would re-capture them after every prefill)."""
+    parts = _parts(None)
+    fused = FusedProjection(parts)
+    assert fused.fused_qweight is None
+    assert fused.prepare() is False
+    fp8 = FusedProjection(_parts("fp8"))
+    assert fp8.prepare() is False  # stacked at construction, still current

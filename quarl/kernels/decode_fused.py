@@ -156,25 +156,26 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, stride_x, stride_c, D: tl.constexpr):
-    """Program (row, head) over the HQ query heads then the key heads of one fused projection row."""
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, HK, stride_x, stride_c, D: tl.constexpr,
+                 HEADS: tl.constexpr):
+    """Program (row, group of HEADS heads) over the HQ query heads then the HK key heads of one fused projection
+    row (a program per head would be tens of thousands of one-warp programs at a rollout batch)."""
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, D)
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
+    d = tl.arange(0, D)[None, :]  # [1, D]
     half: tl.constexpr = D // 2
-    x = tl.load(x_ptr + row * stride_x + head * D + d)
+    ok = head < HQ + HK
+    x_row = x_ptr + row * stride_x + head * D
+    x = tl.load(x_row + d, mask=ok, other=0.0)
     # rotate_half(x) = cat(-x[D/2:], x[:D/2])
-    partner = tl.load(x_ptr + row * stride_x + head * D + (d + half) % D)
+    partner = tl.load(x_row + (d + half) % D, mask=ok, other=0.0)
     rot = tl.where(d < half, -partner.to(tl.float32), partner.to(tl.float32))
     c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
     s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
     # bf16 x bf16 is exact in float32, so each rounding below is PyTorch's bf16 multiply / add
     y = _round_bf16(_round_bf16(x.to(tl.float32) * c) + _round_bf16(rot * s)).to(x.dtype)
-    if head < HQ:
-        tl.store(q_ptr + (row * HQ + head) * D + d, y)
-    else:
-        n_kv = tl.num_programs(1) - HQ
-        tl.store(k_ptr + (row * n_kv + head - HQ) * D + d, y)
+    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
+    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & ok)
 
 
 def _codes(m: int, n: int, quant: str | None, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -261,6 +262,8 @@ def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
     q = torch.empty((M, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((M, num_kv_heads, D), dtype=qkv.dtype, device=qkv.device)
     if M:
-        _rope_kernel[(M, num_heads + num_kv_heads)](qkv, cos, sin, q, k, num_heads, qkv.stride(0), cos.stride(0),
-                                                    D=D, num_warps=1)
+        heads = max(1, min(8, 1024 // D))  # about 1024 values per program
+        _rope_kernel[(M, triton.cdiv(num_heads + num_kv_heads, heads))](
+            qkv, cos, sin, q, k, num_heads, num_kv_heads, qkv.stride(0), cos.stride(0), D=D, HEADS=heads,
+            num_warps=4)
     return q, k

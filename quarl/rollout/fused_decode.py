@@ -111,14 +111,15 @@ class FusedProjection:
     # -------------------------------------------------------------------------------------- forward
     def prepare(self) -> bool:
         """Re-stack the parts if a reconfiguration (or a part's own fallback cache) replaced their buffers since;
-        drops the old stacked buffers first. Not during CUDA-graph capture. Returns whether it re-stacked."""
-        if self._views_current():
+        drops the old stacked buffers first. Not during CUDA-graph capture. Returns whether it re-stacked (moved
+        the parts' buffers); parts that cannot be stacked keep their own buffers and give False."""
+        if self._views_current() or (self._fused is None and not self._stackable()):
             return False
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
         self._fused = None
         self._fuse()
-        return True
+        return self._fused is not None
 
     @property
     def fused_qweight(self):
