@@ -3,8 +3,7 @@
 - Same draws as `filtered_logprobs` + `gumbel_max` on the same noise: every token equal (a differing token
   needs two Gumbel scores within one float32 rounding of each other, ~1e-6 per row), log-probs within 2e-5.
 - Greedy: the argmax of the logits (lowest index among ties) and its log-softmax value.
-- Draws follow softmax(logits / T): empirical frequencies within 5 standard deviations, with the given noise and
-  with uniforms the kernel draws itself from an rng state (seed, step).
+- Draws follow softmax(logits / T): empirical frequencies within 5 standard deviations.
 """
 
 from __future__ import annotations
@@ -107,38 +106,3 @@ def test_a_failing_kernel_leaves_the_torch_sampler_in_charge(monkeypatch):
         tok, lp = sample_next(logits, SamplingParams(1.0), noise)
     ref_lp = filtered_logprobs(logits, SamplingParams(1.0))
     assert torch.equal(tok, gumbel_max(ref_lp, noise))
-
-
-def test_kernel_drawn_uniforms_follow_the_tempered_distribution_and_repeat_per_step():
-    """With an rng state the kernel draws its own uniforms (Philox on seed, column, row, step): the same state
-    gives the same tokens, another step other tokens, the log-prob is log softmax(logits / T) of the token, and
-    the draws follow softmax(logits / T) (5 standard deviations, as above)."""
-    from quarl.kernels.sampling import sample_rows
-
-    V, N, T = 5003, 40000, 0.8  # V past a 4 x 1024 Philox stride
-    row = torch.randn(V, device=DEV) * 2
-    row[[0, 1, 2, 4097, 4500, 5002]] = torch.tensor([4.0, 3.5, 3.0, 3.2, 2.0, 1.0], device=DEV)
-    logits = row.expand(N, V)
-    rng = torch.tensor([int(torch.randint(0, 2**62, (1,))), 5], device=DEV)
-    tok, lp = sample_rows(logits, None, T, rng)
-    again, _ = sample_rows(logits, None, T, rng)
-    assert torch.equal(tok, again)
-    later, _ = sample_rows(logits, None, T, rng + torch.tensor([0, 1], device=DEV))
-    assert (later != tok).float().mean() > 0.5  # an independent draw agrees only where the mass is
-    p = torch.softmax(row.double() / T, -1)
-    torch.testing.assert_close(lp.double(), p.log()[tok], atol=2e-5, rtol=0)
-    counts = torch.bincount(tok, minlength=V).double()
-    sd = (N * p * (1 - p)).sqrt()
-    heavy = [0, 1, 2, 4097, 4500, 5002]
-    worst = float(((counts - N * p).abs() / (sd + 1e-9))[heavy].max())
-    assert worst < 5, f"frequencies off by {worst:.1f} standard deviations"
-
-
-def test_rng_state_is_checked():
-    from quarl.kernels.sampling import sample_rows
-
-    logits = torch.randn(4, 100, device=DEV)
-    with pytest.raises(ValueError, match="int64 \\[2\\]"):
-        sample_rows(logits, None, 1.0, torch.zeros(3, dtype=torch.long, device=DEV))
-    with pytest.raises(ValueError, match="noise .* or an rng state"):
-        sample_rows(logits, None, 1.0)

@@ -5,8 +5,7 @@ are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
   step       the engine's captured decode step (noise refill included), as in generation;
   linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path);
   attention  the decode attention of every layer over `context` + 1 columns;
-  sampling   the step's sampler (`fast_step.sample_next`) on [batch, vocab] logits in the model dtype, with the
-             noise refill where the sampler reads noise (the kernel draws its own uniforms otherwise);
+  sampling   the step's sampler (`fast_step.sample_next`) on [batch, vocab] logits in the model dtype;
   other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
 Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth; the linears
 also their compute floor, 2 * weights * batch / matrix rate.
@@ -41,7 +40,7 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     """
     from quarl.model.qlinear import QuantLinear
     from quarl.bench.rollout import kv_bytes_per_element
-    from quarl.rollout.fast_step import sample_next, sampling_kernel_applies
+    from quarl.rollout.fast_step import sample_next
 
     cfg, st, cache = model.config, engine.state, engine.cache
     dev, dtype = model.device, model.dtype
@@ -83,18 +82,8 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
                                                                 *cache.scales(i)) for i in range(cfg.num_layers)])
 
             logits = torch.randn(batch, cfg.vocab_size, device=dev, dtype=dtype)
-            # as the step samples: the kernel's own draws (from st.rng) where it applies, else uniform noise,
-            # refilled per step like the engine does (outside the step's graph, so part of the sampling time)
-            kernel_draws = not params.greedy and sampling_kernel_applies(params, logits.device, logits.dtype)
-            u = None if params.greedy or kernel_draws else torch.empty(batch, cfg.vocab_size, device=dev)
-
-            def sample():
-                if u is not None:
-                    u.uniform_()
-                return sample_next(logits, params, u, st.rng if kernel_draws else None)
-
-            out["sampling_ms"] = _graph_ms(torch, sample)
-            out["sampling_noise"] = u is not None
+            u = torch.rand(batch, cfg.vocab_size, device=dev)
+            out["sampling_ms"] = _graph_ms(torch, lambda: sample_next(logits, params, None if params.greedy else u))
         finally:
             model.set_rollout(False)
             st.done.fill_(True)
@@ -108,8 +97,7 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     out["linears_compute_floor_ms"] = 1e3 * 2.0 * sum(m.in_features * m.out_features for m in linears) * batch \
         / matrix_rate
     out["attention_floor_ms"] = 1e3 * kv_bytes / bandwidth
-    noise_bytes = 8 if out["sampling_noise"] else 0  # the noise tensor written, then read
-    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * (noise_bytes + dtype.itemsize) / bandwidth
+    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * (4 + dtype.itemsize) / bandwidth  # logits + noise
     out["context"], out["batch"] = context, batch
     return out
 

@@ -10,9 +10,8 @@ and writes token = argmax z and logprob = s[token] - (m + log l). Ties go to the
 
 Same draw as the torch step up to float32 rounding: the reference adds the noise to s - lse, this kernel to s
 (the constant shift does not change the argmax, but the rounding of the sum can differ in the last bit, which
-only matters for near-exact ties). With an rng state the uniforms u come from Philox inside the kernel, so no
-[B, V] noise tensor is written and read per step (at B = 512 that tensor is 311 MB). Only temperature sampling
-(top_k = 0, top_p = 1) and greedy decoding run here; the filtered distributions keep the torch path.
+only matters for near-exact ties). Only temperature sampling (top_k = 0, top_p = 1) and greedy decoding run
+here; the filtered distributions keep the torch path.
 
 Imports Triton: load it only when `quarl.kernels.kernels_available()` says the kernels can run.
 """
@@ -25,72 +24,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _take(s, z, idx, ok, m, l_sum, best_z, best_i, best_s):
-    """Fold one block (scores s, perturbed scores z at indices idx) into the per-lane running state."""
-    z = tl.where(ok, z, float("-inf"))
-    # strict: an equal later value keeps the earlier (lower) index; NaN counts as the largest value (as in
-    # torch.argmax), so a NaN row still yields an index inside the vocabulary
-    take = (z > best_z) | ((z != z) & (best_z == best_z))
-    best_z = tl.where(take, z, best_z)
-    best_i = tl.where(take, idx, best_i)
-    best_s = tl.where(take, s, best_s)
-    m_new = tl.maximum(m, s)
-    # exp(-inf - -inf) is NaN: lanes that have seen nothing finite yet keep l = 0
-    l_sum = tl.where(m_new > float("-inf"), l_sum * tl.exp(m - m_new) + tl.exp(s - m_new), l_sum)
-    return m_new, l_sum, best_z, best_i, best_s
-
-
-@triton.jit
-def _drawn_block(l_row, idx, V, inv_temp, r, m, l_sum, best_z, best_i, best_s):
-    """`_take` for one block whose uniform draws come from the random bits r (uint32)."""
-    ok = idx < V
-    s = tl.load(l_row + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-    u = tl.random.uint_to_uniform_float(r)  # [0, 1): u = 0 gives -inf noise, as in the torch path
-    return _take(s, s - tl.log(-tl.log(u)), idx, ok, m, l_sum, best_z, best_i, best_s)
-
-
-@triton.jit
-def _sample_kernel(logits_ptr, noise_ptr, rng_ptr, token_ptr, logprob_ptr, V, stride_l, stride_n, inv_temp,
-                   GREEDY: tl.constexpr, KERNEL_RNG: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(logits_ptr, noise_ptr, token_ptr, logprob_ptr, V, stride_l, stride_n, inv_temp,
+                   GREEDY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    l_row = logits_ptr + row * stride_l
     m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)  # per-lane running max of s
     l_sum = tl.zeros((BLOCK,), dtype=tl.float32)  # per-lane sum of exp(s - m)
     best_z = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)  # per-lane best z, its index and its s
     best_i = tl.full((BLOCK,), 2147483647, dtype=tl.int32)
     best_s = tl.zeros((BLOCK,), dtype=tl.float32)
-    if KERNEL_RNG:
-        # Philox-4x32 keyed by the seed, counter (column, row, step): four uniform streams per call, one per
-        # block of a 4-block stride, so every (row, column, step) gets its own draw without a noise tensor.
-        seed = tl.load(rng_ptr)
-        step = tl.load(rng_ptr + 1)
-        zero = tl.zeros((BLOCK,), dtype=tl.uint32)
-        c_row = zero + row.to(tl.uint32)
-        c_lo = zero + step.to(tl.uint32)
-        c_hi = zero + (step >> 32).to(tl.uint32)
-        STRIDE: tl.constexpr = 4 * BLOCK
-        for start in range(0, V, STRIDE):
-            r0, r1, r2, r3 = tl.random.philox(seed, (start + offs).to(tl.uint32), c_row, c_lo, c_hi)
-            m, l_sum, best_z, best_i, best_s = _drawn_block(l_row, start + offs, V, inv_temp, r0,
-                                                            m, l_sum, best_z, best_i, best_s)
-            m, l_sum, best_z, best_i, best_s = _drawn_block(l_row, start + BLOCK + offs, V, inv_temp, r1,
-                                                            m, l_sum, best_z, best_i, best_s)
-            m, l_sum, best_z, best_i, best_s = _drawn_block(l_row, start + 2 * BLOCK + offs, V, inv_temp, r2,
-                                                            m, l_sum, best_z, best_i, best_s)
-            m, l_sum, best_z, best_i, best_s = _drawn_block(l_row, start + 3 * BLOCK + offs, V, inv_temp, r3,
-                                                            m, l_sum, best_z, best_i, best_s)
-    else:
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            ok = idx < V
-            s = tl.load(l_row + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-            if GREEDY:
-                z = s
-            else:
-                u = tl.load(noise_ptr + row * stride_n + idx, mask=ok, other=0.0)
-                z = s - tl.log(-tl.log(u))
-            m, l_sum, best_z, best_i, best_s = _take(s, z, idx, ok, m, l_sum, best_z, best_i, best_s)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        ok = idx < V
+        s = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
+        if GREEDY:
+            z = s
+        else:
+            u = tl.load(noise_ptr + row * stride_n + idx, mask=ok, other=0.0)
+            z = s - tl.log(-tl.log(u))
+        z = tl.where(ok, z, float("-inf"))
+        # strict: an equal later value keeps the earlier (lower) index; NaN counts as the largest value (as in
+        # torch.argmax), so a NaN row still yields an index inside the vocabulary
+        take = (z > best_z) | ((z != z) & (best_z == best_z))
+        best_z = tl.where(take, z, best_z)
+        best_i = tl.where(take, idx, best_i)
+        best_s = tl.where(take, s, best_s)
+        m_new = tl.maximum(m, s)
+        # exp(-inf - -inf) is NaN: lanes that have seen nothing finite yet keep l = 0
+        l_sum = tl.where(m_new > float("-inf"), l_sum * tl.exp(m - m_new) + tl.exp(s - m_new), l_sum)
+        m = m_new
     # Reduce the lanes: the best z, lowest index among equal bests (NaN lanes first); the log-sum-exp of all lanes.
     nan_lane = best_z != best_z
     any_nan = tl.max(nan_lane.to(tl.int32), axis=0) > 0
@@ -105,16 +67,13 @@ def _sample_kernel(logits_ptr, noise_ptr, rng_ptr, token_ptr, logprob_ptr, V, st
     tl.store(logprob_ptr + row, logprob)
 
 
-def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float,
-                rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits and the log-prob of the distribution it was drawn from.
 
     Args:
         logits: [B, V] bf16/fp16/fp32, last dim contiguous.
-        noise: [>= B, V] float32 uniform draws in [0, 1) (rows 0..B-1 used); None for greedy decoding or with rng.
-        rng: int64 [2] (seed, step) on the logits' device: the kernel draws its own uniforms (Philox, counter =
-            (column, row, step)) instead of reading noise, which saves writing and reading a [B, V] float32
-            tensor per step; the caller advances step between draws. Read on the device: CUDA-graph safe.
+        noise: [>= B, V] float32 uniform draws in [0, 1) (rows 0..B-1 used); None for greedy decoding.
         temperature: > 0 for sampling (q = softmax(logits / temperature)); 0 = greedy (argmax of the logits,
             log-prob under softmax(logits)).
     Returns:
@@ -124,15 +83,10 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: f
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    kernel_rng = rng is not None and temperature > 0
-    greedy = (noise is None and not kernel_rng) or temperature == 0
-    if temperature > 0 and noise is None and rng is None:
-        raise ValueError(f"sampling at temperature {temperature} needs noise [>= {B}, {V}] uniform draws or an "
-                         "rng state (seed, step)")
-    if kernel_rng and (rng.dtype != torch.int64 or rng.shape != (2,) or rng.device != logits.device):
-        raise ValueError(f"rng must be an int64 [2] tensor (seed, step) on {logits.device}, got {rng.dtype} "
-                         f"{tuple(rng.shape)} on {rng.device}")
-    if not greedy and not kernel_rng and (noise.shape[1] != V or noise.shape[0] < B or noise.stride(1) != 1):
+    greedy = noise is None or temperature == 0
+    if temperature > 0 and noise is None:
+        raise ValueError(f"sampling at temperature {temperature} needs noise [>= {B}, {V}] uniform draws")
+    if not greedy and (noise.shape[1] != V or noise.shape[0] < B or noise.stride(1) != 1):
         raise ValueError(f"noise must be [>= {B}, {V}] with contiguous rows, got {tuple(noise.shape)}")
     if not temperature >= 0:  # also NaN
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -142,10 +96,9 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: f
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
-        reads_noise = not greedy and not kernel_rng
         _sample_kernel[(B,)](
-            logits, noise if reads_noise else logits, rng if kernel_rng else tokens, tokens, logprobs, V,
-            logits.stride(0), noise.stride(0) if reads_noise else 0, inv_temp,
-            GREEDY=greedy, KERNEL_RNG=kernel_rng and not greedy, BLOCK=1024, num_warps=4,
+            logits, logits if greedy else noise, tokens, logprobs, V, logits.stride(0),
+            0 if greedy else noise.stride(0), inv_temp,
+            GREEDY=greedy, BLOCK=1024, num_warps=4,
         )
     return tokens, logprobs

@@ -37,7 +37,7 @@ from quarl.model.tokenizer import eos_token_ids
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
 from quarl.rollout.fast_cache import PrefillCacheWriter, SlotKVCache
-from quarl.rollout.fast_step import DecodeState, decode_step, sampling_kernel_applies
+from quarl.rollout.fast_step import DecodeState, decode_step
 from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
 from quarl.rollout.sampling import SamplingParams
 
@@ -151,8 +151,6 @@ class FastRolloutEngine(RolloutEngine):
                 self._prepare(needed)
                 st = self.state
                 st.max_new.fill_(max_new_tokens)
-                st.rng[:1] = torch.randint(0, 2**62, (1,), device=device, generator=gen)  # the kernel's draws
-                st.rng[1:] = 0
                 st.eos_mask.zero_()
                 valid_eos = [e for e in eos if 0 <= e < st.eos_mask.numel()]
                 if valid_eos:
@@ -222,8 +220,8 @@ class FastRolloutEngine(RolloutEngine):
 
     def step(self, batch: int, kv_len: int, params: SamplingParams, gen: torch.Generator) -> None:
         """One decode step for slots 0..batch-1 (a graph replay when graphs are on)."""
-        if not params.greedy and not sampling_kernel_applies(params, self.model.device, self.model.dtype):
-            self.state.noise[:batch].uniform_(generator=gen)  # else the sampling kernel draws from state.rng
+        if not params.greedy:
+            self.state.noise[:batch].uniform_(generator=gen)
         if not self.use_cuda_graphs:
             decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
             return
@@ -248,14 +246,13 @@ class FastRolloutEngine(RolloutEngine):
         column and output column), and the step counters are restored afterwards.
         """
         t0 = time.perf_counter()
-        advanced = self.state.counters() + [self.state.rng]
-        saved = [t.clone() for t in advanced]
+        saved = [t.clone() for t in self.state.counters()]
         side = torch.cuda.Stream(device=self.model.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
         torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip(advanced, saved):
+        for t, s in zip(self.state.counters(), saved):
             t.copy_(s)
         if self._decoder is not None:
             self._decoder.prepare()  # re-stack what the warm-up's fallbacks replaced, before capturing

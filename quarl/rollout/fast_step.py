@@ -64,30 +64,21 @@ def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logprobs - torch.log(-torch.log(uniform)), dim=-1)
 
 
-def sampling_kernel_applies(params: SamplingParams, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `sample_next` takes the one-pass kernel for logits of `dtype` on `device`: temperature sampling or
-    greedy decoding (no top-k / top-p) of 16/32-bit logits on a GPU whose kernel check passed."""
-    plain = params.greedy or (params.top_k == 0 and params.top_p == 1.0)
-    return (plain and torch.device(device).type == "cuda" and dtype != torch.float64
-            and _sampling_kernel_ok(torch.device(device), dtype))
-
-
-def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None,
-                rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of every row and its behaviour log-prob: (long [B], float32 [B]; float64 for float64 logits).
 
-    logits: [B, V] any float dtype; noise: [B, V] float32 uniform draws (None for greedy params, or when the
-    kernel draws them from rng). Greedy = argmax of the logits; otherwise Gumbel-max over `filtered_logprobs`.
-    Where `sampling_kernel_applies`, the one-pass kernel `quarl.kernels.sampling` (the same draw up to float32
-    rounding, given the same uniforms); with rng (int64 [2] = seed, step) it draws the uniforms itself. Top-k /
-    top-p, float64 and CPU logits take the torch definition below, which needs noise.
+    logits: [B, V] any float dtype; noise: [B, V] float32 uniform draws (None for greedy params). Greedy = argmax
+    of the logits; otherwise Gumbel-max over `filtered_logprobs`. Temperature sampling and greedy decoding of
+    16/32-bit logits on a GPU take the one-pass kernel `quarl.kernels.sampling` (the same draw up to float32
+    rounding); top-k / top-p, float64 and CPU logits the torch definition below.
     """
-    if sampling_kernel_applies(params, logits.device, logits.dtype):
+    plain = params.greedy or (params.top_k == 0 and params.top_p == 1.0)
+    if plain and logits.is_cuda and logits.dtype != torch.float64 and _sampling_kernel_ok(logits.device,
+                                                                                          logits.dtype):
         from quarl.kernels.sampling import sample_rows
 
-        if params.greedy:
-            return sample_rows(logits, None, params.temperature)
-        return sample_rows(logits, None if rng is not None else noise, params.temperature, rng)
+        return sample_rows(logits, None if params.greedy else noise, params.temperature)
     return _sample_next_torch(logits, params, noise)
 
 
@@ -139,8 +130,7 @@ class DecodeState:
     token; num_generated long [S]; done bool [S] (finished or idle: such slots compute but record nothing);
     out_tokens long [S, C], out_logprobs float32 [S, C]: the sampled tokens and behaviour log-probs;
     max_new long [1]; eos_mask bool [V]: tokens that finish a completion; noise float32 [S, V]: uniform draws,
-    refilled before every sampling step that needs them (outside the graph, from the engine's seeded generator);
-    rng long [2]: (seed, step) of the draws the sampling kernel makes itself instead (step advances in the step).
+    refilled before every sampling step (outside the graph, from the engine's seeded generator).
     """
 
     last_token: torch.Tensor
@@ -152,7 +142,6 @@ class DecodeState:
     max_new: torch.Tensor
     eos_mask: torch.Tensor
     noise: torch.Tensor | None
-    rng: torch.Tensor
 
     @classmethod
     def allocate(cls, num_slots: int, capacity: int, vocab_size: int, device, logprob_dtype=torch.float32,
@@ -168,12 +157,10 @@ class DecodeState:
             max_new=torch.ones(1, **long),
             eos_mask=torch.zeros(vocab_size, dtype=torch.bool, device=device),
             noise=torch.empty(num_slots, vocab_size, device=device) if with_noise else None,
-            rng=torch.zeros(2, **long),
         )
 
     def counters(self) -> list[torch.Tensor]:
-        """The per-slot tensors a step advances (moved with a slot; saved and restored, with rng, around a
-        CUDA-graph warm-up)."""
+        """The small tensors a step advances (saved and restored around a CUDA-graph warm-up)."""
         return [self.last_token, self.slot_len, self.num_generated, self.done]
 
 
@@ -194,12 +181,7 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
         logits = decoder.logits(cache, tokens, positions, attention, kv_len)
     else:
         logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
-    kernel_draws = not params.greedy and sampling_kernel_applies(params, logits.device, logits.dtype)
-    if kernel_draws:  # the kernel draws its uniforms from (seed, step): no noise tensor to fill and read
-        new, new_lp = sample_next(logits, params, None, state.rng)
-        state.rng[1:] += 1
-    else:
-        new, new_lp = sample_next(logits, params, None if params.greedy else state.noise[:batch])
+    new, new_lp = sample_next(logits, params, None if params.greedy else state.noise[:batch])
     new_lp = new_lp.to(state.out_logprobs.dtype)
 
     active = ~state.done[:batch]
