@@ -74,8 +74,8 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     FP8_KV: tl.constexpr = k_ptr.dtype.element_ty != q_ptr.dtype.element_ty
-    # Scores in log2 units (log2(e) folded into q with the softmax scale), so the softmax takes exp2 directly:
-    # one multiply less per score than exp (3 % of the FP8 kernel's time at 512 sequences).
+    # Scores in log2 units, so the softmax takes exp2 directly. With an FP8 cache log2(e) is folded into q with the
+    # softmax scale: one multiply less per score than exp (3 % of that kernel's time at 512 sequences).
     LOG2E: tl.constexpr = 1.4426950408889634
     if FP8_KV:
         # FP8 cache: the E4M3 codes widen to fp16 exactly with one conversion per pair of values, so the dots run
@@ -83,7 +83,9 @@ def _decode_attention_kernel(
         q = (q.to(tl.float32) * (sm_scale * kv_scale * LOG2E)).to(tl.float16)
     else:
         # Fold the softmax scale into q once (float32), then back to the operand dtype for the tensor cores.
-        q = (q.to(tl.float32) * (sm_scale * LOG2E)).to(q_ptr.dtype.element_ty)
+        # log2(e) stays out of q here: q is rounded to bf16, and the same rounding as the module path's scaled
+        # scores keeps greedy decoding on the same tokens; this path is bound by its cache reads anyway.
+        q = (q.to(tl.float32) * sm_scale).to(q_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -110,7 +112,9 @@ def _decode_attention_kernel(
         if FP8_KV:
             v = _widen_fp8(v) if PIN_WIDEN else v.to(tl.float16)
             k = k.to(tl.float16)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32, in log2 units
+        if not FP8_KV:
+            s = s * LOG2E
         if TOKEN_SCALES:
             s = s * tl.load(ks_base + cols, mask=n_ok, other=1.0)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
