@@ -338,7 +338,7 @@ def _engine_close_to_float64(model, tok, prompts, kv):
             assert 1e-5 < err < 0.05  # fp8 rounding is visible, but small
 
 
-_TRITON_CHECK = textwrap.dedent("""
+_INTERPRETER_PATCH = textwrap.dedent("""
     import torch
     import triton.runtime.interpreter as ti
     _orig = ti._patch_lang_tensor
@@ -346,6 +346,19 @@ _TRITON_CHECK = textwrap.dedent("""
         _orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
     ti._patch_lang_tensor = _patched
+""")
+
+
+def _run_in_interpreter(script: str) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+_TRITON_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.kernels.decode_attention import decode_attention
     from quarl.rollout.fast_attention import decode_attention_torch
     torch.manual_seed(0)
@@ -369,12 +382,45 @@ _TRITON_CHECK = textwrap.dedent("""
 """)
 
 
+_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+    from quarl.kernels.sampling import sample_rows
+    from quarl.rollout.fast_step import gumbel_max
+    from quarl.rollout.sampling import SamplingParams, filtered_logprobs
+    torch.manual_seed(0)
+    B, V = 6, 3000
+    logits = torch.randn(B, V) * 3
+    logits[0] = 1.0  # all tied: index 0 (greedy)
+    logits[1, 2500] = logits[1, 7] = 50  # a tie across ranges: the lower index
+    logits[2, 1900] = logits[2, 2999] = float("nan")  # the first NaN's index, and a NaN log-prob
+    logits[3, :1024] = float("-inf")  # a whole range without mass
+    noise = torch.rand(B, V)
+    rows = [0, 1, 3, 4, 5]
+    for ranges, block in [(1, 1024), (3, 256), (8, 128)]:
+        for T in (0.0, 0.7):
+            tok, lp = sample_rows(logits, None if T == 0 else noise, T, ranges, block)
+            if T == 0:
+                ref_tok = logits.nan_to_num(nan=float("inf")).argmax(-1)
+                ref_lp = torch.log_softmax(logits.double(), -1).gather(1, ref_tok[:, None]).squeeze(1)
+            else:
+                flp = filtered_logprobs(logits, SamplingParams(T))
+                ref_tok = gumbel_max(flp, noise)
+                ref_lp = flp.gather(1, ref_tok[:, None]).squeeze(1).double()
+            assert tok[2].item() == 1900 and torch.isnan(lp[2]), (ranges, T)
+            assert torch.equal(tok[rows], ref_tok[rows]), (ranges, block, T)
+            assert float((lp[rows].double() - ref_lp[rows]).abs().max()) < 1e-4, (ranges, block, T)
+            assert T > 0 or (tok[0] == 0 and tok[1] == 7)
+    print("ok")
+""")
+
+
+def test_sampling_kernel_in_interpreter():
+    """The one-pass sampling kernel, whole rows and rows split into column ranges merged by a second kernel,
+    run by Triton's CPU interpreter against the torch definition on the same noise: the same tokens, log-probs
+    within 1e-4, the lowest index among ties (across ranges too), the first NaN's index with a NaN log-prob."""
+    _run_in_interpreter(_SAMPLER_CHECK)
+
+
 def test_triton_decode_attention_in_interpreter():
     """The Triton kernel's indexing, GQA grouping, split merge and FP8 path, run by Triton's CPU interpreter
     (float32 and float16 only: the interpreter mis-handles bf16 dots)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    _run_in_interpreter(_TRITON_CHECK)

@@ -20,13 +20,14 @@ DEV = "cuda"
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_same_draws_as_torch(dtype, temperature):
+@pytest.mark.parametrize("ranges,block,warps", [(1, 1024, 4), (5, 1024, 4), (3, 2048, 8)])
+def test_same_draws_as_torch(dtype, temperature, ranges, block, warps):
     from quarl.kernels.sampling import sample_rows
 
     B, V = 300, 5003  # V not a multiple of the 1024-wide block
     logits = (torch.randn(B, V, device=DEV) * 3).to(dtype)
     noise = torch.rand(B, V, device=DEV)
-    tok, lp = sample_rows(logits, noise, temperature)
+    tok, lp = sample_rows(logits, noise, temperature, ranges, block, warps)
     ref_lp = filtered_logprobs(logits, SamplingParams(temperature))
     ref_tok = gumbel_max(ref_lp, noise)
     assert tok.dtype == torch.long and lp.dtype == torch.float32 and tok.shape == lp.shape == (B,)
@@ -34,13 +35,14 @@ def test_same_draws_as_torch(dtype, temperature):
     torch.testing.assert_close(lp, ref_lp.gather(1, ref_tok[:, None]).squeeze(1), atol=2e-5, rtol=0)
 
 
-def test_greedy_is_argmax_with_lowest_index_on_ties():
+@pytest.mark.parametrize("ranges", [1, 3])
+def test_greedy_is_argmax_with_lowest_index_on_ties(ranges):
     from quarl.kernels.sampling import sample_rows
 
     logits = torch.randn(64, 3000, device=DEV)
     logits[0] = 1.0  # all tied: index 0
-    logits[1, 2500] = logits[1, 7] = 50.0  # a tie across blocks: the lower index
-    tok, lp = sample_rows(logits, None, 0.0)
+    logits[1, 2500] = logits[1, 7] = 50.0  # a tie across blocks (and ranges): the lower index
+    tok, lp = sample_rows(logits, None, 0.0, ranges)
     assert torch.equal(tok, logits.argmax(-1)) and tok[0] == 0 and tok[1] == 7
     torch.testing.assert_close(lp, torch.log_softmax(logits.double(), -1).gather(1, tok[:, None]).squeeze(1).float(),
                                atol=2e-5, rtol=0)
