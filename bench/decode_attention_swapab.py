@@ -109,30 +109,24 @@ def decode_attention_swapab(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def main() -> None:
+    from decode_attention_sweep import HKV, attention_case
+
     from quarl.bench.gemm import measure_ceilings
     from quarl.bench.rollout_breakdown import _graph_ms
     from quarl.kernels.decode_attention import choose_num_splits, decode_attention
-    from quarl.rollout.fast_attention import FP8_KV_DTYPE, decode_attention_torch
+    from quarl.rollout.fast_attention import FP8_KV_DTYPE
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[512, 128])
     ap.add_argument("--context", type=int, default=768)
     args = ap.parse_args()
-    hq, hkv, d, cap = 28, 4, 128, 1280
     bw, _ = measure_ceilings(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; context {args.context}")
     print("| batch | kernel | block_n | warps | stages | ms | floor ms | % floor | rel. err |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(batch, hq, d, device="cuda", generator=g).bfloat16()
-        k = torch.randn(batch, hkv, cap, d, device="cuda", generator=g).to(FP8_KV_DTYPE)
-        v = torch.randn(batch, hkv, cap, d, device="cuda", generator=g).to(FP8_KV_DTYPE)
-        lengths = torch.full((batch,), args.context, device="cuda")
-        ref = decode_attention_torch(q[:8].double(), k[:8], v[:8], lengths[:8], args.context)
-        kk, vv = k[:, :, :args.context], v[:, :, :args.context]
-        floor = 1e3 * 2 * batch * hkv * args.context * d / bw
-        splits = choose_num_splits(batch, hkv, args.context, 64)
+        q, kk, vv, lengths, ref, floor = attention_case(batch, FP8_KV_DTYPE, args.context, bw)
+        splits = choose_num_splits(batch, HKV, args.context, 64)
         runs = [("production", 64, None, 3, lambda bn, w, s: decode_attention(q, kk, vv, lengths, splits))]
         runs += [("swap-AB wgmma", bn, w, s, lambda bn, w, s: decode_attention_swapab(q, kk, vv, lengths, 1.0, bn,
                                                                                          w, s))

@@ -27,6 +27,19 @@ from quarl.rollout.fast_attention import FP8_KV_DTYPE, decode_attention_torch  #
 HQ, HKV, D, CAPACITY = 28, 4, 128, 1280
 
 
+def attention_case(batch: int, kv_dtype: torch.dtype, context: int, bw: float):
+    """Seeded inputs of the 7B geometry, every sequence at `context` columns: (q, k, v cut to context, lengths,
+    float64 reference of the first 8 sequences, byte floor in ms)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, HQ, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(batch, HKV, CAPACITY, D, device="cuda", generator=g).to(kv_dtype)
+    v = torch.randn(batch, HKV, CAPACITY, D, device="cuda", generator=g).to(kv_dtype)
+    lengths = torch.full((batch,), context, device="cuda")
+    ref = decode_attention_torch(q[:8].double(), k[:8], v[:8], lengths[:8], context)
+    floor_ms = 1e3 * 2 * batch * HKV * context * D * k.element_size() / bw
+    return q, k[:, :, :context], v[:, :, :context], lengths, ref, floor_ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[512, 128])
@@ -39,15 +52,7 @@ def main() -> None:
     print("| batch | KV | block_n | warps | stages | splits | ms | floor ms | % floor | rel. err |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch, kv_dtype in itertools.product(args.batch, (torch.bfloat16, FP8_KV_DTYPE)):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(batch, HQ, D, device="cuda", generator=g).bfloat16()
-        k = torch.randn(batch, HKV, CAPACITY, D, device="cuda", generator=g).to(kv_dtype)
-        v = torch.randn(batch, HKV, CAPACITY, D, device="cuda", generator=g).to(kv_dtype)
-        lengths = torch.full((batch,), args.context, device="cuda")
-        ref = decode_attention_torch(q[:8].double(), k[:8], v[:8], lengths[:8], args.context)
-        kv_bytes = 2 * batch * HKV * args.context * D * k.element_size()
-        floor_ms = 1e3 * kv_bytes / bw
-        kk, vv = k[:, :, : args.context], v[:, :, : args.context]
+        q, kk, vv, lengths, ref, floor_ms = attention_case(batch, kv_dtype, args.context, bw)
         for block_n, warps, stages in variants:
             splits = choose_num_splits(batch, HKV, args.context, block_n)
             try:
