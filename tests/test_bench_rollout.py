@@ -36,3 +36,43 @@ def test_settings_switch_lm_head_in_and_out_of_the_quantized_format():
     torch.testing.assert_close(model.lm_head(x), bf16_logits, rtol=0, atol=0)
     configure_precision(model, "bf16")
     assert model.model.layers[0].mlp.down_proj.rollout_format is None
+
+
+def test_breakdown_times_the_fused_step_gemms_on_codes_where_the_step_hands_codes(monkeypatch):
+    """`--breakdown` times q/k/v and gate/up stacked, o_proj and lm_head on bf16 inputs, and the GEMMs that the
+    step feeds FP8 codes (q/k/v, gate/up, down) on codes of their inputs made before the timing."""
+    from quarl import kernels
+    from quarl.bench.rollout_breakdown import _fused_linear_runs
+    from quarl.formats import quantize
+    from quarl.rollout import fused_decode
+    from quarl.rollout.fused_decode import FusedDecoder, FusedProjection
+
+    model = make_model("qwen2", dtype=torch.float32)
+    configure_precision(model, "fp8")
+    decoder = FusedDecoder.for_model(model)
+    batch, layers = 3, model.config.num_layers
+    inputs = {k: torch.randn(batch, k) for k in {model.config.hidden_size, model.config.intermediate_size}}
+    model.set_rollout(True)
+    try:
+        plain = [run() for run in _fused_linear_runs(decoder, model, inputs, batch)]  # no GPU: nothing handed codes
+        assert len(plain) == 4 * layers + 1
+        assert [t.shape[1] for t in plain[:4]] == [sum(decoder.qkv[0].sizes), model.config.hidden_size,
+                                                    sum(decoder.gate_up[0].sizes), model.config.hidden_size]
+        seen = []
+
+        def fake_matmul(codes, scales, qweight, bias, dtype):
+            seen.append((codes, scales))
+            return torch.zeros(codes.shape[0], qweight.shape[0], dtype=dtype)
+
+        monkeypatch.setattr(FusedProjection, "codes_handoff", lambda self, m: "fp8")
+        monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m: "fp8")
+        monkeypatch.setattr(kernels, "fp8_matmul_from_codes", fake_matmul)
+        runs = _fused_linear_runs(decoder, model, inputs, batch)
+        for run in runs:
+            run()
+    finally:
+        model.set_rollout(False)
+    assert len(seen) == 3 * layers  # q/k/v, gate/up and down of every layer; o_proj and lm_head take bf16
+    want = quantize(inputs[model.config.hidden_size], "fp8", "activation")
+    assert torch.equal(seen[0][0].view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(seen[0][1], want.scale)

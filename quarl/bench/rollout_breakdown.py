@@ -3,7 +3,8 @@
 With a warmed-up FastRolloutEngine, every slot is set mid-generation (`context` filled columns) and four pieces
 are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
   step       the engine's captured decode step (noise refill included), as in generation;
-  linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path);
+  linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path; with the
+             fused decode its stacked GEMMs, on FP8 codes made beforehand where the step hands codes over);
   attention  the decode attention of every layer over `context` + 1 columns;
   sampling   the step's sampler (`fast_step.sample_next`) on [batch, vocab] logits in the model dtype;
   other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
@@ -30,6 +31,36 @@ def _graph_ms(torch, fn, reps: int = 20) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def _fused_linear_runs(decoder, model, inputs: dict, batch: int) -> list:
+    """The GEMMs of the fused decode step as it runs them, one callable each: q/k/v and gate/up stacked, and
+    where the norm or SiLU·mul kernel hands a GEMM FP8 activation codes, that GEMM on codes made beforehand (the
+    step quantizes inside those kernels, which "other" counts); o_proj and lm_head on bf16 inputs, quantizing
+    them themselves as in the step."""
+    from quarl.formats import quantize
+    from quarl.rollout.fused_decode import linear_codes_handoff, linear_from
+
+    def codes_of(x):
+        qt = quantize(x, "fp8", "activation")
+        return qt.data, qt.scale
+
+    def stacked(proj):  # a FusedProjection: on codes where the norm kernel hands it codes
+        x = inputs[proj.in_features]
+        return (lambda c=codes_of(x): proj(None, c)) if proj.codes_handoff(batch) else (lambda: proj(x))
+
+    def down_run(down):  # down_proj: on codes where the SiLU·mul kernel hands it codes
+        x = inputs[down.in_features]
+        return (lambda c=codes_of(x): linear_from(down, None, c)) if linear_codes_handoff(down, batch) \
+            else (lambda: down(x))
+
+    def plain(linear):  # its input arrives in bf16: the linear quantizes it itself
+        return lambda: linear(inputs[linear.in_features])
+
+    runs = []
+    for layer, qkv, gate_up in zip(model.model.layers, decoder.qkv, decoder.gate_up):
+        runs += [stacked(qkv), plain(layer.self_attn.o_proj), stacked(gate_up), down_run(layer.mlp.down_proj)]
+    return runs + [plain(model.lm_head)]
 
 
 def step_breakdown(torch, engine, model, batch: int, context: int, params, bandwidth: float,
@@ -68,12 +99,10 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
 
             linears = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)] + [model.lm_head]
             inputs = {k: torch.randn(batch, k, device=dev, dtype=dtype) for k in {m.in_features for m in linears}}
-            calls = linears
-            if engine._decoder is not None:  # the GEMMs the fused decode runs: q/k/v and gate/up stacked
-                dec = engine._decoder
-                calls = [c for layer, qkv, gate_up in zip(model.model.layers, dec.qkv, dec.gate_up)
-                         for c in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)] + [model.lm_head]
-            out["linears_ms"] = _graph_ms(torch, lambda: [c(inputs[c.in_features]) for c in calls])
+            runs = [lambda c=c: c(inputs[c.in_features]) for c in linears]
+            if engine._decoder is not None:
+                runs = _fused_linear_runs(engine._decoder, model, inputs, batch)
+            out["linears_ms"] = _graph_ms(torch, lambda: [run() for run in runs])
 
             q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
             lengths = torch.full((batch,), context + 1, device=dev, dtype=torch.long)
