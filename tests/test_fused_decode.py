@@ -228,3 +228,21 @@ def test_prepare_reports_no_move_for_parts_that_do_not_stack():
     assert fused.prepare() is False
     fp8 = FusedProjection(_parts("fp8"))
     assert fp8.prepare() is False  # stacked at construction, still current
+
+
+def test_fused_kernels_serve_bf16_without_fp8_support(monkeypatch):
+    """On a GPU with the Triton kernels but no FP8 (Ampere) the fused kernels still serve bf16 rollouts, with a
+    self-check that leaves out the FP8 codes; fp16 activations never take them."""
+    from quarl import kernels
+
+    seen = []
+    monkeypatch.setattr(kernels, "_DECODE_FUSED_OK", {})
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: False)
+    monkeypatch.setattr(kernels, "_decode_fused_agrees", lambda device, dtype, fp8=True: seen.append(fp8) or True)
+    assert kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
+    assert seen == [False]
+    assert not kernels.decode_fused_ok(torch.device("cpu"), torch.float16)
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: False)
+    monkeypatch.setattr(kernels, "_DECODE_FUSED_OK", {})
+    assert not kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
