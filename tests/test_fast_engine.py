@@ -393,8 +393,9 @@ _SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     logits[1, 2500] = logits[1, 7] = 50  # a tie across ranges: the lower index
     logits[2, 1900] = logits[2, 2999] = float("nan")  # the first NaN's index, and a NaN log-prob
     logits[3, :1024] = float("-inf")  # a whole range without mass
+    logits[5] = float("-inf")  # a row without mass: token 0, NaN log-prob
     noise = torch.rand(B, V)
-    rows = [0, 1, 3, 4, 5]
+    rows = [0, 1, 3, 4]
     for ranges, block in [(1, 1024), (3, 256), (8, 128)]:
         for T in (0.0, 0.7):
             tok, lp = sample_rows(logits, None if T == 0 else noise, T, ranges, block)
@@ -406,6 +407,7 @@ _SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
                 ref_tok = gumbel_max(flp, noise)
                 ref_lp = flp.gather(1, ref_tok[:, None]).squeeze(1).double()
             assert tok[2].item() == 1900 and torch.isnan(lp[2]), (ranges, T)
+            assert tok[5].item() == 0 and torch.isnan(lp[5]), (ranges, T)
             assert torch.equal(tok[rows], ref_tok[rows]), (ranges, block, T)
             assert float((lp[rows].double() - ref_lp[rows]).abs().max()) < 1e-4, (ranges, block, T)
             assert T > 0 or (tok[0] == 0 and tok[1] == 7)
@@ -416,7 +418,8 @@ _SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
 def test_sampling_kernel_in_interpreter():
     """The one-pass sampling kernel, whole rows and rows split into column ranges merged by a second kernel,
     run by Triton's CPU interpreter against the torch definition on the same noise: the same tokens, log-probs
-    within 1e-4, the lowest index among ties (across ranges too), the first NaN's index with a NaN log-prob."""
+    within 1e-4, the lowest index among ties (across ranges too), the first NaN's index with a NaN log-prob, and
+    token 0 with a NaN log-prob for a row without mass."""
     _run_in_interpreter(_SAMPLER_CHECK)
 
 
@@ -424,3 +427,18 @@ def test_triton_decode_attention_in_interpreter():
     """The Triton kernel's indexing, GQA grouping, split merge and FP8 path, run by Triton's CPU interpreter
     (float32 and float16 only: the interpreter mis-handles bf16 dots)."""
     _run_in_interpreter(_TRITON_CHECK)
+
+
+def test_triton_decode_attention_refuses_caches_it_cannot_read():
+    """Keys and values in q's dtype or E4M3, both the same: another cache dtype (e5m2, fp16 under bf16 queries)
+    would be misread as E4M3 codes, so it is refused with the accepted choices."""
+    pytest.importorskip("triton")
+    from quarl.kernels.decode_attention import decode_attention
+
+    q = torch.randn(2, 4, 16).bfloat16()
+    lengths = torch.tensor([3, 5])
+    for k_dtype, v_dtype in [(torch.float8_e5m2, torch.float8_e5m2), (torch.float16, torch.float16),
+                             (torch.float8_e4m3fn, torch.bfloat16)]:
+        k, v = torch.zeros(2, 2, 8, 16).to(k_dtype), torch.zeros(2, 2, 8, 16).to(v_dtype)
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            decode_attention(q, k, v, lengths)

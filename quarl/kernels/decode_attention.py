@@ -184,6 +184,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(v_cache.shape)} (need the same head_dim, >= B slots, Hq a multiple of Hkv)")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("decode_attention needs q, k_cache and v_cache contiguous in the last dimension")
+    if k_cache.dtype != q.dtype and k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"decode_attention reads a cache in q's dtype ({q.dtype}) or float8_e4m3fn, the same for keys "
+                         f"and values; got keys {k_cache.dtype}, values {v_cache.dtype}")
     token = k_scales is not None
     if token and (v_scales is None or k_scales.shape != k_cache.shape[:3] or v_scales.shape != k_scales.shape
                   or k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1 or kv_scale != 1.0

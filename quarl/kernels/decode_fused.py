@@ -233,7 +233,7 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None
                          f"and {tuple(up.shape)}")
     h = torch.empty((M, N), dtype=up.dtype, device=up.device) if write_h else None
     codes, scales = _codes(M, N, quant, up.device)
-    if M and quant is not None and N <= ROW_ON_CHIP_MAX:
+    if M and quant is not None and 0 < N <= ROW_ON_CHIP_MAX:
         c0, c1, c2 = row_pieces(N)
         _silu_mul_row_kernel[(M,)](
             gate, up, h if h is not None else up, codes, scales, N, gate.stride(0), up.stride(0),

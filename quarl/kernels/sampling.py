@@ -42,6 +42,16 @@ def _best_and_lse(best_z, best_i, best_s, m, l_sum):
 
 
 @triton.jit
+def _store_draw(token_ptr, logprob_ptr, row, i_tok, s_tok, m_all, l_all, any_nan):
+    """Token and log-prob of one row. A row holding a NaN, or no mass at all (every score -inf), reports a NaN
+    log-prob; the token stays inside the vocabulary (the first NaN's index; 0 for a row without mass)."""
+    no_mass = l_all == 0
+    logprob = tl.where(any_nan | no_mass, float("nan"), s_tok - (m_all + tl.log(l_all)))
+    tl.store(token_ptr + row, tl.where(i_tok == 2147483647, 0, i_tok).to(tl.int64))
+    tl.store(logprob_ptr + row, logprob)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, noise_ptr, token_ptr, logprob_ptr, part_ptr, V, stride_l, stride_n, inv_temp, chunk,
                    GREEDY: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     """Program (row, range of `chunk` columns). SPLIT: write the range's partial state (z, index, s, m, l) to
@@ -85,9 +95,7 @@ def _sample_kernel(logits_ptr, noise_ptr, token_ptr, logprob_ptr, part_ptr, V, s
         tl.store(part + 3, m_all)
         tl.store(part + 4, l_all)
     else:
-        logprob = tl.where(any_nan, float("nan"), s_tok - (m_all + tl.log(l_all)))  # a NaN row is reported
-        tl.store(token_ptr + row, i_tok.to(tl.int64))
-        tl.store(logprob_ptr + row, logprob)
+        _store_draw(token_ptr, logprob_ptr, row, i_tok, s_tok, m_all, l_all, any_nan)
 
 
 @triton.jit
@@ -104,9 +112,7 @@ def _merge_kernel(part_ptr, token_ptr, logprob_ptr, RANGES, BLOCK_R: tl.constexp
     m = tl.load(part + 3, mask=ok, other=float("-inf"))
     l_ = tl.load(part + 4, mask=ok, other=0.0)
     _, i_tok, s_tok, m_all, l_all, any_nan = _best_and_lse(z, i, s, m, l_)
-    logprob = tl.where(any_nan, float("nan"), s_tok - (m_all + tl.log(l_all)))
-    tl.store(token_ptr + row, i_tok.to(tl.int64))
-    tl.store(logprob_ptr + row, logprob)
+    _store_draw(token_ptr, logprob_ptr, row, i_tok, s_tok, m_all, l_all, any_nan)
 
 
 def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, ranges: int = 1,
@@ -123,7 +129,8 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: f
         block, num_warps: columns per loop step and warps of each program.
     Returns:
         (tokens long [B], logprobs float32 [B]). A row holding a NaN gives the index of its first NaN score (a
-        valid token, as torch.argmax does) and a NaN log-prob, so the caller can detect it.
+        valid token, as torch.argmax does) and a NaN log-prob, so the caller can detect it; so does a row with no
+        mass (every score -inf), with token 0.
     """
     B, V = logits.shape
     if logits.stride(1) != 1:

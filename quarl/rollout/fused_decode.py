@@ -117,9 +117,10 @@ class FusedProjection:
             return False
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
+        was_stacked = self._fused is not None
         self._fused = None
         self._fuse()
-        return self._fused is not None
+        return was_stacked or self._fused is not None
 
     @property
     def fused_qweight(self):
