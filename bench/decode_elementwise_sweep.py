@@ -68,9 +68,13 @@ def main() -> None:
         row("silu_mul, bf16 out", lambda: silu_mul_rows(g, u, None), m * INTER * 6)
         x, d = (torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         w_norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-        row("add + rms_norm + fp8 codes", lambda: rms_norm_rows(x, d, w_norm, None, 1e-6, "fp8", write_h=False),
-            m * HIDDEN * (2 + 2 + 2 + 1))
-        row("act quant fp8 (o_proj input)", lambda: quantize_activation(x, "fp8", HIDDEN), m * HIDDEN * 3)
+        for w in (None, 4, 16):
+            row(f"add + rms_norm + fp8 codes, {w or 'default'} warps",
+                lambda: rms_norm_rows(x, d, w_norm, None, 1e-6, "fp8", write_h=False, num_warps=w),
+                m * HIDDEN * (2 + 2 + 2 + 1))
+        for block, w in ((None, 4), (4096, 4), (4096, 8)):
+            row(f"act quant fp8 (o_proj input), block {block or 'default'}, {w} warps",
+                lambda: quantize_activation(x, "fp8", HIDDEN, block=block, num_warps=w), m * HIDDEN * 3)
         qkv = torch.randn(m, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
         cs = torch.randn(m, D, device="cuda", dtype=torch.bfloat16)
         row("rope q/k", lambda: rope_rows(qkv, cs, cs, HQ, HKV, D), m * (HQ + HKV) * D * 4)

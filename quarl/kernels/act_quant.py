@@ -96,17 +96,19 @@ def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False,
+                        block: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in
     "int8", "fp8" (scales [M, 1]), "fp8-block" (scales [M, kp/128]), "fp8-tensor" (scale 0-dim).
 
     scales_column_major: fp8-block scales laid out column-major (a transposed [kp/128, M] buffer), the layout
     torch._scaled_mm's blockwise scaling expects.
+    block, num_warps: columns per loop step (a power of two >= 128; default 1024, or kp rounded up below that)
+        and warps per row.
     """
     is_int8 = fmt == "int8"
     codes = torch.empty((x.shape[0], kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
-    scales = _launch(x, codes, fmt, kp, scales_column_major, dequant=False)
+    scales = _launch(x, codes, fmt, kp, scales_column_major, dequant=False, block=block, num_warps=num_warps)
     return (codes if is_int8 else codes.view(torch.float8_e4m3fn)), scales
 
 
@@ -120,7 +122,7 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column_major: bool,
-            dequant: bool) -> torch.Tensor:
+            dequant: bool, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Run `_act_quant_kernel` on x [M, K] into out (codes [M, kp], or values [M, K] with dequant); returns the
     float32 scales (see `quantize_activation`)."""
     M, K = x.shape
@@ -137,11 +139,14 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         mode = MODE_GIVEN
     else:
         mode, scales = MODE_ROW, torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    block = 1024 if kp >= 1024 else max(128, triton.next_power_of_2(kp))
+    if block is None:
+        block = 1024 if kp >= 1024 else max(128, triton.next_power_of_2(kp))
+    elif block < 128 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 128 (whole 1x128 groups), got {block}")
     if M > 0:
         _act_quant_kernel[(M,)](
             x, out, scales, K, kp, x.stride(0), out.stride(0), scales.stride(0) if scales.dim() else 0,
             scales.stride(1) if scales.dim() == 2 else 1,
-            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, num_warps=4,
+            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, num_warps=num_warps,
         )
     return scales

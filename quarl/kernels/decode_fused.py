@@ -195,12 +195,12 @@ def _check_quant(quant: str | None) -> None:
 
 
 def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, noise: torch.Tensor | None,
-                  eps: float, quant: str | None = None, write_h: bool = True):
+                  eps: float, quant: str | None = None, write_h: bool = True, num_warps: int | None = None):
     """x, delta: [M, H] (bf16/fp16, rows contiguous); weight, noise: [H] -> (residual, h, codes, scales).
 
     residual = x + delta ([M, H], new tensor; x itself when delta is None); h = RMSNorm(residual) with weight
     (+ noise) ([M, H], None unless write_h); quant "int8"/"fp8": codes [M, H] (int8 / float8_e4m3fn) and
-    scales float32 [M, 1] of h per token, else None, None.
+    scales float32 [M, 1] of h per token, else None, None. num_warps: per row (default by row length).
     """
     _check_quant(quant)
     M, H = x.shape
@@ -216,7 +216,7 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
             h if h is not None else x, codes if codes is not None else x, scales if scales is not None else x,
             H, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
             HAS_DELTA=delta is not None, HAS_NOISE=noise is not None, WRITE_H=write_h, QUANT=quant is not None,
-            QUANT_INT8=quant == "int8", BLOCK=block, num_warps=min(16, max(4, block // 512)))
+            QUANT_INT8=quant == "int8", BLOCK=block, num_warps=num_warps or min(16, max(4, block // 512)))
     return residual, h, _typed(codes, quant), scales
 
 
