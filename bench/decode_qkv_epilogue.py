@@ -10,8 +10,9 @@ scales and the bias to every head and rotates q and k, writing q, k and v: the w
 reads and writes, plus v.
 
 Both ways are timed as CUDA-graph replays (GEMM + rotary) and compared: q, k and v of the epilogue way must lie
-within two bf16 roundings of the rowwise way's (the unscaled product is rounded once before the scales). Nothing
-in quarl uses this path yet.
+within two bf16 roundings of the rowwise way's (the unscaled product is rounded once before the scales). A second
+table times the layer's other FP8 GEMMs (o, gate/up, down) both ways: their consumers (SiLU·mul, the residual add
++ norm) could apply the scales likewise. Nothing in quarl uses this path yet.
 """
 
 from __future__ import annotations
@@ -125,6 +126,20 @@ def main() -> None:
         print(f"| {m} | rowwise scales + bias in cuBLAS, rotary | {t_row:.1f} | {t_row_all:.1f} | - |")
         print(f"| {m} | unit per-tensor cuBLAS, scales + bias + rotary in one kernel | {t_ten:.1f} | "
               f"{t_ten_all:.1f} | {err:.1f} |")
+    # The other FP8 GEMMs of a layer, whose consumers (SiLU·mul, the residual add + norm) could apply the scales
+    # the same way: cuBLAS rowwise against unit per-tensor scales.
+    print("\n| shape | M | rowwise us | unit per-tensor us |")
+    print("|---|---:|---:|---:|")
+    for name, (n_out, k_in) in {"o": (HIDDEN, HIDDEN), "gate_up": (2 * 18944, HIDDEN),
+                                "down": (HIDDEN, 18944)}.items():
+        wq = quantize(torch.randn(n_out, k_in, device="cuda", generator=g).bfloat16() * 0.02, "fp8", "weight")
+        for m in args.m:
+            xq = quantize(torch.randn(m, k_in, device="cuda", generator=g).bfloat16(), "fp8", "activation")
+            t_r = 1e3 * _graph_ms(torch, lambda: fp8_matmul_from_codes(xq.data, xq.scale, wq, None,
+                                                                        torch.bfloat16), 50)
+            t_u = 1e3 * _graph_ms(torch, lambda: torch._scaled_mm(xq.data, wq.data.t(), scale_a=one, scale_b=one,
+                                                                   out_dtype=torch.bfloat16), 50)
+            print(f"| {name} | {m} | {t_r:.1f} | {t_u:.1f} |")
 
 
 if __name__ == "__main__":
