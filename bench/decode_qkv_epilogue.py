@@ -7,7 +7,7 @@ At a rollout batch of 512, cuBLAS FP8 with rowwise scales takes 23.0 us for the 
 SMs, and the rowwise kernels choose worse than the per-tensor ones there. Here the GEMM runs with unit per-tensor
 scales (y0 = codes_x @ codes_w^T, rounded to bf16), and one kernel then applies the per-token and per-channel
 scales and the bias to every head and rotates q and k, writing q, k and v: the work the rotary kernel already
-reads and writes, plus v.
+reads and writes, plus v (`quarl.kernels.decode_fused.rope_rows_scaled`).
 
 Both ways are timed as CUDA-graph replays (GEMM + rotary) and compared: q, k and v of the epilogue way must lie
 within two bf16 roundings of the rowwise way's (the unscaled product is rounded once before the scales). A second
@@ -22,60 +22,16 @@ import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from quarl.kernels.decode_fused import _round_bf16  # noqa: E402
+from quarl.kernels.decode_fused import rope_rows_scaled  # noqa: E402
 
 HIDDEN, HQ, HKV, D = 3584, 28, 4, 128
 
 
-@triton.jit
-def _scaled_rope_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, HQ, HK, stride_y,
-                        stride_c, D: tl.constexpr, HEADS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Program (row, group of HEADS heads) over the HQ query, HK key and HK value heads of one row of the unscaled
-    product y: x = bf16(y * sx[row] * sw[col] + bias[col]); q and k heads are rotated as `_rope_kernel` does."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
-    d = tl.arange(0, D)[None, :]  # [1, D]
-    half: tl.constexpr = D // 2
-    ok = head < HQ + 2 * HK
-    sx = tl.load(sx_ptr + row)
-    col = head * D + d
-    pcol = head * D + (d + half) % D
-
-    x = tl.load(y_ptr + row * stride_y + col, mask=ok, other=0.0).to(tl.float32) * sx * \
-        tl.load(sw_ptr + col, mask=ok, other=0.0)
-    partner = tl.load(y_ptr + row * stride_y + pcol, mask=ok, other=0.0).to(tl.float32) * sx * \
-        tl.load(sw_ptr + pcol, mask=ok, other=0.0)
-    if HAS_BIAS:
-        x = x + tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
-        partner = partner + tl.load(b_ptr + pcol, mask=ok, other=0.0).to(tl.float32)
-    x = _round_bf16(x)
-    partner = _round_bf16(partner)
-    rot = tl.where(d < half, -partner, partner)
-    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
-    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
-    y = _round_bf16(_round_bf16(x * c) + _round_bf16(rot * s)).to(tl.bfloat16)
-    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
-    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & (head < HQ + HK))
-    tl.store(v_ptr + (row * HK + head - HQ - HK) * D + d, x.to(tl.bfloat16), mask=(head >= HQ + HK) & ok)
-
-
-def scaled_rope(y0, sx, sw, bias, cos, sin, hq=HQ, hkv=HKV, d=D):
-    """y0 [M, (hq + 2 hkv) d] bf16 unscaled product, sx [M, 1], sw [N] float32, bias [N] bf16 or None ->
-    (q [M, hq, d], k [M, hkv, d], v [M, hkv, d]) bf16."""
-    m = y0.shape[0]
-    q = torch.empty(m, hq, d, dtype=torch.bfloat16, device=y0.device)
-    k = torch.empty(m, hkv, d, dtype=torch.bfloat16, device=y0.device)
-    v = torch.empty(m, hkv, d, dtype=torch.bfloat16, device=y0.device)
-    heads = 8
-    _scaled_rope_kernel[(m, triton.cdiv(hq + 2 * hkv, heads))](
-        y0, sx, sw, bias if bias is not None else sw, cos, sin, q, k, v, hq, hkv, y0.stride(0), cos.stride(0),
-        D=d, HEADS=heads, HAS_BIAS=bias is not None, num_warps=4)
-    return q, k, v
+def scaled_rope(y0, sx, sw, bias, cos, sin):
+    return rope_rows_scaled(y0, sx, sw, bias, cos, sin, HQ, HKV, D)
 
 
 def main() -> None:

@@ -38,16 +38,20 @@ def _store_codes(q_ptr, s_ptr, row, offs, mask, h, amax, QUANT_INT8: tl.constexp
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, eps, stride_x, stride_d,
-                     HAS_DELTA: tl.constexpr, HAS_NOISE: tl.constexpr, WRITE_H: tl.constexpr,
-                     QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row; the whole row stays in registers (BLOCK >= H)."""
+def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, eps, stride_x,
+                     stride_d, HAS_DELTA: tl.constexpr, DELTA_SCALED: tl.constexpr, HAS_NOISE: tl.constexpr,
+                     WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row; the whole row stays in registers (BLOCK >= H). DELTA_SCALED: delta is a unit-scale
+    FP8 product, multiplied here by its per-token (ds [M]) and per-channel (dc [H]) scales and rounded."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * stride_d + offs, mask=ok, other=0.0)
+        if DELTA_SCALED:
+            d = (d.to(tl.float32) * tl.load(ds_ptr + row) * tl.load(dc_ptr + offs, mask=ok, other=0.0)).to(
+                x_ptr.dtype.element_ty)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the residual add, rounded
         tl.store(r_ptr + row * H + offs, x, mask=ok)
     xf = x.to(tl.float32)
@@ -64,19 +68,24 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, 
 
 
 @triton.jit
-def _silu_mul_block(g_row, u_row, start, ar, N, out_dtype: tl.constexpr):
+def _silu_mul_block(g_row, u_row, start, ar, N, out_dtype: tl.constexpr, rs, cg_ptr, cu_ptr, SCALED: tl.constexpr):
     """silu(gate) * up for columns start + ar of one row, rounded as PyTorch rounds (silu, then the product):
-    (h in out_dtype, in-range mask)."""
+    (h in out_dtype, in-range mask). SCALED: gate and up are unit-scale FP8 products, first multiplied by the
+    row's scale rs and their per-channel scales (cg, cu [N]) and rounded."""
     ok = start + ar < N
     g = tl.load(g_row + start + ar, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_row + start + ar, mask=ok, other=0.0)
+    if SCALED:
+        g = (g * rs * tl.load(cg_ptr + start + ar, mask=ok, other=0.0)).to(u.dtype).to(tl.float32)
+        u = (u.to(tl.float32) * rs * tl.load(cu_ptr + start + ar, mask=ok, other=0.0)).to(u.dtype)
     s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(u.dtype)
     return (s.to(tl.float32) * u.to(tl.float32)).to(out_dtype), ok
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
-                     WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u,
+                     WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """One program per row, BLOCK columns at a time; with QUANT a first pass finds the row's amax (the second
     pass recomputes h from the L2-resident inputs rather than storing and re-reading it)."""
     row = tl.program_id(0).to(tl.int64)
@@ -84,14 +93,15 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
     g_row = g_ptr + row * stride_g
     u_row = u_ptr + row * stride_u
     out_dtype: tl.constexpr = h_ptr.dtype.element_ty
+    rs = tl.load(rs_ptr + row) if SCALED else 1.0
     if QUANT:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
-            h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype)
+            h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
             amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
         row_amax = tl.max(amax, axis=0)
     for start in range(0, N, BLOCK):
-        h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype)
+        h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
         if WRITE_H:
             tl.store(h_ptr + row * N + start + ar, h, mask=ok)
         if QUANT:
@@ -99,8 +109,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u,
 
 
 @triton.jit
-def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_u, WRITE_H: tl.constexpr,
-                         QUANT_INT8: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
+def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u,
+                         WRITE_H: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr, C0: tl.constexpr,
+                         C1: tl.constexpr, C2: tl.constexpr):
     """One program per row, the whole row on chip in up to three power-of-two pieces (C0 >= C1 >= C2, 0 = none;
     C0 + C1 + C2 >= N): each product is computed once, then the row's scale and codes. Used with quantization,
     where `_silu_mul_kernel` would compute every product twice (one pass for the amax, one for the codes)."""
@@ -108,13 +119,15 @@ def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, stride_g, stride_
     g_row = g_ptr + row * stride_g
     u_row = u_ptr + row * stride_u
     out_dtype: tl.constexpr = h_ptr.dtype.element_ty
-    h0, ok0 = _silu_mul_block(g_row, u_row, 0, tl.arange(0, C0), N, out_dtype)
+    rs = tl.load(rs_ptr + row) if SCALED else 1.0
+    h0, ok0 = _silu_mul_block(g_row, u_row, 0, tl.arange(0, C0), N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
     amax = tl.max(tl.abs(h0.to(tl.float32)), axis=0)
     if C1 > 0:
-        h1, ok1 = _silu_mul_block(g_row, u_row, C0, tl.arange(0, C1), N, out_dtype)
+        h1, ok1 = _silu_mul_block(g_row, u_row, C0, tl.arange(0, C1), N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
         amax = tl.maximum(amax, tl.max(tl.abs(h1.to(tl.float32)), axis=0))
     if C2 > 0:
-        h2, ok2 = _silu_mul_block(g_row, u_row, C0 + C1, tl.arange(0, C2), N, out_dtype)
+        h2, ok2 = _silu_mul_block(g_row, u_row, C0 + C1, tl.arange(0, C2), N, out_dtype, rs, cg_ptr, cu_ptr,
+                                  SCALED)
         amax = tl.maximum(amax, tl.max(tl.abs(h2.to(tl.float32)), axis=0))
     q_row = q_ptr + row * N
     _store_codes(q_row, s_ptr, row, tl.arange(0, C0), ok0, h0.to(tl.float32), amax, QUANT_INT8)
@@ -178,6 +191,38 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, HK, stride_x, stride
     tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & ok)
 
 
+@triton.jit
+def _rope_scaled_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, HQ, HK, stride_y,
+                        stride_c, D: tl.constexpr, HEADS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """As `_rope_kernel` on a unit-scale FP8 q/k/v product y: program (row, group of HEADS heads) over the HQ
+    query, HK key and HK value heads; x = bf16(y * sx[row] * sw[col] + bias[col]); q and k heads rotated, v heads
+    written as x."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
+    d = tl.arange(0, D)[None, :]  # [1, D]
+    half: tl.constexpr = D // 2
+    ok = head < HQ + 2 * HK
+    sx = tl.load(sx_ptr + row)
+    col = head * D + d
+    pcol = head * D + (d + half) % D
+    x = tl.load(y_ptr + row * stride_y + col, mask=ok, other=0.0).to(tl.float32) * sx * \
+        tl.load(sw_ptr + col, mask=ok, other=0.0)
+    partner = tl.load(y_ptr + row * stride_y + pcol, mask=ok, other=0.0).to(tl.float32) * sx * \
+        tl.load(sw_ptr + pcol, mask=ok, other=0.0)
+    if HAS_BIAS:
+        x = x + tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        partner = partner + tl.load(b_ptr + pcol, mask=ok, other=0.0).to(tl.float32)
+    x = _round_bf16(x)  # the projection output, rounded to bf16 as the GEMM epilogue would
+    partner = _round_bf16(partner)
+    rot = tl.where(d < half, -partner, partner)
+    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
+    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
+    y = _round_bf16(_round_bf16(x * c) + _round_bf16(rot * s)).to(tl.bfloat16)
+    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
+    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & (head < HQ + HK))
+    tl.store(v_ptr + (row * HK + head - HQ - HK) * D + d, x.to(tl.bfloat16), mask=(head >= HQ + HK) & ok)
+
+
 def _codes(m: int, n: int, quant: str | None, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if quant is None:
         return None, None
@@ -195,55 +240,82 @@ def _check_quant(quant: str | None) -> None:
 
 
 def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, noise: torch.Tensor | None,
-                  eps: float, quant: str | None = None, write_h: bool = True, num_warps: int | None = None):
+                  eps: float, quant: str | None = None, write_h: bool = True, num_warps: int | None = None,
+                  delta_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """x, delta: [M, H] (bf16/fp16, rows contiguous); weight, noise: [H] -> (residual, h, codes, scales).
 
     residual = x + delta ([M, H], new tensor; x itself when delta is None); h = RMSNorm(residual) with weight
     (+ noise) ([M, H], None unless write_h); quant "int8"/"fp8": codes [M, H] (int8 / float8_e4m3fn) and
     scales float32 [M, 1] of h per token, else None, None. num_warps: per row (default by row length).
+    delta_scales: (per-token float32 [M, 1], per-channel float32 [H]) when delta is a unit-scale FP8 product:
+    delta * both scales, rounded to x's dtype, is what gets added.
     """
     _check_quant(quant)
     M, H = x.shape
     if x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
         raise ValueError(f"rms_norm_rows needs x and delta [M, H] with contiguous rows, got {tuple(x.shape)}")
+    if delta is None and delta_scales is not None:
+        raise ValueError("rms_norm_rows: delta_scales given without a delta to scale")
+    ds, dc = _check_scales(delta_scales, M, (H,), "delta_scales")
     residual = torch.empty_like(x) if delta is not None else x
     h = torch.empty((M, H), dtype=x.dtype, device=x.device) if write_h else None
     codes, scales = _codes(M, H, quant, x.device)
     block = triton.next_power_of_2(H)
     if M:
         _rms_norm_kernel[(M,)](
-            x, delta if delta is not None else x, weight, noise if noise is not None else weight, residual,
-            h if h is not None else x, codes if codes is not None else x, scales if scales is not None else x,
+            x, delta if delta is not None else x, ds if ds is not None else x, dc if dc is not None else x, weight,
+            noise if noise is not None else weight, residual, h if h is not None else x,
+            codes if codes is not None else x, scales if scales is not None else x,
             H, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
-            HAS_DELTA=delta is not None, HAS_NOISE=noise is not None, WRITE_H=write_h, QUANT=quant is not None,
-            QUANT_INT8=quant == "int8", BLOCK=block, num_warps=num_warps or min(16, max(4, block // 512)))
+            HAS_DELTA=delta is not None, DELTA_SCALED=ds is not None, HAS_NOISE=noise is not None,
+            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", BLOCK=block,
+            num_warps=num_warps or min(16, max(4, block // 512)))
     return residual, h, _typed(codes, quant), scales
 
 
 ROW_ON_CHIP_MAX = 32768  # longest row `_silu_mul_row_kernel` holds (16 warps: 64 values per thread)
 
 
-def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True):
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True,
+                  in_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """gate, up: [M, N] (rows contiguous; may be the two halves of one fused projection output) ->
-    (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None)."""
+    (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None).
+    in_scales: (per-token float32 [M, 1], per-channel float32 [2N] for gate then up) when gate and up are the
+    halves of a unit-scale FP8 product: each is first multiplied by its scales and rounded to up's dtype."""
     _check_quant(quant)
     M, N = gate.shape
     if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1:
         raise ValueError(f"silu_mul_rows needs gate and up [M, N] with contiguous rows, got {tuple(gate.shape)} "
                          f"and {tuple(up.shape)}")
+    rs, cols = _check_scales(in_scales, M, (2 * N,), "in_scales")
     h = torch.empty((M, N), dtype=up.dtype, device=up.device) if write_h else None
     codes, scales = _codes(M, N, quant, up.device)
+    scale_args = (rs, cols, cols[N:]) if rs is not None else (up, up, up)  # unused pointers when not scaled
     if M and quant is not None and 0 < N <= ROW_ON_CHIP_MAX:
         c0, c1, c2 = row_pieces(N)
         _silu_mul_row_kernel[(M,)](
-            gate, up, h if h is not None else up, codes, scales, N, gate.stride(0), up.stride(0),
-            WRITE_H=write_h, QUANT_INT8=quant == "int8", C0=c0, C1=c1, C2=c2, num_warps=16)
+            gate, up, h if h is not None else up, codes, scales, *scale_args, N, gate.stride(0), up.stride(0),
+            WRITE_H=write_h, QUANT_INT8=quant == "int8", SCALED=rs is not None, C0=c0, C1=c1, C2=c2,
+            num_warps=16)
     elif M:
         _silu_mul_kernel[(M,)](
             gate, up, h if h is not None else up, codes if codes is not None else up,
-            scales if scales is not None else up, N, gate.stride(0), up.stride(0),
-            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", BLOCK=2048, num_warps=8)
+            scales if scales is not None else up, *scale_args, N, gate.stride(0), up.stride(0),
+            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", SCALED=rs is not None,
+            BLOCK=2048, num_warps=8)
     return h, _typed(codes, quant), scales
+
+
+def _check_scales(pair, m: int, col_shape: tuple, name: str):
+    """(row [M, 1] float32, cols float32 of col_shape, contiguous) or (None, None) for pair None."""
+    if pair is None:
+        return None, None
+    rows, cols = pair
+    if (rows.dtype != torch.float32 or cols.dtype != torch.float32 or tuple(rows.shape) != (m, 1)
+            or tuple(cols.shape) != col_shape or not rows.is_contiguous() or not cols.is_contiguous()):
+        raise ValueError(f"{name} must be contiguous float32 ([{m}, 1], {list(col_shape)}), got "
+                         f"{rows.dtype} {tuple(rows.shape)} and {cols.dtype} {tuple(cols.shape)}")
+    return rows, cols
 
 
 def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -267,3 +339,33 @@ def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
             qkv, cos, sin, q, k, num_heads, num_kv_heads, qkv.stride(0), cos.stride(0), D=D, HEADS=heads,
             num_warps=4)
     return q, k
+
+
+def rope_rows_scaled(y: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor, bias: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rope_rows` for a q/k/v projection run as a unit-scale FP8 GEMM: y [M, (Hq + 2 Hkv) D] bf16 (the product
+    of the codes, rows contiguous), row_scales float32 [M, 1], col_scales float32 [(Hq + 2 Hkv) D], bias bf16
+    [(Hq + 2 Hkv) D] or None; cos, sin [M, D] bf16 -> (q [M, Hq, D], k [M, Hkv, D] rotated, v [M, Hkv, D]), where
+    every head is first bf16(y * row scale * column scale + bias)."""
+    M, D = y.shape[0], head_dim
+    n = (num_heads + 2 * num_kv_heads) * D
+    if y.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+        raise ValueError(f"rope_rows_scaled rounds like PyTorch's bf16 ops and takes bf16 tensors, got {y.dtype}")
+    if D & (D - 1) or y.stride(1) != 1 or y.shape[1] != n:
+        raise ValueError(f"rope_rows_scaled needs a power-of-two head_dim and rows of (Hq + 2 Hkv) * D = {n} "
+                         f"contiguous values; got head_dim={D}, y {tuple(y.shape)}")
+    if cos.shape != (M, D) or sin.shape != (M, D) or cos.stride() != sin.stride() or cos.stride(1) != 1:
+        raise ValueError(f"cos and sin must be [M, D] = [{M}, {D}] with contiguous rows")
+    rows, cols = _check_scales((row_scales, col_scales), M, (n,), "row_scales, col_scales")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}")
+    q = torch.empty((M, num_heads, D), dtype=y.dtype, device=y.device)
+    k = torch.empty((M, num_kv_heads, D), dtype=y.dtype, device=y.device)
+    v = torch.empty((M, num_kv_heads, D), dtype=y.dtype, device=y.device)
+    if M:
+        heads = max(1, min(8, 1024 // D))
+        _rope_scaled_kernel[(M, triton.cdiv(num_heads + 2 * num_kv_heads, heads))](
+            y, rows, cols, bias if bias is not None else cols, cos, sin, q, k, v, num_heads, num_kv_heads,
+            y.stride(0), cos.stride(0), D=D, HEADS=heads, HAS_BIAS=bias is not None, num_warps=4)
+    return q, k, v
