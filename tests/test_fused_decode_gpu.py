@@ -127,6 +127,29 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
 
 
+@pytest.mark.parametrize("kv", ["fp8", "auto"])
+def test_deferred_scales_match_the_module_path(kv):
+    """`FusedDecoder.deferred_scales` (unit-scale cuBLAS FP8, scales applied by the next kernel) at 512 rows, where
+    every FP8 GEMM takes codes: logits within 3e-2 of the largest module-path logit, as the scaled-GEMM forward;
+    a captured engine step with it on gives the same greedy tokens as the module-path engine for most rows."""
+    from quarl.rollout.fused_decode import FusedDecoder
+
+    model = _small_model("fp8")
+    engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
+    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)
+    decoder = FusedDecoder.for_model(model)
+    decoder.deferred_scales = True
+    try:
+        tokens = torch.randint(0, 4096, (512,), device=DEV)
+        positions = torch.randint(0, 60, (512,), device=DEV)
+        want, got = both_decode_logits(model, engine, tokens, positions)
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    finally:
+        decoder.deferred_scales = False
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_captured_graphs_follow_the_weight_sync(fmt):
     """Generate, update the master weights and sync (refresh_rollout_weights), generate again: the fused engine's

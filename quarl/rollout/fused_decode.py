@@ -190,6 +190,23 @@ def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Ten
     return kernels.fp8_matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
 
 
+def unit_scale_matmul(codes: torch.Tensor, qweight, unit: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 codes [M, K] @ the codes of an "fp8" (rowwise) weight [N, K]^T on cuBLAS FP8 with unit per-tensor
+    scales (unit: a float32 0-dim 1) -> [M, N] in out_dtype: the product before its per-token and per-channel
+    scales, which the consuming kernel applies. At rollout batch sizes cuBLAS runs these shapes faster with
+    per-tensor than with rowwise scales (bench/results/gemm.md); the unscaled product is rounded once more."""
+    return torch._scaled_mm(codes, qweight.data.t(), scale_a=unit, scale_b=unit, out_dtype=out_dtype)
+
+
+def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 codes and scales of x [M, K] (the Triton kernel on a GPU, `quarl.formats` elsewhere)."""
+    if x.is_cuda and kernels.fp8_kernels_available(x.device):
+        from quarl.kernels.act_quant import quantize_activation
+
+        return quantize_activation(x, "fp8", x.shape[1])
+    return _torch_codes(x, "fp8")
+
+
 def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
     """As `FusedProjection.codes_handoff` for a single linear in rollout mode."""
     if not linear.rollout or linear.rollout_format != "fp8" or linear.lora_rank or linear.qweight_data is None:
@@ -205,27 +222,38 @@ def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ elementwise pieces
-def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None):
+def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None, delta_scales=None):
     """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (FP8 codes [M, H],
-    scales [M, 1]) of the normed values when quant == "fp8" (then the normed values themselves are None)."""
+    scales [M, 1]) of the normed values when quant == "fp8" (then the normed values themselves are None).
+    delta_scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale FP8 product
+    (`unit_scale_matmul`): delta * scales, rounded to x's dtype, is added."""
     noise = norm.rollout_noise if norm.rollout else None
     if x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype):
         from quarl.kernels.decode_fused import rms_norm_rows
 
-        r, h, c, s = rms_norm_rows(x, delta, norm.weight, noise, norm.eps, quant, write_h=quant is None)
+        r, h, c, s = rms_norm_rows(x, delta, norm.weight, noise, norm.eps, quant, write_h=quant is None,
+                                   delta_scales=delta_scales)
         return r, h, (None if quant is None else (c, s))
+    if delta_scales is not None:
+        delta = _apply_scales(delta, *delta_scales, x.dtype)
     r = x if delta is None else x + delta
     h = norm(r)
     return r, h, _torch_codes(h, quant)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None):
-    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None):
+    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned). in_scales:
+    (per-token [M, 1], per-channel [2N] for gate then up) float32 when gate and up are halves of a unit-scale FP8
+    product: each is scaled and rounded to up's dtype first."""
     if up.is_cuda and kernels.decode_fused_ok(up.device, up.dtype):
         from quarl.kernels.decode_fused import silu_mul_rows
 
-        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None)
+        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None, in_scales=in_scales)
         return h, (None if quant is None else (c, s))
+    if in_scales is not None:
+        rows, cols = in_scales
+        n = gate.shape[1]
+        gate, up = _apply_scales(gate, rows, cols[:n], up.dtype), _apply_scales(up, rows, cols[n:], up.dtype)
     h = F.silu(gate) * up
     return h, _torch_codes(h, quant)
 
@@ -242,6 +270,23 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hk
     k = qkv[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d)
     c, s = cos[:, None, None], sin[:, None, None]
     return apply_rope(q, c, s)[:, :, 0], apply_rope(k, c, s)[:, :, 0]
+
+
+def rope_qkv_scaled(y: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor,
+                    bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int):
+    """(q, k rotated, v) [M, heads, D] from a unit-scale FP8 q/k/v product y [M, (Hq + 2 Hkv) D]: every value is
+    first bf16(y * row scale * column scale + bias), as the scaled GEMM would have written it."""
+    if y.is_cuda and kernels.decode_fused_ok(y.device, y.dtype) and not d & (d - 1) and cos.dtype == y.dtype:
+        from quarl.kernels.decode_fused import rope_rows_scaled
+
+        return rope_rows_scaled(y, row_scales, col_scales, bias, cos, sin, hq, hkv, d)
+    x = (y.float() * row_scales * col_scales + (bias.float() if bias is not None else 0.0)).to(y.dtype)
+    q, k = rope_qk(x, cos, sin, hq, hkv, d)
+    return q, k, x[:, (hq + hkv) * d:].reshape(-1, hkv, d)
+
+
+def _apply_scales(y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (y.float() * rows * cols).to(dtype)
 
 
 def _torch_codes(h: torch.Tensor, quant: str | None):
@@ -278,11 +323,26 @@ class FusedDecoder:
         self.qkv = [FusedProjection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
                     for l in model.model.layers]
         self.gate_up = [FusedProjection([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+        # Experimental, off by default until measured: FP8 GEMMs that receive activation codes run with unit
+        # per-tensor scales, and the kernel consuming each product (rotary, SiLU·mul, residual add + norm)
+        # applies its per-token and per-channel scales (`unit_scale_matmul`).
+        self.deferred_scales = False
+        self._unit: torch.Tensor | None = None
 
     def prepare(self) -> bool:
         """Make every fused weight current (re-stacks after a reconfiguration; no work otherwise). Returns
         whether any buffer moved (CUDA graphs captured before then read the old buffers)."""
+        self._unit_scale()  # made outside any CUDA-graph capture
         return any([proj.prepare() for proj in self.qkv + self.gate_up])  # a list: prepare every one
+
+    def _unit_scale(self) -> torch.Tensor:
+        """The float32 0-dim 1 of `unit_scale_matmul`, on the model's device (one tensor, no fill per GEMM)."""
+        device = self.model.model.embed_tokens.weight.device
+        if self._unit is None or self._unit.device != device:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("FusedDecoder.prepare() must run before CUDA-graph capture")
+            self._unit = torch.ones((), dtype=torch.float32, device=device)
+        return self._unit
 
     def logits(self, cache, tokens: torch.Tensor, positions: torch.Tensor, attention, kv_len: int) -> torch.Tensor:
         """Next-token logits [B, vocab] for slots 0..B-1 (see `fast_step.decode_logits`)."""
@@ -292,26 +352,50 @@ class FusedDecoder:
         cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)  # [B, 1, 1, D]
         cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
         lengths = positions + 1
-        delta = None
+        deferred = self.deferred_scales
+        unit = self._unit_scale() if deferred else None
+        delta, pending = None, None  # pending: the scales of a unit-scale delta, applied by the next norm
         for layer, qkv_proj, gate_up in zip(model.model.layers, self.qkv, self.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            x, h, codes = add_norm(layer.input_layernorm, x, delta, qkv_proj.codes_handoff(B))
-            qkv = qkv_proj(h, codes)  # [B, (Hq + 2 Hkv) D]
-            q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
-            v = qkv[:, (Hq + Hkv) * D:].view(B, Hkv, D)
+            x, h, codes = add_norm(layer.input_layernorm, x, delta, qkv_proj.codes_handoff(B), pending)
+            if deferred and codes is not None:
+                qw = qkv_proj.fused_qweight
+                y = unit_scale_matmul(codes[0], qw, unit, x.dtype)
+                q, k, v = rope_qkv_scaled(y, codes[1], qw.scale.reshape(-1), qkv_proj._bias(x.dtype, x.device),
+                                          cos, sin, Hq, Hkv, D)
+            else:
+                qkv = qkv_proj(h, codes)  # [B, (Hq + 2 Hkv) D]
+                q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
+                v = qkv[:, (Hq + Hkv) * D:].view(B, Hkv, D)
             li = attn.layer_idx
             cache.write_tokens(li, positions, k, v)
-            out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li))
-            o = attn.o_proj(out.reshape(B, Hq * D))
-            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, gate_up.codes_handoff(B))
-            gu = gate_up(h, codes)
+            out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
+            o, o_scales = self._linear(attn.o_proj, out, None, unit)
+            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, gate_up.codes_handoff(B), o_scales)
+            gu_scales = None
+            if deferred and codes is not None and gate_up._bias(x.dtype, x.device) is None:
+                qw = gate_up.fused_qweight
+                gu, gu_scales = unit_scale_matmul(codes[0], qw, unit, x.dtype), (codes[1], qw.scale.reshape(-1))
+            else:
+                gu = gate_up(h, codes)
             inter = mlp.down_proj.in_features
             quant = linear_codes_handoff(mlp.down_proj, B)
-            a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant)
-            delta = linear_from(mlp.down_proj, a, codes)
-        _, h, _ = add_norm(model.model.norm, x, delta, None)
+            a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales)
+            delta, pending = self._linear(mlp.down_proj, a, codes, unit)
+        _, h, _ = add_norm(model.model.norm, x, delta, None, pending)
         return model.lm_head(h)
+
+    def _linear(self, linear: QuantLinear, x: torch.Tensor | None, codes, unit) -> tuple:
+        """(output, None) of one linear on x or on handed-over codes; with deferred scales, where the linear runs
+        as cuBLAS FP8 rowwise without a bias, (unit-scale product, (per-token, per-channel) scales) instead."""
+        if unit is None or linear.bias is not None or linear_codes_handoff(linear, x.shape[0] if x is not None
+                                                                             else codes[0].shape[0]) is None:
+            return linear_from(linear, x, codes), None
+        if codes is None:
+            codes = _activation_codes(x)
+        qw = linear.qweight
+        return unit_scale_matmul(codes[0], qw, unit, linear.compute_dtype), (codes[1], qw.scale.reshape(-1))
 
 
 def both_decode_logits(model, engine, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
