@@ -299,3 +299,19 @@ def test_deferred_scales_in_bf16_stay_as_close_as_the_handed_codes_path(monkeypa
     _, deferred = _step_logits(model, engine, decoder, True)
     handed_err = float((handed.float() - want.float()).abs().max())
     assert float((deferred.float() - want.float()).abs().max()) <= 1.5 * handed_err + 1e-3 * float(want.abs().max())
+
+
+def test_graphs_are_keyed_by_the_decoders_mode():
+    """A CUDA graph captured with deferred scales off must not replay once they are on (and back)."""
+    from quarl.rollout.sampling import SamplingParams
+
+    model = make_model("qwen2")
+    engine = FastRolloutEngine(model, None, max_batch_size=4, use_cuda_graphs=False)
+    params = SamplingParams(1.0)
+    before = engine._graph_key(4, 64, params)
+    engine._decoder.deferred_scales = True
+    try:
+        assert engine._graph_key(4, 64, params) != before
+    finally:
+        engine._decoder.deferred_scales = False
+    assert engine._graph_key(4, 64, params) == before

@@ -129,17 +129,26 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
 
 @pytest.mark.parametrize("kv", ["fp8", "auto"])
 def test_deferred_scales_match_the_module_path(kv):
-    """`FusedDecoder.deferred_scales` (unit-scale cuBLAS FP8, scales applied by the next kernel) at 512 rows, where
-    every FP8 GEMM takes codes: logits within 3e-2 of the largest module-path logit, as the scaled-GEMM forward;
-    a captured engine step with it on gives the same greedy tokens as the module-path engine for most rows."""
+    """`FusedDecoder.deferred_scales` (unit-scale cuBLAS FP8, scales applied by the next kernel): at 512 rows,
+    where every FP8 GEMM takes codes, one step's logits lie within 3e-2 of the largest module-path logit (as the
+    scaled-GEMM forward); and an engine generating with it on (captured graphs, 256 sequences) gives the same
+    greedy completions as the module-path engine for most sequences."""
     from quarl.rollout.fused_decode import FusedDecoder
 
     model = _small_model("fp8")
-    engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
-    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)
     decoder = FusedDecoder.for_model(model)
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in torch.randint(3, 20, (128,)).tolist()]
+    plain = FastRolloutEngine(model, None, max_batch_size=512, fused_decode=False, kv_cache_dtype=kv)
+    want_tokens = [c.token_ids for o in plain.generate(prompts, n=2, max_new_tokens=16, temperature=0.0)
+                   for c in o.completions]
     decoder.deferred_scales = True
     try:
+        engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
+        got_tokens = [c.token_ids for o in engine.generate(prompts, n=2, max_new_tokens=16, temperature=0.0)
+                      for c in o.completions]
+        assert engine.last_stats["cuda_graphs"] and engine.last_stats.get("graph_captures", 0) > 0
+        assert sum(a == b for a, b in zip(got_tokens, want_tokens)) >= 0.75 * len(want_tokens)
         tokens = torch.randint(0, 4096, (512,), device=DEV)
         positions = torch.randint(0, 60, (512,), device=DEV)
         want, got = both_decode_logits(model, engine, tokens, positions)

@@ -334,4 +334,33 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
     x4 = qkv[:, :4 * 16].reshape(5, 4, 16)
     rot = torch.cat((-x4[..., 8:], x4[..., :8]), dim=-1)
     ref = x4 * cos[:, None] + rot * sin[:, None]
-    return ok and torch.equal(torch.cat((q, k), dim=1), ref)
+    ok = ok and torch.equal(torch.cat((q, k), dim=1), ref)
+    return ok and _scaled_decode_fused_agrees(randn, close, dtype)
+
+
+def _scaled_decode_fused_agrees(randn, close, dtype) -> bool:
+    """The fused kernels' unit-scale-product inputs (deferred scales) against scaling in torch first."""
+    import torch.nn.functional as F
+
+    from quarl.kernels.decode_fused import rms_norm_rows, rope_rows, rope_rows_scaled, silu_mul_rows
+
+    def pos(*shape):
+        return randn(*shape).float().abs() * 1e-2 + 1e-3
+
+    def scaled(y, rows, cols):
+        return (y.float() * rows * cols).to(dtype)
+
+    x, d, w = randn(6, 200), randn(6, 200) * 100, randn(200)
+    rows, cols = pos(6, 1), pos(200)
+    r, _, _, _ = rms_norm_rows(x, d, w, None, 1e-6, delta_scales=(rows, cols))
+    ok = torch.equal(r, x + scaled(d, rows, cols))
+    gu, gcols = randn(6, 600) * 100, pos(600)
+    a, _, _ = silu_mul_rows(gu[:, :300], gu[:, 300:], in_scales=(rows, gcols))
+    ok = ok and close(a, F.silu(scaled(gu[:, :300], rows, gcols[:300])) * scaled(gu[:, 300:], rows, gcols[300:]))
+    y, ycols, bias = randn(5, 5 * 16) * 100, pos(5 * 16), randn(5 * 16)
+    cos, sin = randn(5, 16), randn(5, 16)
+    q, k, v = rope_rows_scaled(y, rows[:5], ycols, bias, cos, sin, 3, 1, 16)
+    xs = (y.float() * rows[:5] * ycols + bias.float()).to(dtype)
+    q_ref, k_ref = rope_rows(xs, cos, sin, 3, 1, 16)  # itself checked against torch above
+    # close, not equal: the compiler may fuse the scale multiply and the bias add into one float32 FMA
+    return ok and close(q, q_ref) and close(k, k_ref) and close(v[:, 0], xs[:, 4 * 16:])

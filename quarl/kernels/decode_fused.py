@@ -290,6 +290,8 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None
     rs, cols = _check_scales(in_scales, M, (2 * N,), "in_scales")
     h = torch.empty((M, N), dtype=up.dtype, device=up.device) if write_h else None
     codes, scales = _codes(M, N, quant, up.device)
+    if scales is not None and N == 0:
+        scales.fill_(1.0)  # empty rows: scale 1, as quarl.formats gives an all-zero row (no kernel writes it)
     scale_args = (rs, cols, cols[N:]) if rs is not None else (up, up, up)  # unused pointers when not scaled
     if M and quant is not None and 0 < N <= ROW_ON_CHIP_MAX:
         c0, c1, c2 = row_pieces(N)

@@ -225,7 +225,7 @@ class FastRolloutEngine(RolloutEngine):
         if not self.use_cuda_graphs:
             decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
             return
-        key = (batch, kv_len, params)
+        key = self._graph_key(batch, kv_len, params)
         graph = self._graphs.get(key)
         if graph is None:
             try:
@@ -238,6 +238,10 @@ class FastRolloutEngine(RolloutEngine):
                 decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
                 return
         graph.replay()
+
+    def _graph_key(self, batch: int, kv_len: int, params: SamplingParams) -> tuple:
+        """What a captured step depends on besides the buffers: shapes, sampling and the decoder's mode."""
+        return batch, kv_len, params, self._decoder is not None and self._decoder.deferred_scales
 
     def _capture(self, batch: int, kv_len: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         """Warm up (compiles kernels, builds lazy caches) and capture one step; the state is left unchanged.
@@ -265,7 +269,7 @@ class FastRolloutEngine(RolloutEngine):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
-        self._graphs[(batch, kv_len, params)] = graph
+        self._graphs[self._graph_key(batch, kv_len, params)] = graph
         self.last_stats["graph_captures"] = self.last_stats.get("graph_captures", 0) + 1
         self.last_stats["capture_s"] = self.last_stats.get("capture_s", 0.0) + time.perf_counter() - t0
         return graph
