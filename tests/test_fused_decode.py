@@ -315,3 +315,18 @@ def test_graphs_are_keyed_by_the_decoders_mode():
     finally:
         engine._decoder.deferred_scales = False
     assert engine._graph_key(4, 64, params) == before
+
+
+def test_a_failing_scaled_check_only_turns_the_deferred_mode_off(monkeypatch):
+    """The scaled-input variants have their own first-use check: its failure leaves the fused kernels on."""
+    from quarl import kernels
+
+    monkeypatch.setattr(kernels, "_DECODE_FUSED_OK", {})
+    monkeypatch.setattr(kernels, "_DECODE_FUSED_SCALED_OK", {})
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "_decode_fused_agrees", lambda device, dtype, fp8=True: True)
+    monkeypatch.setattr(kernels, "_scaled_decode_fused_agrees", lambda device, dtype: False)
+    with pytest.warns(UserWarning, match="scaled inputs"):
+        assert not kernels.decode_fused_scaled_ok(torch.device("cpu"), torch.bfloat16)
+    assert kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)

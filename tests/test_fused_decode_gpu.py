@@ -43,6 +43,7 @@ def assert_codes_of(h, codes, scales, fmt):
 
 def test_the_self_check_accepts_the_kernels():
     assert kernels.decode_fused_ok(torch.device(DEV), BF16)
+    assert kernels.decode_fused_scaled_ok(torch.device(DEV), BF16)  # the scaled-input variants too
 
 
 @pytest.mark.parametrize("m,h", [(1, 896), (37, 3584), (512, 5000)])

@@ -353,6 +353,9 @@ class FusedDecoder:
         cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
         lengths = positions + 1
         deferred = self.deferred_scales
+        if deferred and x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype) \
+                and not kernels.decode_fused_scaled_ok(x.device, x.dtype):
+            deferred = False  # the scaled kernels failed their check: keep the GEMMs that apply the scales
         unit = self._unit_scale() if deferred else None
         delta, pending = None, None  # pending: the scales of a unit-scale delta, applied by the next norm
         for layer, qkv_proj, gate_up in zip(model.model.layers, self.qkv, self.gate_up):
