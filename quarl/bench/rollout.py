@@ -196,7 +196,7 @@ def configure_precision(model, prec: str) -> str:
     """Put `model` in setting precision `prec` ("bf16", "fp8", "fp8+head", ...); returns the format without the
     lm_head suffix. Settings run one after another on one model, so lm_head goes back to bf16 when the setting
     does not quantize it (apply_precision itself leaves lm_head alone)."""
-    from quarl.model.precision_apply import apply_precision, base_settings, refresh_rollout_weights
+    from quarl.model.precision_apply import apply_precision, base_settings
     from quarl.precision import PrecisionConfig
 
     base, head = prec.removesuffix(HEAD_SUFFIX), prec.endswith(HEAD_SUFFIX)
@@ -205,7 +205,6 @@ def configure_precision(model, prec: str) -> str:
     apply_precision(model, pc)
     if not head and model.lm_head.rollout_format is not None:
         model.lm_head.configure(**base_settings(PrecisionConfig(flow="bf16")))
-        refresh_rollout_weights(model)
     return base
 
 

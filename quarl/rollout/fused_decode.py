@@ -139,8 +139,12 @@ class FusedProjection:
                                self._fused["qweight_scale"].view(scale_dtype), None,
                                torch.Size((sum(self.sizes), p.in_features)))
 
+    @property
+    def has_bias(self) -> bool:
+        return any(p.bias is not None for p in self.parts)
+
     def _bias(self, dtype: torch.dtype, device) -> torch.Tensor | None:
-        if all(p.bias is None for p in self.parts):
+        if not self.has_bias:
             return None
         return torch.cat([p.bias.to(dtype) if p.bias is not None else torch.zeros(n, dtype=dtype, device=device)
                           for p, n in zip(self.parts, self.sizes)])
@@ -363,10 +367,8 @@ class FusedDecoder:
             Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             x, h, codes = add_norm(layer.input_layernorm, x, delta, qkv_proj.codes_handoff(B), pending)
             if deferred and codes is not None:
-                qw = qkv_proj.fused_qweight
-                y = unit_scale_matmul(codes[0], qw, unit, x.dtype)
-                q, k, v = rope_qkv_scaled(y, codes[1], qw.scale.reshape(-1), qkv_proj._bias(x.dtype, x.device),
-                                          cos, sin, Hq, Hkv, D)
+                y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
+                q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
             else:
                 qkv = qkv_proj(h, codes)  # [B, (Hq + 2 Hkv) D]
                 q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
@@ -374,31 +376,34 @@ class FusedDecoder:
             li = attn.layer_idx
             cache.write_tokens(li, positions, k, v)
             out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
-            o, o_scales = self._linear(attn.o_proj, out, None, unit)
+            o, o_scales = _linear(attn.o_proj, out, None, unit, B)
             x, h, codes = add_norm(layer.post_attention_layernorm, x, o, gate_up.codes_handoff(B), o_scales)
-            gu_scales = None
-            if deferred and codes is not None and gate_up._bias(x.dtype, x.device) is None:
-                qw = gate_up.fused_qweight
-                gu, gu_scales = unit_scale_matmul(codes[0], qw, unit, x.dtype), (codes[1], qw.scale.reshape(-1))
+            if deferred and codes is not None and not gate_up.has_bias:
+                gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
             else:
-                gu = gate_up(h, codes)
+                gu, gu_scales = gate_up(h, codes), None
             inter = mlp.down_proj.in_features
             quant = linear_codes_handoff(mlp.down_proj, B)
             a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales)
-            delta, pending = self._linear(mlp.down_proj, a, codes, unit)
+            delta, pending = _linear(mlp.down_proj, a, codes, unit, B)
         _, h, _ = add_norm(model.model.norm, x, delta, None, pending)
         return model.lm_head(h)
 
-    def _linear(self, linear: QuantLinear, x: torch.Tensor | None, codes, unit) -> tuple:
-        """(output, None) of one linear on x or on handed-over codes; with deferred scales, where the linear runs
-        as cuBLAS FP8 rowwise without a bias, (unit-scale product, (per-token, per-channel) scales) instead."""
-        if unit is None or linear.bias is not None or linear_codes_handoff(linear, x.shape[0] if x is not None
-                                                                             else codes[0].shape[0]) is None:
-            return linear_from(linear, x, codes), None
-        if codes is None:
-            codes = _activation_codes(x)
-        qw = linear.qweight
-        return unit_scale_matmul(codes[0], qw, unit, linear.compute_dtype), (codes[1], qw.scale.reshape(-1))
+
+def _unit_product(codes, qweight, unit: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(unit-scale product [M, N], its (per-token [M, 1], per-channel [N]) scales) of handed-over FP8 codes and an
+    "fp8" rowwise weight: what a scaled GEMM would return, less the scaling the consuming piece does."""
+    return unit_scale_matmul(codes[0], qweight, unit, dtype), (codes[1], qweight.scale.reshape(-1))
+
+
+def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tensor | None, batch: int) -> tuple:
+    """(output, None) of one linear on x or on handed-over codes; with deferred scales (unit given), where the
+    linear runs as cuBLAS FP8 rowwise without a bias, (unit-scale product, its scales) instead. Handed codes
+    already mean the FP8 GEMM runs; without them the handoff test decides, and x is quantized here."""
+    if unit is None or linear.bias is not None or (codes is None and linear_codes_handoff(linear, batch) is None):
+        return linear_from(linear, x, codes), None
+    return _unit_product(codes if codes is not None else _activation_codes(x), linear.qweight, unit,
+                         linear.compute_dtype)
 
 
 def both_decode_logits(model, engine, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
