@@ -278,6 +278,17 @@ def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bi
 _DECODE_FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
+def _seeded_randn(device: torch.device, dtype: torch.dtype):
+    """randn(*shape) in dtype on device from one seeded generator (the fused kernels' self-check probes)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype)
+
+
+def _one_rounding_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within one bf16 rounding: |a - b| <= 2^-7 |b| plus a tiny absolute slack."""
+    return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-6).all())
+
+
 def decode_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused decode kernels (`quarl.kernels.decode_fused`) may serve `dtype` activations on `device`:
     bf16 (their roundings are bf16's), kernels available and, on first use there, each kernel within one rounding
@@ -302,13 +313,7 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
     from quarl.formats import quantize
     from quarl.kernels.decode_fused import rms_norm_rows, rope_rows, silu_mul_rows
 
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=gen).to(dtype)
-
-    def close(a, b) -> bool:  # one bf16 rounding: |a - b| <= 2^-7 |b| plus a tiny absolute slack
-        return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-6).all())
+    randn = _seeded_randn(device, dtype)
 
     def codes_match(h, c, s) -> bool:
         if not fp8:
@@ -322,12 +327,12 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
     rf = r_ref.float()
     h_ref = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + noise).float()).to(dtype)
     _, _, c, s = rms_norm_rows(x, d, w, noise, 1e-6, "fp8", write_h=True) if fp8 else (None, None, None, None)
-    ok = torch.equal(r, r_ref) and close(h, h_ref) and codes_match(h, c, s)
+    ok = torch.equal(r, r_ref) and _one_rounding_close(h, h_ref) and codes_match(h, c, s)
 
     gu = randn(6, 2 * 300)
     a, _, _ = silu_mul_rows(gu[:, :300], gu[:, 300:])
     _, c, s = silu_mul_rows(gu[:, :300], gu[:, 300:], "fp8") if fp8 else (None, None, None)
-    ok = ok and close(a, F.silu(gu[:, :300]) * gu[:, 300:]) and codes_match(a, c, s)
+    ok = ok and _one_rounding_close(a, F.silu(gu[:, :300]) * gu[:, 300:]) and codes_match(a, c, s)
 
     qkv, cos, sin = randn(5, 6 * 16), randn(5, 16), randn(5, 16)
     q, k = rope_rows(qkv, cos, sin, 3, 1, 16)
@@ -358,15 +363,9 @@ def _scaled_decode_fused_agrees(device: torch.device, dtype: torch.dtype) -> boo
     """The fused kernels' unit-scale-product inputs (deferred scales) against scaling in torch first."""
     import torch.nn.functional as F
 
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=gen).to(dtype)
-
-    def close(a, b) -> bool:  # one rounding in dtype: |a - b| <= 2^-7 |b| plus a tiny absolute slack
-        return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-6).all())
-
     from quarl.kernels.decode_fused import rms_norm_rows, rope_rows, rope_rows_scaled, silu_mul_rows
+
+    randn, close = _seeded_randn(device, dtype), _one_rounding_close
 
     def pos(*shape):
         return randn(*shape).float().abs() * 1e-2 + 1e-3
