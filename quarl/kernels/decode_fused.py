@@ -169,6 +169,20 @@ def _round_bf16(v):
 
 
 @triton.jit
+def _rotate_store(x, partner, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, d, HQ, HK, stride_c, half: tl.constexpr):
+    """Rotary embedding of the bf16 values x (float32 [HEADS, D]; partner = x at (d + D/2) % D) stored to the q
+    heads (head < HQ) and k heads (HQ <= head < HQ + HK). bf16 x bf16 is exact in float32, so each rounding below
+    is PyTorch's bf16 multiply / add."""
+    rot = tl.where(d < half, -partner, partner)  # rotate_half(x) = cat(-x[D/2:], x[:D/2])
+    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
+    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
+    y = _round_bf16(_round_bf16(x * c) + _round_bf16(rot * s)).to(tl.bfloat16)
+    D: tl.constexpr = 2 * half
+    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
+    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & (head < HQ + HK))
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, HK, stride_x, stride_c, D: tl.constexpr,
                  HEADS: tl.constexpr):
     """Program (row, group of HEADS heads) over the HQ query heads then the HK key heads of one fused projection
@@ -179,16 +193,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, HK, stride_x, stride
     half: tl.constexpr = D // 2
     ok = head < HQ + HK
     x_row = x_ptr + row * stride_x + head * D
-    x = tl.load(x_row + d, mask=ok, other=0.0)
-    # rotate_half(x) = cat(-x[D/2:], x[:D/2])
-    partner = tl.load(x_row + (d + half) % D, mask=ok, other=0.0)
-    rot = tl.where(d < half, -partner.to(tl.float32), partner.to(tl.float32))
-    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
-    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
-    # bf16 x bf16 is exact in float32, so each rounding below is PyTorch's bf16 multiply / add
-    y = _round_bf16(_round_bf16(x.to(tl.float32) * c) + _round_bf16(rot * s)).to(x.dtype)
-    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
-    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & ok)
+    x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(x_row + (d + half) % D, mask=ok, other=0.0).to(tl.float32)
+    _rotate_store(x, partner, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, d, HQ, HK, stride_c, half)
 
 
 @triton.jit
@@ -214,12 +221,7 @@ def _rope_scaled_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k
         partner = partner + tl.load(b_ptr + pcol, mask=ok, other=0.0).to(tl.float32)
     x = _round_bf16(x)  # the projection output, rounded to bf16 as the GEMM epilogue would
     partner = _round_bf16(partner)
-    rot = tl.where(d < half, -partner, partner)
-    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
-    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
-    y = _round_bf16(_round_bf16(x * c) + _round_bf16(rot * s)).to(tl.bfloat16)
-    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
-    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & (head < HQ + HK))
+    _rotate_store(x, partner, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, d, HQ, HK, stride_c, half)
     tl.store(v_ptr + (row * HK + head - HQ - HK) * D + d, x.to(tl.bfloat16), mask=(head >= HQ + HK) & ok)
 
 
