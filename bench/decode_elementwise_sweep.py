@@ -28,14 +28,17 @@ def us(fn) -> float:
 
 
 def silu_two_pass(g, u, codes, scales):
-    _silu_mul_kernel[(g.shape[0],)](g, u, u, codes, scales, g.shape[1], g.stride(0), u.stride(0), WRITE_H=False,
-                                    QUANT=True, QUANT_INT8=False, BLOCK=2048, num_warps=8)
+    # u, u, u: the unused scale pointers of the unscaled kernel
+    _silu_mul_kernel[(g.shape[0],)](g, u, u, codes, scales, u, u, u, g.shape[1], g.stride(0), u.stride(0),
+                                    WRITE_H=False, QUANT=True, QUANT_INT8=False, SCALED=False, BLOCK=2048,
+                                    num_warps=8)
 
 
 def silu_row(g, u, codes, scales, warps):
     c0, c1, c2 = row_pieces(g.shape[1])
-    _silu_mul_row_kernel[(g.shape[0],)](g, u, u, codes, scales, g.shape[1], g.stride(0), u.stride(0),
-                                        WRITE_H=False, QUANT_INT8=False, C0=c0, C1=c1, C2=c2, num_warps=warps)
+    _silu_mul_row_kernel[(g.shape[0],)](g, u, u, codes, scales, u, u, u, g.shape[1], g.stride(0), u.stride(0),
+                                        WRITE_H=False, QUANT_INT8=False, SCALED=False, C0=c0, C1=c1, C2=c2,
+                                        num_warps=warps)
 
 
 def main() -> None:
