@@ -396,7 +396,7 @@ _SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     logits[5] = float("-inf")  # a row without mass: token 0, NaN log-prob
     noise = torch.rand(B, V)
     rows = [0, 1, 3, 4]
-    for ranges, block in [(1, 1024), (3, 256), (8, 128)]:
+    for ranges, block in [(1, 1024), (3, 256), (8, 128), (None, 1024)]:
         for T in (0.0, 0.7):
             tok, lp = sample_rows(logits, None if T == 0 else noise, T, ranges, block)
             if T == 0:

@@ -83,6 +83,60 @@ def test_fp4_dequant_then_matmul(fmt):
         assert err < DEQ_TOL, f"{fmt} deq_mm M={m} N={n} K={k}: rel err {err:.2e}"
 
 
+def _divide_by_row_scales(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`quant_utils.div_by_scale` row by row: v float32 [R, C], s float32 [R] -> v / s [R, C]."""
+    import triton
+    import triton.language as tl
+
+    from quarl.kernels.quant_utils import div_by_scale
+
+    @triton.jit
+    def kernel(v_ptr, s_ptr, o_ptr, C, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < C
+        x = tl.load(v_ptr + row * C + offs, mask=ok)
+        tl.store(o_ptr + row * C + offs, div_by_scale(x, tl.load(s_ptr + row)), mask=ok)
+
+    out = torch.empty_like(v)
+    kernel[(v.shape[0],)](v, s, out, v.shape[1], BLOCK=triton.next_power_of_2(v.shape[1]))
+    return out
+
+
+@gpu
+def test_division_by_a_shared_scale_is_correctly_rounded():
+    """`div_by_scale` (one reciprocal per scale, a Markstein correction per value) must equal the IEEE division
+    bit for bit for every quotient of at least 2^-24 (and zeros, infs, NaNs), and within a few ulps below that:
+    over random significands and exponents, scales whose significand is all ones or that are powers of two,
+    scales below 2^-60 (the rescaled path, subnormals included), quotients from underflow up to 2^20, signed
+    zeros, inf and NaN values, and inf / NaN scales."""
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,))))
+    rows, cols = 4096, 1024
+    s = ((1.0 + torch.rand(rows, device="cuda", generator=gen))
+         * torch.exp2(torch.randint(-149, 100, (rows,), device="cuda", generator=gen).float())).float()
+    powers = torch.exp2(torch.arange(-60, 4, device="cuda").float())
+    s[:64] = powers
+    s[64:128] = torch.nextafter(powers, torch.zeros_like(powers))  # significand all ones
+    s[128:192] = torch.exp2(torch.arange(-149, -85, device="cuda").float()) * 1.75
+    # values 2^-180 .. 2^20 times their row's scale: the quantizers' quotients are at most 448 (never near
+    # float32's overflow), and everything below a code's resolution
+    mant = 1.0 + torch.rand(rows, cols, device="cuda", generator=gen)
+    expo = torch.randint(-180, 20, (rows, cols), device="cuda", generator=gen).float()
+    sign = torch.where(torch.rand(rows, cols, device="cuda", generator=gen) < 0.5, -1.0, 1.0)
+    v = sign * mant * torch.exp2(expo) * s[:, None]
+    s[192], s[193] = float("inf"), float("nan")
+    v[:, :8] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-45, -3e-39, 448.0, -1.0], device="cuda")
+    got, want = _divide_by_row_scales(v, s), v / s[:, None]
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    tiny = (want.abs() < 2.0**-24) & (want != 0)
+    assert bool(((got[tiny] - want[tiny]).abs() <= want[tiny].abs() * 2.0**-21 + 2.0**-147).all())
+    same |= tiny
+    bad = ~same
+    assert bool(same.all()), (f"{int(bad.sum())} quotients differ, e.g. v={v[bad][:4].tolist()} "
+                              f"s={s[:, None].expand_as(v)[bad][:4].tolist()} got={got[bad][:4].tolist()} "
+                              f"want={want[bad][:4].tolist()}")
+
+
 @gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
 def test_activation_quantization_is_exact(fmt):
