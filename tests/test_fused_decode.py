@@ -269,7 +269,7 @@ def _step_logits(model, engine, decoder, deferred: bool):
     try:
         return both_decode_logits(model, engine, torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]))
     finally:
-        decoder.deferred_scales = False
+        decoder.deferred_scales = True
 
 
 def test_deferred_scales_match_the_module_path(monkeypatch):
@@ -302,18 +302,19 @@ def test_deferred_scales_in_bf16_stay_as_close_as_the_handed_codes_path(monkeypa
 
 
 def test_graphs_are_keyed_by_the_decoders_mode():
-    """A CUDA graph captured with deferred scales off must not replay once they are on (and back)."""
+    """A CUDA graph captured with deferred scales on (the default) must not replay once they are off (and back)."""
     from quarl.rollout.sampling import SamplingParams
 
     model = make_model("qwen2")
     engine = FastRolloutEngine(model, None, max_batch_size=4, use_cuda_graphs=False)
     params = SamplingParams(1.0)
+    assert engine._decoder.deferred_scales
     before = engine._graph_key(4, 64, params)
-    engine._decoder.deferred_scales = True
+    engine._decoder.deferred_scales = False
     try:
         assert engine._graph_key(4, 64, params) != before
     finally:
-        engine._decoder.deferred_scales = False
+        engine._decoder.deferred_scales = True
     assert engine._graph_key(4, 64, params) == before
 
 

@@ -327,10 +327,12 @@ class FusedDecoder:
         self.qkv = [FusedProjection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
                     for l in model.model.layers]
         self.gate_up = [FusedProjection([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
-        # Experimental, off by default until measured: FP8 GEMMs that receive activation codes run with unit
-        # per-tensor scales, and the kernel consuming each product (rotary, SiLU·mul, residual add + norm)
-        # applies its per-token and per-channel scales (`unit_scale_matmul`).
-        self.deferred_scales = False
+        # FP8 GEMMs that receive activation codes run with unit per-tensor scales, and the kernel consuming each
+        # product (rotary, SiLU·mul, residual add + norm) applies its per-token and per-channel scales
+        # (`unit_scale_matmul`): cuBLAS runs these shapes faster with per-tensor scales. B2 with it: 39,973 vs
+        # 39,061 tok/s (bench/results/rollout.md). The product is rounded to bf16 once more before its scales,
+        # a perturbation of one bf16 rounding (checked against exactly that in tests/test_fused_decode_gpu.py).
+        self.deferred_scales = True
         self._unit: torch.Tensor | None = None
 
     def prepare(self) -> bool:
