@@ -4,8 +4,10 @@
 
 Qwen2.5-7B shapes (hidden 3584, intermediate 18944, 28 + 2 x 4 heads of 128). SiLU·mul with FP8 codes is timed
 both ways: the two-pass kernel (`_silu_mul_kernel`, every product computed twice) and the row-on-chip kernel
-(`_silu_mul_row_kernel`, once) at each --warps; their codes must be identical. "floor" = bytes read + written /
-the measured copy bandwidth.
+(`_silu_mul_row_kernel`, once) at each --warps; their codes must be identical. The kernels that take a unit-scale
+FP8 product under deferred scales (SiLU·mul, add + norm, rotary) are also timed with their scaled inputs: that
+extra time is what deferring a GEMM's scales costs, against what the per-tensor GEMM saves (bench/results/gemm.md).
+"floor" = bytes read + written / the measured copy bandwidth (column scales not counted: they are L2 reads).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from quarl.bench.gemm import measure_ceilings
 from quarl.bench.rollout_breakdown import _graph_ms
 from quarl.kernels.act_quant import quantize_activation
 from quarl.kernels.decode_fused import (_silu_mul_kernel, _silu_mul_row_kernel, rms_norm_rows, rope_rows,
-                                        row_pieces, silu_mul_rows)
+                                        rope_rows_scaled, row_pieces, silu_mul_rows)
 
 HIDDEN, INTER, HQ, HKV, D = 3584, 18944, 28, 4, 128
 
@@ -69,18 +71,30 @@ def main() -> None:
             row(f"silu_mul + fp8 codes, row on chip, {w} warps{'' if same else ' (CODES DIFFER)'}",
                 lambda: silu_row(g, u, codes, scales, w), silu_bytes)
         row("silu_mul, bf16 out", lambda: silu_mul_rows(g, u, None), m * INTER * 6)
+        rs = torch.rand(m, 1, device="cuda") * 1e-3
+        cols = torch.rand(2 * INTER, device="cuda") * 1e-3
+        row("silu_mul + fp8 codes (production call)", lambda: silu_mul_rows(g, u, "fp8", write_h=False), silu_bytes)
+        row("silu_mul + fp8 codes, scaled inputs (deferred scales)",
+            lambda: silu_mul_rows(g, u, "fp8", write_h=False, in_scales=(rs, cols)), silu_bytes)
         x, d = (torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         w_norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
         for w in (None, 4, 16):
             row(f"add + rms_norm + fp8 codes, {w or 'default'} warps",
                 lambda: rms_norm_rows(x, d, w_norm, None, 1e-6, "fp8", write_h=False, num_warps=w),
                 m * HIDDEN * (2 + 2 + 2 + 1))
+        row("add + rms_norm + fp8 codes, scaled delta (deferred scales)",
+            lambda: rms_norm_rows(x, d, w_norm, None, 1e-6, "fp8", write_h=False, delta_scales=(rs, cols[:HIDDEN])),
+            m * HIDDEN * (2 + 2 + 2 + 1))
         for block, w in ((None, 4), (4096, 4), (4096, 8)):
             row(f"act quant fp8 (o_proj input), block {block or 'default'}, {w} warps",
                 lambda: quantize_activation(x, "fp8", HIDDEN, block=block, num_warps=w), m * HIDDEN * 3)
         qkv = torch.randn(m, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
         cs = torch.randn(m, D, device="cuda", dtype=torch.bfloat16)
         row("rope q/k", lambda: rope_rows(qkv, cs, cs, HQ, HKV, D), m * (HQ + HKV) * D * 4)
+        n_qkv = (HQ + 2 * HKV) * D
+        bias = torch.randn(n_qkv, device="cuda", dtype=torch.bfloat16)
+        row("rope q/k + v, scaled product and bias (deferred scales)",
+            lambda: rope_rows_scaled(qkv, rs, cols[:n_qkv], bias, cs, cs, HQ, HKV, D), m * n_qkv * 4)
 
 
 if __name__ == "__main__":

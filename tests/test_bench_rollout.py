@@ -76,3 +76,15 @@ def test_breakdown_times_the_fused_step_gemms_on_codes_where_the_step_hands_code
     want = quantize(inputs[model.config.hidden_size], "fp8", "activation")
     assert torch.equal(seen[0][0].view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(seen[0][1], want.scale)
+
+
+def test_deferred_scales_option_reads_all_none_or_names():
+    import argparse
+
+    from quarl.bench.rollout import _deferred_choice
+
+    assert _deferred_choice("all") is True and _deferred_choice("none") is False
+    assert _deferred_choice("qkv, down") == ("qkv", "down")
+    for bad in ("", "qkv,gate", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="qkv,o,gate_up,down"):
+            _deferred_choice(bad)

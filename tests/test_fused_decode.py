@@ -264,7 +264,7 @@ def _deferred_setup(monkeypatch, dtype):
     return model, engine, decoder
 
 
-def _step_logits(model, engine, decoder, deferred: bool):
+def _step_logits(model, engine, decoder, deferred):
     decoder.deferred_scales = deferred
     try:
         return both_decode_logits(model, engine, torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]))
@@ -272,21 +272,50 @@ def _step_logits(model, engine, decoder, deferred: bool):
         decoder.deferred_scales = True
 
 
-def test_deferred_scales_match_the_module_path(monkeypatch):
+@pytest.mark.parametrize("which", [True, ("qkv",), ("o", "down"), ("gate_up",), ("qkv", "gate_up", "down")])
+def test_deferred_scales_match_the_module_path(monkeypatch, which):
     """With `deferred_scales`, the FP8 GEMMs that get activation codes run with unit per-tensor scales and the
     next piece applies the per-token and per-channel scales (the torch pieces here, codes handed over as on a
     GPU). In float32 the logits equal the module path's to 1e-5 of the largest logit, with the same greedy
-    tokens, and every q/k/v, o, gate/up and down GEMM took the unit-scale path."""
+    tokens, and exactly the chosen GEMMs (all four kinds for True) took the unit-scale path. The GEMMs left to
+    apply their own scales get the handed codes too; cuBLAS rounds their output to bf16, so here they compute in
+    float32 (dequantized codes times the dequantized weight) to keep the comparison at float32's precision."""
+    from quarl import kernels
     from quarl.rollout import fused_decode
 
     model, engine, decoder = _deferred_setup(monkeypatch, torch.float32)
+
+    def codes_matmul_f32(codes, scales, qweight, bias, out_dtype):
+        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(kernels, "fp8_matmul_from_codes", codes_matmul_f32)
+    cfg = model.config
+    q_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    out_rows = {"qkv": q_out, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size}
+    kinds = fused_decode.DEFERRABLE if which is True else which
     shapes = []
     real = fused_decode.unit_scale_matmul
-    monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: shapes.append(a[1].shape) or real(*a))
-    want, got = _step_logits(model, engine, decoder, True)
-    assert len(shapes) == 4 * model.config.num_layers
+    monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: shapes.append(tuple(a[1].shape)) or real(*a))
+    want, got = _step_logits(model, engine, decoder, which)
+    expected = sorted([(out_rows[k], cfg.intermediate_size if k == "down" else cfg.hidden_size) for k in kinds]
+                      * cfg.num_layers)
+    assert sorted(shapes) == expected
     close(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_deferred_scales_take_known_names_only():
+    model = make_model("qwen2")
+    decoder = FusedDecoder.for_model(model)
+    decoder.deferred_scales = ["o", "qkv"]
+    assert decoder.deferred_scales == frozenset({"o", "qkv"})
+    decoder.deferred_scales = False
+    assert not decoder.deferred_scales
+    with pytest.raises(ValueError, match="gate_up"):
+        decoder.deferred_scales = ["gate"]
+    decoder.deferred_scales = True
+    assert decoder.deferred_scales == frozenset(("qkv", "o", "gate_up", "down"))
 
 
 def test_deferred_scales_in_bf16_stay_as_close_as_the_handed_codes_path(monkeypatch):

@@ -96,6 +96,18 @@ def parameter_count(size: str) -> int:
     return c.num_layers * layer + embeddings + c.hidden_size
 
 
+def _deferred_choice(text: str):
+    """--deferred-scales: "all" -> True, "none" -> False, else a tuple of the decoder's linear names."""
+    from quarl.rollout.fused_decode import DEFERRABLE
+
+    if text in ("all", "none"):
+        return text == "all"
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or set(names) - set(DEFERRABLE):
+        raise argparse.ArgumentTypeError(f"expected all, none or a comma list of {','.join(DEFERRABLE)}; got {text!r}")
+    return names
+
+
 def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench rollout`."""
     parser.add_argument("--model-size", default="7b", help=f"Qwen2.5 architecture: {', '.join(MODEL_SIZES)}")
@@ -113,10 +125,10 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; settings that would start after it are skipped (reported as skipped)")
     parser.add_argument("--attention", default="auto", help="decode attention backend: auto | triton | torch")
-    parser.add_argument("--scales-in-gemm", dest="deferred_scales", action="store_false",
-                        help="FP8 GEMMs fed activation codes apply their rowwise scales in cuBLAS instead of the "
-                             "default (unit per-tensor scales, applied by the next fused kernel: "
-                             "FusedDecoder.deferred_scales)")
+    parser.add_argument("--deferred-scales", default="all", type=_deferred_choice,
+                        help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales, the next "
+                             "fused kernel applying the scales (FusedDecoder.deferred_scales): all (default), none, "
+                             "or a comma list of qkv,o,gate_up,down")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of timed generate calls, time one decode step and its parts (linears, "
                              "attention, sampling) at context prompt-len + max-new-tokens / 2")
@@ -220,7 +232,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
                                sync_every=args.sync_every, attention_backend=args.attention)
     if engine._decoder is not None:
-        engine._decoder.deferred_scales = bool(getattr(args, "deferred_scales", True))
+        engine._decoder.deferred_scales = getattr(args, "deferred_scales", True)
     gen_kw = dict(n=args.samples, temperature=args.temperature, ignore_eos=True)
     engine.generate(prompts, max_new_tokens=min(args.max_new_tokens, 2 * args.sync_every), seed=args.seed, **gen_kw)
     warm = dict(engine.last_stats)

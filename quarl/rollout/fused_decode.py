@@ -303,6 +303,9 @@ def _torch_codes(h: torch.Tensor, quant: str | None):
 
 
 # ------------------------------------------------------------------------------------------ the forward
+DEFERRABLE = ("qkv", "o", "gate_up", "down")  # the decoder's FP8 GEMMs whose scales may be deferred
+
+
 def fused_decode_supported(model) -> bool:
     """Whether `FusedDecoder` covers this model: SiLU-gated MLPs, no per-head q/k norms (Qwen3 keeps the
     module path)."""
@@ -335,6 +338,20 @@ class FusedDecoder:
         self.deferred_scales = True
         self._unit: torch.Tensor | None = None
 
+    @property
+    def deferred_scales(self) -> frozenset:
+        """The linears ("qkv", "o", "gate_up", "down") whose FP8 GEMMs run with unit scales, the next kernel
+        applying them; empty = every GEMM applies its own. Set True (all), False (none) or a collection of names."""
+        return self._deferred
+
+    @deferred_scales.setter
+    def deferred_scales(self, value) -> None:
+        names = DEFERRABLE if value is True else () if value is False or value is None else tuple(value)
+        unknown = set(names) - set(DEFERRABLE)
+        if unknown:
+            raise ValueError(f"deferred_scales takes True, False or names among {DEFERRABLE}; got {sorted(unknown)}")
+        self._deferred = frozenset(names)
+
     def prepare(self) -> bool:
         """Make every fused weight current (re-stacks after a reconfiguration; no work otherwise). Returns
         whether any buffer moved (CUDA graphs captured before then read the old buffers)."""
@@ -361,14 +378,14 @@ class FusedDecoder:
         deferred = self.deferred_scales
         if deferred and x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype) \
                 and not kernels.decode_fused_scaled_ok(x.device, x.dtype):
-            deferred = False  # the scaled kernels failed their check: keep the GEMMs that apply the scales
+            deferred = frozenset()  # the scaled kernels failed their check: keep the GEMMs that apply the scales
         unit = self._unit_scale() if deferred else None
         delta, pending = None, None  # pending: the scales of a unit-scale delta, applied by the next norm
         for layer, qkv_proj, gate_up in zip(model.model.layers, self.qkv, self.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             x, h, codes = add_norm(layer.input_layernorm, x, delta, qkv_proj.codes_handoff(B), pending)
-            if deferred and codes is not None:
+            if "qkv" in deferred and codes is not None:
                 y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
                 q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
             else:
@@ -378,16 +395,16 @@ class FusedDecoder:
             li = attn.layer_idx
             cache.write_tokens(li, positions, k, v)
             out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
-            o, o_scales = _linear(attn.o_proj, out, None, unit, B)
+            o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B)
             x, h, codes = add_norm(layer.post_attention_layernorm, x, o, gate_up.codes_handoff(B), o_scales)
-            if deferred and codes is not None and not gate_up.has_bias:
+            if "gate_up" in deferred and codes is not None and not gate_up.has_bias:
                 gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
             else:
                 gu, gu_scales = gate_up(h, codes), None
             inter = mlp.down_proj.in_features
             quant = linear_codes_handoff(mlp.down_proj, B)
             a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales)
-            delta, pending = _linear(mlp.down_proj, a, codes, unit, B)
+            delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B)
         _, h, _ = add_norm(model.model.norm, x, delta, None, pending)
         return model.lm_head(h)
 
