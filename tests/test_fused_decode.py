@@ -12,8 +12,8 @@ from quarl.model.precision_apply import apply_precision
 from quarl.model.qlinear import QuantLinear
 from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rollout.fast_engine import FastRolloutEngine
-from quarl.rollout.fused_decode import (FusedDecoder, FusedProjection, add_norm, both_decode_logits, rope_qk,
-                                       silu_mul)
+from quarl.rollout.fused_decode import (DEFAULT_DEFERRED, FusedDecoder, FusedProjection, add_norm,
+                                       both_decode_logits, rope_qk, silu_mul)
 from tiny_models import make_model, rand_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -269,7 +269,7 @@ def _step_logits(model, engine, decoder, deferred):
     try:
         return both_decode_logits(model, engine, torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]))
     finally:
-        decoder.deferred_scales = True
+        decoder.deferred_scales = DEFAULT_DEFERRED
 
 
 @pytest.mark.parametrize("which", [True, ("qkv",), ("o", "down"), ("gate_up",), ("qkv", "gate_up", "down")])
@@ -316,6 +316,7 @@ def test_deferred_scales_take_known_names_only():
         decoder.deferred_scales = ["gate"]
     decoder.deferred_scales = True
     assert decoder.deferred_scales == frozenset(("qkv", "o", "gate_up", "down"))
+    assert FusedDecoder.for_model(make_model("qwen2")).deferred_scales == frozenset(("qkv", "o", "down"))
 
 
 def test_deferred_scales_in_bf16_stay_as_close_as_the_handed_codes_path(monkeypatch):
@@ -331,7 +332,7 @@ def test_deferred_scales_in_bf16_stay_as_close_as_the_handed_codes_path(monkeypa
 
 
 def test_graphs_are_keyed_by_the_decoders_mode():
-    """A CUDA graph captured with deferred scales on (the default) must not replay once they are off (and back)."""
+    """A CUDA graph captured with the default deferred scales must not replay once they are off (and back)."""
     from quarl.rollout.sampling import SamplingParams
 
     model = make_model("qwen2")
@@ -343,7 +344,7 @@ def test_graphs_are_keyed_by_the_decoders_mode():
     try:
         assert engine._graph_key(4, 64, params) != before
     finally:
-        engine._decoder.deferred_scales = True
+        engine._decoder.deferred_scales = DEFAULT_DEFERRED
     assert engine._graph_key(4, 64, params) == before
 
 

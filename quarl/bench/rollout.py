@@ -125,10 +125,10 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; settings that would start after it are skipped (reported as skipped)")
     parser.add_argument("--attention", default="auto", help="decode attention backend: auto | triton | torch")
-    parser.add_argument("--deferred-scales", default="all", type=_deferred_choice,
+    parser.add_argument("--deferred-scales", default=None, type=_deferred_choice,
                         help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales, the next "
-                             "fused kernel applying the scales (FusedDecoder.deferred_scales): all (default), none, "
-                             "or a comma list of qkv,o,gate_up,down")
+                             "fused kernel applying the scales (FusedDecoder.deferred_scales): all, none, or a comma "
+                             "list of qkv,o,gate_up,down; default: the decoder's (qkv,o,down)")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of timed generate calls, time one decode step and its parts (linears, "
                              "attention, sampling) at context prompt-len + max-new-tokens / 2")
@@ -231,8 +231,8 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
                                sync_every=args.sync_every, attention_backend=args.attention)
-    if engine._decoder is not None:
-        engine._decoder.deferred_scales = getattr(args, "deferred_scales", True)
+    if engine._decoder is not None and getattr(args, "deferred_scales", None) is not None:
+        engine._decoder.deferred_scales = args.deferred_scales
     gen_kw = dict(n=args.samples, temperature=args.temperature, ignore_eos=True)
     engine.generate(prompts, max_new_tokens=min(args.max_new_tokens, 2 * args.sync_every), seed=args.seed, **gen_kw)
     warm = dict(engine.last_stats)

@@ -304,6 +304,7 @@ def _torch_codes(h: torch.Tensor, quant: str | None):
 
 # ------------------------------------------------------------------------------------------ the forward
 DEFERRABLE = ("qkv", "o", "gate_up", "down")  # the decoder's FP8 GEMMs whose scales may be deferred
+DEFAULT_DEFERRED = ("qkv", "o", "down")  # see FusedDecoder.__init__
 
 
 def fused_decode_supported(model) -> bool:
@@ -330,12 +331,15 @@ class FusedDecoder:
         self.qkv = [FusedProjection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
                     for l in model.model.layers]
         self.gate_up = [FusedProjection([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
-        # FP8 GEMMs that receive activation codes run with unit per-tensor scales, and the kernel consuming each
-        # product (rotary, SiLU·mul, residual add + norm) applies its per-token and per-channel scales
-        # (`unit_scale_matmul`): cuBLAS runs these shapes faster with per-tensor scales. B2 with it: 39,973 vs
-        # 39,061 tok/s (bench/results/rollout.md). The product is rounded to bf16 once more before its scales,
-        # a perturbation of one bf16 rounding (checked against exactly that in tests/test_fused_decode_gpu.py).
-        self.deferred_scales = True
+        # The q/k/v, o and down GEMMs, when they receive FP8 activation codes, run with unit per-tensor scales,
+        # and the kernel consuming each product (rotary; residual add + norm) applies its per-token and
+        # per-channel scales (`unit_scale_matmul`): cuBLAS runs these shapes faster with per-tensor scales (7B at
+        # 512 rows: q/k/v 23.5 -> 14.5 us, o 13.6 -> 12.4, down 53.9 -> 49.1). gate/up keeps its scales: it saves
+        # 5 us there, and SiLU·mul on scaled inputs costs 9 us more (bench/results/decode_elementwise.md). B2:
+        # 39,061 -> ~40,000 tok/s (bench/results/rollout.md). Each deferred product is rounded to bf16 once more
+        # before its scales, a perturbation of one bf16 rounding (tests/test_fused_decode_gpu.py checks exactly
+        # that).
+        self.deferred_scales = DEFAULT_DEFERRED
         self._unit: torch.Tensor | None = None
 
     @property
