@@ -423,6 +423,56 @@ def test_sampling_kernel_in_interpreter():
     _run_in_interpreter(_SAMPLER_CHECK)
 
 
+_CDF_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+    from quarl.kernels.sampling_cdf import sample_rows_cdf
+    from quarl.rollout.fast_step import inverse_cdf, inverse_cdf_consistent
+    from quarl.rollout.sampling import SamplingParams, filtered_logprobs
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    B, V = 7, 3000
+    logits = torch.randn(B, V) * 3
+    logits[2, 1900] = logits[2, 2999] = float("nan")  # the first NaN's index, and a NaN log-prob
+    logits[3, :1024] = float("-inf")  # a whole range without mass
+    logits[4, :] = float("-inf")
+    logits[4, 2999] = 0.0  # all the mass on the last column
+    logits[5] = float("-inf")  # a row without mass: token 0, NaN log-prob
+    logits[6, 5] = 40.0  # nearly all the mass on one early column
+    u = torch.rand(B, 1)
+    u[0] = 0.0
+    u[1] = 1.0 - 2.0**-24  # the largest float32 below 1: the last token with mass
+    rows = [0, 1, 3, 4, 6]
+    for ranges, block, T in [(1, 1024, 0.7), (3, 256, 1.0), (8, 128, 1.6), (None, 1024, 1.0), (32, 64, 0.7)]:
+        tok, lp = sample_rows_cdf(logits, u, T, ranges, block)
+        flp = filtered_logprobs(logits, SamplingParams(T))
+        assert tok[2].item() == 1900 and torch.isnan(lp[2]), (ranges, T)
+        assert tok[5].item() == 0 and torch.isnan(lp[5]), (ranges, T)
+        assert bool(inverse_cdf_consistent(flp[rows], u[rows, 0], tok[rows]).all()), (ranges, block, T)
+        assert tok[4].item() == 2999 and tok[6].item() == 5, (ranges, T)
+        ref_lp = flp.gather(1, tok[:, None]).squeeze(1).double()
+        assert float((lp[rows].double() - ref_lp[rows]).abs().max()) < 1e-4, (ranges, block, T)
+        ref_tok = inverse_cdf(flp, u[:, 0])
+        assert int((tok[rows] != ref_tok[rows]).sum()) <= 1  # float32 vs float64 running sums
+    # 300 fresh uniforms on one small distribution: every draw lands in its own interval
+    n, v = 300, 40
+    row = torch.randn(v) * 1.5
+    row[7] = float("-inf")
+    uu = torch.rand(n)
+    tok, lp = sample_rows_cdf(row.expand(n, v).contiguous(), uu, 1.0, 4, 16)
+    assert bool(inverse_cdf_consistent(row.expand(n, v).log_softmax(-1), uu, tok).all())
+    assert not bool((tok == 7).any())
+    print("ok")
+""")
+
+
+def test_inverse_cdf_sampling_kernel_in_interpreter():
+    """The inverse-CDF sampling kernel (per-range mass, then a scan of the one range where the target falls) run
+    by Triton's CPU interpreter: every token is an inverse-CDF draw of its uniform (its float64 interval holds
+    u * total within 1e-5 of the mass), log-probs within 1e-4 of the filtered log-probs, mass at either end, u = 0
+    and the largest u below 1, a range without mass, the first NaN's index with a NaN log-prob, token 0 for a
+    row without mass; and 300 fresh draws from one distribution (the frequencies of such draws are tested on the
+    torch definition, `test_inverse_cdf_draws_follow_the_distribution`)."""
+    _run_in_interpreter(_CDF_SAMPLER_CHECK)
+
+
 def test_triton_decode_attention_in_interpreter():
     """The Triton kernel's indexing, GQA grouping, split merge and FP8 path, run by Triton's CPU interpreter
     (float32 and float16 only: the interpreter mis-handles bf16 dots)."""
@@ -442,3 +492,52 @@ def test_triton_decode_attention_refuses_caches_it_cannot_read():
         k, v = torch.zeros(2, 2, 8, 16).to(k_dtype), torch.zeros(2, 2, 8, 16).to(v_dtype)
         with pytest.raises(ValueError, match="float8_e4m3fn"):
             decode_attention(q, k, v, lengths)
+
+
+def test_inverse_cdf_draws_follow_the_distribution():
+    """`fast_step.inverse_cdf`: over 200,000 fresh uniforms the frequencies match softmax within 5 standard errors,
+    a token without mass is never drawn, u = 0 gives the first token with mass and the largest u below 1 the last;
+    a NaN row gives its first NaN's index; every draw passes `inverse_cdf_consistent`, and a token moved to a
+    neighbour does not."""
+    from quarl.rollout.fast_step import inverse_cdf, inverse_cdf_consistent
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    n, v = 200_000, 50
+    row = torch.randn(v) * 1.5
+    row[0] = row[9] = row[v - 1] = float("-inf")
+    lp = row.log_softmax(-1).expand(n, v)
+    u = torch.rand(n)
+    tok = inverse_cdf(lp, u)
+    q = torch.softmax(row.double(), -1)
+    freq = torch.bincount(tok, minlength=v).double() / n
+    assert freq[0] == freq[9] == freq[v - 1] == 0
+    assert float((freq - q).abs().max()) < 5 * float((q * (1 - q) / n).sqrt().max())
+    assert bool(inverse_cdf_consistent(lp, u, tok).all())
+    moved = (tok + 1).clamp(max=v - 2)
+    assert not bool(inverse_cdf_consistent(lp[:1000], u[:1000], moved[:1000]).all())
+    ends = inverse_cdf(lp[:2], torch.tensor([0.0, 1.0 - 2.0**-24]))
+    assert ends.tolist() == [1, v - 2]
+    nan_row = row.clone()
+    nan_row[[4, 30]] = float("nan")
+    assert inverse_cdf(nan_row[None], torch.tensor([0.5])).item() == 4
+
+
+def test_inverse_cdf_engine_gives_the_reference_logprobs():
+    """FastRolloutEngine(sampler="inverse-cdf") on the CPU: every request comes back once with max_new_tokens
+    tokens (EOS ignored), its recorded log-probs equal a float64 recomputation of the sampled tokens, the same seed
+    gives the same tokens, and a bad sampler name is refused with the choices."""
+    torch.manual_seed(0)
+    model = make_model("qwen2", dtype=torch.float32)
+    prompts = rand_prompts([5, 3, 8])
+    engine = FastRolloutEngine(model, None, max_batch_size=8, sampler="inverse-cdf")
+    assert engine._noise_width() == 1
+    outs = engine.generate(prompts, n=2, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    again = engine.generate(prompts, n=2, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    assert [len(o.completions) for o in outs] == [2, 2, 2]
+    for o, o2, pr in zip(outs, again, prompts):
+        for c, c2 in zip(o.completions, o2.completions):
+            assert len(c.token_ids) == 6 and c.token_ids == c2.token_ids
+            ref = float64_logprobs(model, pr, c.token_ids, SamplingParams(1.0))
+            assert float((torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max()) < 1e-4
+    with pytest.raises(ValueError, match="gumbel, inverse-cdf"):
+        FastRolloutEngine(model, None, max_batch_size=8, sampler="multinomial")

@@ -121,21 +121,23 @@ def test_greedy_matches_reference_engine_bf16(which):
     print(f"{which}: {compared}/{total} tokens compared")
 
 
-def test_cuda_graphs_equal_eager_and_every_request_returns_once():
+@pytest.mark.parametrize("sampler,top_p", [("gumbel", 0.95), ("inverse-cdf", 1.0), ("inverse-cdf", 0.95)])
+def test_cuda_graphs_equal_eager_and_every_request_returns_once(sampler, top_p):
     """Sampling with EOS on ~10% of the vocabulary: ragged finishes, refills, compaction into smaller buckets
     (lazy captures). Graph replay runs the eager engine's kernels on the same noise, so for the same seed the
     completions agree; a library may pick another GEMM algorithm under capture (bf16 rounding, which can flip a
-    near-tied draw), so >= 90% of completions must be identical (a capture or state bug garbles nearly all)."""
+    near-tied draw), so >= 90% of completions must be identical (a capture or state bug garbles nearly all).
+    Both samplers; inverse CDF with top-p takes the torch path, without it the kernel."""
     torch.manual_seed(1)
     model = tiny_model("llama")
     model.config.eos_token_ids = list(range(0, 320, 10))
     prompts = rand_prompts([3, 6, 2, 8, 5, 4, 7, 1, 9, 3, 6, 12, 2])
     counted = []
-    graphs = FastRolloutEngine(model, None, max_batch_size=16, sync_every=3)
-    outs = graphs.generate(prompts, n=4, max_new_tokens=40, temperature=1.0, top_p=0.95, seed=7,
+    graphs = FastRolloutEngine(model, None, max_batch_size=16, sync_every=3, sampler=sampler)
+    outs = graphs.generate(prompts, n=4, max_new_tokens=40, temperature=1.0, top_p=top_p, seed=7,
                            progress=counted.append)
-    eager = FastRolloutEngine(model, None, max_batch_size=16, sync_every=3, use_cuda_graphs=False)
-    outs_eager = eager.generate(prompts, n=4, max_new_tokens=40, temperature=1.0, top_p=0.95, seed=7)
+    eager = FastRolloutEngine(model, None, max_batch_size=16, sync_every=3, use_cuda_graphs=False, sampler=sampler)
+    outs_eager = eager.generate(prompts, n=4, max_new_tokens=40, temperature=1.0, top_p=top_p, seed=7)
     assert graphs.last_stats["graph_captures"] >= 2 and graphs.last_stats["slot_moves"] > 0, graphs.last_stats
     eos = set(model.config.eos_token_ids)
     total = same = 0

@@ -108,3 +108,44 @@ def test_a_failing_kernel_leaves_the_torch_sampler_in_charge(monkeypatch):
         tok, lp = sample_next(logits, SamplingParams(1.0), noise)
     ref_lp = filtered_logprobs(logits, SamplingParams(1.0))
     assert torch.equal(tok, gumbel_max(ref_lp, noise))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,V,ranges", [(512, 152064, None), (300, 5003, 1), (7, 5003, 3)])
+def test_inverse_cdf_kernel_draws_are_inverse_cdf_draws(dtype, B, V, ranges):
+    """`sample_rows_cdf`: every token lies in the float64 interval of its uniform (within 1e-5 of the mass),
+    log-probs within 5e-5 of the filtered log-probs (float32 sums over up to 152k columns), NaN rows give the
+    first NaN's index and a NaN log-prob, rows without mass token 0 and a NaN log-prob; and `sample_next` with one
+    draw per row takes this kernel."""
+    from quarl.kernels.sampling_cdf import sample_rows_cdf
+    from quarl.rollout.fast_step import inverse_cdf_consistent
+
+    logits = (torch.randn(B, V, device=DEV) * 3).to(dtype)
+    logits[0, 11] = logits[0, V - 1] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, : V // 2] = float("-inf")
+    u = torch.rand(B, 1, device=DEV)
+    for T in (1.0, 0.6):
+        tok, lp = sample_rows_cdf(logits, u, T, ranges)
+        ref_lp = filtered_logprobs(logits, SamplingParams(T))
+        rows = torch.arange(2, B, device=DEV)
+        assert tok[0] == 11 and torch.isnan(lp[0]) and tok[1] == 0 and torch.isnan(lp[1])
+        assert bool(inverse_cdf_consistent(ref_lp[rows], u[rows, 0], tok[rows]).all())
+        torch.testing.assert_close(lp[rows], ref_lp.gather(1, tok[:, None]).squeeze(1)[rows].float(), atol=5e-5,
+                                   rtol=0)
+        tok2, lp2 = sample_next(logits, SamplingParams(T), u)
+        if ranges is None:
+            assert torch.equal(tok2, tok) and torch.equal(lp2.nan_to_num(), lp.nan_to_num())
+
+
+def test_inverse_cdf_draws_follow_the_tempered_distribution():
+    from quarl.kernels.sampling_cdf import sample_rows_cdf
+
+    V, N, T = 2050, 200000, 0.8
+    row = torch.randn(V, device=DEV) * 2
+    row[:6] = torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0, 0.0], device=DEV)
+    tok, _ = sample_rows_cdf(row.expand(N, V), torch.rand(N, device=DEV), T)
+    p = torch.softmax(row.double() / T, -1)
+    counts = torch.bincount(tok, minlength=V).double()
+    sd = (N * p * (1 - p)).sqrt()
+    assert bool(((counts - N * p).abs() <= 5 * sd + 2).all())

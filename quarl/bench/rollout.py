@@ -129,6 +129,9 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales, the next "
                              "fused kernel applying the scales (FusedDecoder.deferred_scales): all, none, or a comma "
                              "list of qkv,o,gate_up,down; default: the decoder's (qkv,o,down)")
+    parser.add_argument("--sampler", default="gumbel", choices=["gumbel", "inverse-cdf"],
+                        help="temperature sampling: Gumbel-max over a [batch, vocab] uniform tensor per step, or "
+                             "inverse CDF with one uniform per sequence (FastRolloutEngine(sampler=...))")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of timed generate calls, time one decode step and its parts (linears, "
                              "attention, sampling) at context prompt-len + max-new-tokens / 2")
@@ -230,7 +233,8 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     batch = args.prompts * args.samples
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
-                               sync_every=args.sync_every, attention_backend=args.attention)
+                               sync_every=args.sync_every, attention_backend=args.attention,
+                               sampler=getattr(args, "sampler", "gumbel"))
     if engine._decoder is not None and getattr(args, "deferred_scales", None) is not None:
         engine._decoder.deferred_scales = args.deferred_scales
     gen_kw = dict(n=args.samples, temperature=args.temperature, ignore_eos=True)

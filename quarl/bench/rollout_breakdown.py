@@ -6,7 +6,8 @@ are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
   linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path; with the
              fused decode its stacked GEMMs, on FP8 codes made beforehand where the step hands codes over);
   attention  the decode attention of every layer over `context` + 1 columns;
-  sampling   the step's sampler (`fast_step.sample_next`) on [batch, vocab] logits in the model dtype;
+  sampling   the refill of the step's uniform draws and its sampler (`fast_step.sample_next`) on [batch, vocab]
+             logits in the model dtype (before 2026-11-29 18:30 the refill counted in "other");
   other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
 Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth; the linears
 also their compute floor, 2 * weights * batch / matrix rate.
@@ -111,8 +112,15 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
                                                                 *cache.scales(i)) for i in range(cfg.num_layers)])
 
             logits = torch.randn(batch, cfg.vocab_size, device=dev, dtype=dtype)
-            u = torch.rand(batch, cfg.vocab_size, device=dev)
-            out["sampling_ms"] = _graph_ms(torch, lambda: sample_next(logits, params, None if params.greedy else u))
+            u = torch.rand(batch, engine._noise_width(), device=dev)  # [B, V] Gumbel-max, [B, 1] inverse CDF
+
+            def draw():
+                if params.greedy:
+                    return sample_next(logits, params, None)
+                u.uniform_()
+                return sample_next(logits, params, u)
+
+            out["sampling_ms"] = _graph_ms(torch, draw)
         finally:
             model.set_rollout(False)
             st.done.fill_(True)

@@ -121,6 +121,24 @@ def default_ranges(rows: int) -> int:
     return max(1, min(32, 4096 // max(rows, 1)))
 
 
+def inverse_temperature(temperature: float) -> float:
+    """float32(1 / float32(T)): the multiplier PyTorch's CUDA division by a Python scalar uses, so s = logits *
+    it matches `logits / temperature` of the torch path bit for bit."""
+    return float(torch.tensor(1.0) / torch.tensor(temperature, dtype=torch.float32))
+
+
+def column_ranges(rows: int, vocab: int, ranges: int | None, block: int) -> tuple[int, int]:
+    """(ranges, columns per range) splitting a row of `vocab` into whole `block`s (every range holds at least one
+    column); ranges None = `default_ranges(rows)`."""
+    if ranges is None:
+        ranges = default_ranges(rows)
+    if ranges < 1 or block < 16 or block & (block - 1):
+        raise ValueError(f"ranges must be >= 1 and block a power of two >= 16, got ranges={ranges}, block={block}")
+    chunk = -(-vocab // ranges)
+    chunk = -(-chunk // block) * block
+    return max(1, -(-vocab // chunk)), chunk
+
+
 def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, ranges: int | None = None,
                 block: int = 1024, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits and the log-prob of the distribution it was drawn from.
@@ -150,16 +168,8 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: f
         raise ValueError(f"noise must be [>= {B}, {V}] with contiguous rows, got {tuple(noise.shape)}")
     if not temperature >= 0:  # also NaN
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    # float32(1 / float32(T)): the multiplier PyTorch's CUDA division by a Python scalar uses, so s matches
-    # `logits / temperature` of the torch path bit for bit.
-    inv_temp = 1.0 if greedy else float(torch.tensor(1.0) / torch.tensor(temperature, dtype=torch.float32))
-    if ranges is None:
-        ranges = default_ranges(B)
-    if ranges < 1 or block < 16 or block & (block - 1):
-        raise ValueError(f"ranges must be >= 1 and block a power of two >= 16, got ranges={ranges}, block={block}")
-    chunk = -(-V // ranges)
-    chunk = -(-chunk // block) * block  # whole blocks per range; every range holds at least one column
-    ranges = max(1, -(-V // chunk))
+    inv_temp = 1.0 if greedy else inverse_temperature(temperature)
+    ranges, chunk = column_ranges(B, V, ranges, block)
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     parts = torch.empty(B, ranges, 5, dtype=torch.float32, device=logits.device) if ranges > 1 else logprobs

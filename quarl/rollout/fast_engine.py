@@ -42,6 +42,7 @@ from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
 from quarl.rollout.sampling import SamplingParams
 
 KV_BUCKET = 256  # column granularity of the torch attention path's static bound (one graph per bound)
+SAMPLERS = ("gumbel", "inverse-cdf")  # FastRolloutEngine(sampler=...)
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -57,7 +58,7 @@ class FastRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, max_batch_size: int = 512, max_seq_len: int | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto", use_cuda_graphs: bool | None = None,
                  sync_every: int = 16, max_prefill_tokens: int = 32768, attention_backend: str = "auto",
-                 fused_decode: bool | None = None):
+                 fused_decode: bool | None = None, sampler: str = "gumbel"):
         """
         Args:
             model: a QuarlForCausalLM (any device and dtype; CUDA + bf16 is the fast case).
@@ -73,6 +74,10 @@ class FastRolloutEngine(RolloutEngine):
             attention_backend: "auto" (Triton where it runs, else torch), "triton" or "torch".
             fused_decode: decode with q/k/v and gate/up fused into one GEMM each and the fused norm / rotary /
                 SiLU·mul kernels (`fused_decode`, same values); None = on where the model supports it.
+            sampler: how temperature sampling draws, both exact draws from the same distribution:
+                "gumbel" (Gumbel-max over a [slots, vocab] uniform tensor refilled every step; the reference
+                engine's draws for the same seed) or "inverse-cdf" (one uniform per slot: no [slots, vocab]
+                noise to write and read each step, different tokens for the same seed).
         """
         super().__init__(model, tokenizer, max_batch_size)
         if max_seq_len is not None and max_seq_len < 2:
@@ -81,6 +86,9 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError(f"sync_every must be an integer >= 1, got {sync_every}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        self.sampler = sampler
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
         self.kv_token_scales = kv_cache_dtype == "fp8-token"
         self.kv_dtype = self._kv_dtype("fp8" if self.kv_token_scales else kv_cache_dtype)
@@ -179,17 +187,22 @@ class FastRolloutEngine(RolloutEngine):
         self.cache = SlotKVCache(c.num_layers, self.num_slots, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype,
                                  model.device, token_scales=self.kv_token_scales)
         self.state = DecodeState.allocate(self.num_slots, capacity, c.vocab_size, model.device,
-                                          torch.float64 if model.dtype == torch.float64 else torch.float32)
+                                          torch.float64 if model.dtype == torch.float64 else torch.float32,
+                                          noise_width=self._noise_width())
         if self._attention is None:
             self._attention, self.attention_name = make_decode_attention(
                 model.device, model.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype,
                 self.cache.kv_scale, self.attention_backend, self.kv_token_scales)
 
+    def _noise_width(self) -> int:
+        """Uniform draws per slot and step: one per vocabulary entry (Gumbel-max) or one (inverse CDF)."""
+        return 1 if self.sampler == "inverse-cdf" else self.model.config.vocab_size
+
     def _check_memory(self, capacity: int) -> None:
         c = self.model.config
         need = SlotKVCache.nbytes_for(c.num_layers, self.num_slots, c.num_kv_heads, c.head_dim, capacity,
                                       self.kv_dtype, self.kv_token_scales)
-        need += self.num_slots * (c.vocab_size * 4 + capacity * 12)  # noise, out_tokens, out_logprobs
+        need += self.num_slots * (self._noise_width() * 4 + capacity * 12)  # noise, out_tokens, out_logprobs
         if self.model.device.type != "cuda":
             return
         free, _ = torch.cuda.mem_get_info(self.model.device)

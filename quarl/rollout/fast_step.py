@@ -64,16 +64,57 @@ def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logprobs - torch.log(-torch.log(uniform)), dim=-1)
 
 
+def inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One draw per row from q = exp(logprobs) by inverse CDF: the first index whose running sum of q (float64)
+    passes u times the row's total. logprobs: [B, V] (-inf outside the support); uniform: [B] in [0, 1). Returns
+    long [B]; a row holding a NaN gives its first NaN's index (as `gumbel_max`), a row without mass 0."""
+    lp = logprobs.double()
+    top = lp.amax(-1, keepdim=True)
+    p = torch.where(lp > float("-inf"), (lp - top).exp(), 0.0).nan_to_num(0.0)
+    run = p.cumsum(-1)
+    token = torch.searchsorted(run, (uniform.double() * run[:, -1])[:, None], right=True).squeeze(1)
+    cols = torch.arange(lp.shape[1], device=lp.device)
+    last = torch.where(p > 0, cols, -1).amax(-1).clamp(min=0)  # float rounding past the last mass: that token
+    token = torch.minimum(token, last)
+    nan = lp.isnan()
+    return torch.where(nan.any(-1), nan.int().argmax(-1), token)
+
+
+def inverse_cdf_consistent(logprobs: torch.Tensor, uniform: torch.Tensor, tokens: torch.Tensor,
+                           tol: float = 1e-5) -> torch.Tensor:
+    """bool [B]: whether each token is an inverse-CDF draw of u from exp(logprobs) up to `tol` of the row's mass
+    (its interval of the float64 running sum contains u * total, widened by tol * total, and it has mass). The
+    check for samplers whose running sums round differently (float32 kernels)."""
+    lp = logprobs.double()
+    p = torch.where(lp > float("-inf"), (lp - lp.amax(-1, keepdim=True)).exp(), 0.0).nan_to_num(0.0)
+    run = p.cumsum(-1)
+    total = run[:, -1]
+    target = uniform.double() * total
+    upto = run.gather(1, tokens[:, None]).squeeze(1)
+    below = upto - p.gather(1, tokens[:, None]).squeeze(1)
+    return (below <= target + tol * total) & (upto >= target - tol * total) & (p.gather(1, tokens[:, None])[:, 0] > 0)
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of every row and its behaviour log-prob: (long [B], float32 [B]; float64 for float64 logits).
 
-    logits: [B, V] any float dtype; noise: [B, V] float32 uniform draws (None for greedy params). Greedy = argmax
-    of the logits; otherwise Gumbel-max over `filtered_logprobs`. Temperature sampling and greedy decoding of
-    16/32-bit logits on a GPU take the one-pass kernel `quarl.kernels.sampling` (the same draw up to float32
-    rounding); top-k / top-p, float64 and CPU logits the torch definition below.
+    logits: [B, V] any float dtype; noise: float32 uniform draws, None for greedy params: [B, V] for Gumbel-max,
+    [B, 1] (one per row) for inverse-CDF sampling. Greedy = argmax of the logits; otherwise a draw from
+    `filtered_logprobs` by Gumbel-max or inverse CDF. Temperature sampling and greedy decoding of 16/32-bit
+    logits on a GPU take the kernels `quarl.kernels.sampling` / `sampling_cdf` (the same draw up to float32
+    rounding); top-k / top-p, float64 and CPU logits the torch definitions (`gumbel_max`, `inverse_cdf`).
     """
     plain = params.greedy or (params.top_k == 0 and params.top_p == 1.0)
+    if not params.greedy and noise is not None and noise.shape[1] == 1 < logits.shape[1]:
+        if plain and logits.is_cuda and logits.dtype != torch.float64 and _cdf_kernel_ok(logits.device,
+                                                                                         logits.dtype):
+            from quarl.kernels.sampling_cdf import sample_rows_cdf
+
+            return sample_rows_cdf(logits, noise, params.temperature)
+        logprobs = filtered_logprobs(logits, params)
+        new = inverse_cdf(logprobs, noise[:, 0])
+        return new, logprobs.gather(1, new[:, None]).squeeze(1)
     if plain and logits.is_cuda and logits.dtype != torch.float64 and _sampling_kernel_ok(logits.device,
                                                                                           logits.dtype):
         from quarl.kernels.sampling import sample_rows
@@ -122,6 +163,33 @@ def _sampling_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return _SAMPLING_KERNEL_OK[key]
 
 
+_CDF_KERNEL_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _cdf_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """As `_sampling_kernel_ok` for the inverse-CDF kernel: on first use, 64 draws at temperature 0.7 from random
+    logits must be inverse-CDF draws of their uniforms (`inverse_cdf_consistent`) with log-probs within 1e-4."""
+    key = (str(device), dtype)
+    if key not in _CDF_KERNEL_OK:
+        ok = kernels.kernels_available(device)
+        if ok:
+            from quarl.kernels.sampling_cdf import sample_rows_cdf
+
+            gen = torch.Generator(device=device).manual_seed(0)
+            logits = (torch.randn(64, 3001, device=device, generator=gen) * 3).to(dtype)
+            u = torch.rand(64, 1, device=device, generator=gen)
+
+            def consistent_draws() -> bool:
+                tok, lp = sample_rows_cdf(logits, u, 0.7)
+                ref_lp = filtered_logprobs(logits, SamplingParams(0.7))
+                return bool(inverse_cdf_consistent(ref_lp, u[:, 0], tok).all()) and bool(
+                    ((lp - ref_lp.gather(1, tok[:, None])[:, 0]).abs() < 1e-4).all())
+
+            ok = kernels.kernel_passes_check("the inverse-CDF sampling kernel", consistent_draws)
+        _CDF_KERNEL_OK[key] = ok
+    return _CDF_KERNEL_OK[key]
+
+
 @dataclass
 class DecodeState:
     """Per-slot decode state on the device (S = number of slots, C = cache capacity).
@@ -129,8 +197,9 @@ class DecodeState:
     last_token long [S]: the token the next step feeds; slot_len long [S]: columns filled = the position of that
     token; num_generated long [S]; done bool [S] (finished or idle: such slots compute but record nothing);
     out_tokens long [S, C], out_logprobs float32 [S, C]: the sampled tokens and behaviour log-probs;
-    max_new long [1]; eos_mask bool [V]: tokens that finish a completion; noise float32 [S, V]: uniform draws,
-    refilled before every sampling step (outside the graph, from the engine's seeded generator).
+    max_new long [1]; eos_mask bool [V]: tokens that finish a completion; noise float32 [S, V] (Gumbel-max) or
+    [S, 1] (inverse CDF): uniform draws, refilled before every sampling step (outside the graph, from the
+    engine's seeded generator).
     """
 
     last_token: torch.Tensor
@@ -145,7 +214,8 @@ class DecodeState:
 
     @classmethod
     def allocate(cls, num_slots: int, capacity: int, vocab_size: int, device, logprob_dtype=torch.float32,
-                 with_noise: bool = True) -> "DecodeState":
+                 with_noise: bool = True, noise_width: int | None = None) -> "DecodeState":
+        """noise_width: uniform draws per slot, vocab_size (None, Gumbel-max) or 1 (inverse CDF)."""
         long = dict(dtype=torch.long, device=device)
         return cls(
             last_token=torch.zeros(num_slots, **long),
@@ -156,7 +226,7 @@ class DecodeState:
             out_logprobs=torch.zeros(num_slots, capacity, dtype=logprob_dtype, device=device),
             max_new=torch.ones(1, **long),
             eos_mask=torch.zeros(vocab_size, dtype=torch.bool, device=device),
-            noise=torch.empty(num_slots, vocab_size, device=device) if with_noise else None,
+            noise=torch.empty(num_slots, noise_width or vocab_size, device=device) if with_noise else None,
         )
 
     def counters(self) -> list[torch.Tensor]:
@@ -169,7 +239,8 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     """Advance slots 0..batch-1 by one token (in place on `state` and `cache`); finished/idle slots only compute.
 
     Sampling: greedy = argmax of the raw logits; otherwise Gumbel-max over the filtered log-probs
-    (argmax(log q - log(-log u)) with u = state.noise, an exact draw from q). The recorded behaviour log-prob
+    (argmax(log q - log(-log u)) with u = state.noise, an exact draw from q), or inverse CDF when state.noise has
+    one draw per slot (`sample_next`). The recorded behaviour log-prob
     is log q(token) of the distribution the token was drawn from (`filtered_logprobs`).
     decoder: a `fused_decode.FusedDecoder` for `model` (fused projections and kernels), or None for the
     module-by-module forward (`decode_logits`); both give the same values.
