@@ -5,6 +5,8 @@ wider matrix may be blocked differently by the CPU BLAS, so outputs agree to flo
 relative to the largest value); greedy tokens of the tiny models (O(1) logits) must be identical.
 """
 
+import textwrap
+
 import pytest
 import torch
 
@@ -361,3 +363,44 @@ def test_a_failing_scaled_check_only_turns_the_deferred_mode_off(monkeypatch):
     with pytest.warns(UserWarning, match="scaled inputs"):
         assert not kernels.decode_fused_scaled_ok(torch.device("cpu"), torch.bfloat16)
     assert kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
+
+
+_ROPE_CHECK = textwrap.dedent("""
+    import torch
+    from quarl.kernels.decode_fused import rope_rows, rope_rows_scaled
+    from quarl.model.layers import apply_rope
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for hq, hkv, d, m in [(28, 4, 128, 3), (8, 2, 64, 2), (3, 3, 32, 4), (5, 1, 16, 1)]:
+        n = (hq + 2 * hkv) * d
+        angles = torch.rand(m, d // 2) * 100
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+
+        def reference(x):  # x [m, n] bf16: PyTorch's bf16 rotary of the q and k heads, and the v heads
+            q = x[:, :hq * d].reshape(m, hq, 1, d)
+            k = x[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d)
+            c, s = cos[:, None, None], sin[:, None, None]
+            return apply_rope(q, c, s)[:, :, 0], apply_rope(k, c, s)[:, :, 0], x[:, (hq + hkv) * d:].reshape(m, hkv, d)
+
+        x = torch.randn(m, n).bfloat16()
+        q, k = rope_rows(x, cos, sin, hq, hkv, d)
+        want = reference(x)
+        assert torch.equal(q, want[0]) and torch.equal(k, want[1]), (hq, hkv, d)
+        y = (torch.randn(m, n) * 1e4).bfloat16()
+        rows, cols = torch.rand(m, 1) * 1e-3, torch.rand(n) * 1e-2
+        for bias in (None, torch.randn(n).bfloat16()):
+            got = rope_rows_scaled(y, rows, cols, bias, cos, sin, hq, hkv, d)
+            x = (y.float() * rows * cols + (0.0 if bias is None else bias.float())).bfloat16()
+            for g, w in zip(got, reference(x)):
+                assert torch.equal(g, w), (hq, hkv, d, bias is None)
+    print("ok")
+""")
+
+
+def test_rotary_kernels_are_bit_exact_in_the_interpreter():
+    """`rope_rows` and `rope_rows_scaled` (head halves loaded once, every rounding PyTorch's bf16 one) run by
+    Triton's CPU interpreter equal PyTorch's bf16 rotary bit for bit, for several head sizes and head counts (a
+    last group of heads only partly filled), and the scaled kernel's v heads equal the scaled product."""
+    from test_fast_engine import _run_in_interpreter
+
+    _run_in_interpreter(_ROPE_CHECK)

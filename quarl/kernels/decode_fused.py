@@ -176,17 +176,26 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _rotate_store(x, partner, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, d, HQ, HK, stride_c, half: tl.constexpr):
-    """Rotary embedding of the bf16 values x (float32 [HEADS, D]; partner = x at (d + D/2) % D) stored to the q
-    heads (head < HQ) and k heads (HQ <= head < HQ + HK). bf16 x bf16 is exact in float32, so each rounding below
-    is PyTorch's bf16 multiply / add."""
-    rot = tl.where(d < half, -partner, partner)  # rotate_half(x) = cat(-x[D/2:], x[:D/2])
-    c = tl.load(cos_ptr + row * stride_c + d).to(tl.float32)
-    s = tl.load(sin_ptr + row * stride_c + d).to(tl.float32)
-    y = _round_bf16(_round_bf16(x * c) + _round_bf16(rot * s)).to(tl.bfloat16)
+def _rotate_store(a, b, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, dh, HQ, HK, stride_c, half: tl.constexpr):
+    """Rotary embedding of bf16 head vectors given as their halves, a = x[:D/2] and b = x[D/2:] (float32
+    [HEADS, D/2], columns dh), stored to the q heads (head < HQ) and k heads (HQ <= head < HQ + HK):
+    rotate_half(x) = cat(-b, a), so y[:D/2] = a cos - b sin and y[D/2:] = b cos + a sin. Each value is loaded once
+    (no gather of its partner). bf16 x bf16 is exact in float32, so each rounding below is PyTorch's bf16
+    multiply / add."""
+    c_row = cos_ptr + row * stride_c + dh
+    s_row = sin_ptr + row * stride_c + dh
+    ca, cb = tl.load(c_row).to(tl.float32), tl.load(c_row + half).to(tl.float32)
+    sa, sb = tl.load(s_row).to(tl.float32), tl.load(s_row + half).to(tl.float32)
+    ya = _round_bf16(_round_bf16(a * ca) + _round_bf16(-b * sa)).to(tl.bfloat16)
+    yb = _round_bf16(_round_bf16(b * cb) + _round_bf16(a * sb)).to(tl.bfloat16)
     D: tl.constexpr = 2 * half
-    tl.store(q_ptr + (row * HQ + head) * D + d, y, mask=head < HQ)
-    tl.store(k_ptr + (row * HK + head - HQ) * D + d, y, mask=(head >= HQ) & (head < HQ + HK))
+    q_out = q_ptr + (row * HQ + head) * D + dh
+    k_out = k_ptr + (row * HK + head - HQ) * D + dh
+    is_q, is_k = head < HQ, (head >= HQ) & (head < HQ + HK)
+    tl.store(q_out, ya, mask=is_q)
+    tl.store(q_out + half, yb, mask=is_q)
+    tl.store(k_out, ya, mask=is_k)
+    tl.store(k_out + half, yb, mask=is_k)
 
 
 @triton.jit
@@ -196,13 +205,24 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, HQ, HK, stride_x, stride
     row (a program per head would be tens of thousands of one-warp programs at a rollout batch)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
-    d = tl.arange(0, D)[None, :]  # [1, D]
     half: tl.constexpr = D // 2
+    dh = tl.arange(0, half)[None, :]  # [1, D/2]
     ok = head < HQ + HK
-    x_row = x_ptr + row * stride_x + head * D
-    x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
-    partner = tl.load(x_row + (d + half) % D, mask=ok, other=0.0).to(tl.float32)
-    _rotate_store(x, partner, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, d, HQ, HK, stride_c, half)
+    x_row = x_ptr + row * stride_x + head * D + dh
+    a = tl.load(x_row, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(x_row + half, mask=ok, other=0.0).to(tl.float32)
+    _rotate_store(a, b, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, dh, HQ, HK, stride_c, half)
+
+
+@triton.jit
+def _scaled_half(y_ptr, sw_ptr, b_ptr, row, stride_y, col, ok, sx, HAS_BIAS: tl.constexpr):
+    """bf16(y[row, col] * sx * sw[col] (+ bias[col])) as float32: a unit-scale product's value as the scaled
+    GEMM epilogue would have written it."""
+    v = tl.load(y_ptr + row * stride_y + col, mask=ok, other=0.0).to(tl.float32) * sx * \
+        tl.load(sw_ptr + col, mask=ok, other=0.0)
+    if HAS_BIAS:
+        v = v + tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    return _round_bf16(v)
 
 
 @triton.jit
@@ -213,23 +233,18 @@ def _rope_scaled_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k
     written as x."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
-    d = tl.arange(0, D)[None, :]  # [1, D]
     half: tl.constexpr = D // 2
+    dh = tl.arange(0, half)[None, :]  # [1, D/2]
     ok = head < HQ + 2 * HK
     sx = tl.load(sx_ptr + row)
-    col = head * D + d
-    pcol = head * D + (d + half) % D
-    x = tl.load(y_ptr + row * stride_y + col, mask=ok, other=0.0).to(tl.float32) * sx * \
-        tl.load(sw_ptr + col, mask=ok, other=0.0)
-    partner = tl.load(y_ptr + row * stride_y + pcol, mask=ok, other=0.0).to(tl.float32) * sx * \
-        tl.load(sw_ptr + pcol, mask=ok, other=0.0)
-    if HAS_BIAS:
-        x = x + tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
-        partner = partner + tl.load(b_ptr + pcol, mask=ok, other=0.0).to(tl.float32)
-    x = _round_bf16(x)  # the projection output, rounded to bf16 as the GEMM epilogue would
-    partner = _round_bf16(partner)
-    _rotate_store(x, partner, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, d, HQ, HK, stride_c, half)
-    tl.store(v_ptr + (row * HK + head - HQ - HK) * D + d, x.to(tl.bfloat16), mask=(head >= HQ + HK) & ok)
+    col = head * D + dh
+    a = _scaled_half(y_ptr, sw_ptr, b_ptr, row, stride_y, col, ok, sx, HAS_BIAS)
+    b = _scaled_half(y_ptr, sw_ptr, b_ptr, row, stride_y, col + half, ok, sx, HAS_BIAS)
+    _rotate_store(a, b, cos_ptr, sin_ptr, q_ptr, k_ptr, row, head, dh, HQ, HK, stride_c, half)
+    v_out = v_ptr + (row * HK + head - HQ - HK) * D + dh
+    is_v = (head >= HQ + HK) & ok
+    tl.store(v_out, a.to(tl.bfloat16), mask=is_v)
+    tl.store(v_out + half, b.to(tl.bfloat16), mask=is_v)
 
 
 def _codes(m: int, n: int, quant: str | None, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
