@@ -16,11 +16,16 @@ from quarl.model.qlinear import QuantLinear
 from quarl.precision import PrecisionConfig
 
 
-def assert_product_close(got: torch.Tensor, a64: torch.Tensor, b64: torch.Tensor, dtype=torch.float32) -> None:
-    """got ~= a64 @ b64^T within the float32 (or bf16) summation bound."""
+def assert_product_close(got: torch.Tensor, a64: torch.Tensor, b64: torch.Tensor, dtype=torch.float32,
+                         bias: torch.Tensor | None = None) -> None:
+    """got ~= a64 @ b64^T (+ bias) within the float32 (or bf16) summation bound. The bias is one more summed term
+    (a BLAS addmm accumulates the products into it, each step rounding at its magnitude)."""
     ref = a64 @ b64.T
     mag = a64.abs() @ b64.abs().T
-    tol = (a64.shape[1] * 2.0**-24 if dtype == torch.float32 else 2.0**-7) * mag + 1e-30
+    terms = a64.shape[1]
+    if bias is not None:
+        ref, mag, terms = ref + bias.double(), mag + bias.double().abs(), terms + 1
+    tol = (terms * 2.0**-24 if dtype == torch.float32 else 2.0**-7) * mag + 1e-30
     err = (got.double() - ref).abs()
     assert bool((err <= tol).all()), float((err / tol).max())
 
@@ -44,7 +49,7 @@ def test_every_gemm_takes_fp8_block_operands(m, n, k):
     y = FP8BlockLinear.apply(x, w, b)
     (y * g).sum().backward()
     xd, wd = x.detach(), w.detach()
-    assert_product_close(y.detach() - b.detach(), q_rows(xd), q_tiles(wd))
+    assert_product_close(y.detach(), q_rows(xd), q_tiles(wd), bias=b.detach())
     assert_product_close(x.grad, q_rows(g), q_tiles(wd.t()))  # dx = Q(g) @ Q(W^T)^T
     assert_product_close(w.grad, q_rows(g.t()), q_rows(xd.t()))  # dW = Q(g^T) @ Q(x^T)^T
     torch.testing.assert_close(b.grad, g.sum(0))
