@@ -428,9 +428,10 @@ _CDF_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.rollout.fast_step import inverse_cdf, inverse_cdf_consistent
     from quarl.rollout.sampling import SamplingParams, filtered_logprobs
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
-    B, V = 7, 3000
+    B, V = 8, 3000
     logits = torch.randn(B, V) * 3
     logits[2, 1900] = logits[2, 2999] = float("nan")  # the first NaN's index, and a NaN log-prob
+    logits[7, 2100] = logits[7, 2500] = float("inf")  # the first +inf's index, and a NaN log-prob
     logits[3, :1024] = float("-inf")  # a whole range without mass
     logits[4, :] = float("-inf")
     logits[4, 2999] = 0.0  # all the mass on the last column
@@ -445,6 +446,7 @@ _CDF_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
         flp = filtered_logprobs(logits, SamplingParams(T))
         assert tok[2].item() == 1900 and torch.isnan(lp[2]), (ranges, T)
         assert tok[5].item() == 0 and torch.isnan(lp[5]), (ranges, T)
+        assert tok[7].item() == 2100 and torch.isnan(lp[7]), (ranges, T)
         assert bool(inverse_cdf_consistent(flp[rows], u[rows, 0], tok[rows]).all()), (ranges, block, T)
         assert tok[4].item() == 2999 and tok[6].item() == 5, (ranges, T)
         ref_lp = flp.gather(1, tok[:, None]).squeeze(1).double()
@@ -459,6 +461,13 @@ _CDF_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     tok, lp = sample_rows_cdf(row.expand(n, v).contiguous(), uu, 1.0, 4, 16)
     assert bool(inverse_cdf_consistent(row.expand(n, v).log_softmax(-1), uu, tok).all())
     assert not bool((tok == 7).any())
+    for bad in (torch.rand(n, 2), torch.rand(n, 1, 1), torch.rand(n).double(), torch.rand(n - 1)):
+        try:
+            sample_rows_cdf(row.expand(n, v).contiguous(), bad, 1.0)
+        except ValueError as e:
+            assert "uniforms must be float32" in str(e)
+        else:
+            raise AssertionError(f"uniforms {tuple(bad.shape)} {bad.dtype} were accepted")
     print("ok")
 """)
 

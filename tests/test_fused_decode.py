@@ -314,6 +314,8 @@ def test_deferred_scales_take_known_names_only():
     assert decoder.deferred_scales == frozenset({"o", "qkv"})
     decoder.deferred_scales = False
     assert not decoder.deferred_scales
+    decoder.deferred_scales = "qkv"
+    assert decoder.deferred_scales == frozenset({"qkv"})
     with pytest.raises(ValueError, match="gate_up"):
         decoder.deferred_scales = ["gate"]
     decoder.deferred_scales = True

@@ -114,9 +114,9 @@ def test_a_failing_kernel_leaves_the_torch_sampler_in_charge(monkeypatch):
 @pytest.mark.parametrize("B,V,ranges", [(512, 152064, None), (300, 5003, 1), (7, 5003, 3)])
 def test_inverse_cdf_kernel_draws_are_inverse_cdf_draws(dtype, B, V, ranges):
     """`sample_rows_cdf`: every token lies in the float64 interval of its uniform (within 1e-5 of the mass),
-    log-probs within 5e-5 of the filtered log-probs (float32 sums over up to 152k columns), NaN rows give the
-    first NaN's index and a NaN log-prob, rows without mass token 0 and a NaN log-prob; and `sample_next` with one
-    draw per row takes this kernel."""
+    log-probs within 5e-5 of the filtered log-probs (float32 sums over up to 152k columns), NaN (+inf) rows give
+    the first NaN's (+inf's) index and a NaN log-prob, rows without mass token 0 and a NaN log-prob; and
+    `sample_next` with one draw per row takes this kernel."""
     from quarl.kernels.sampling_cdf import sample_rows_cdf
     from quarl.rollout.fast_step import inverse_cdf_consistent
 
@@ -124,12 +124,14 @@ def test_inverse_cdf_kernel_draws_are_inverse_cdf_draws(dtype, B, V, ranges):
     logits[0, 11] = logits[0, V - 1] = float("nan")
     logits[1] = float("-inf")
     logits[2, : V // 2] = float("-inf")
+    logits[3, 4] = logits[3, V - 2] = float("inf")
     u = torch.rand(B, 1, device=DEV)
     for T in (1.0, 0.6):
         tok, lp = sample_rows_cdf(logits, u, T, ranges)
         ref_lp = filtered_logprobs(logits, SamplingParams(T))
-        rows = torch.arange(2, B, device=DEV)
+        rows = torch.cat((torch.tensor([2], device=DEV), torch.arange(4, B, device=DEV)))
         assert tok[0] == 11 and torch.isnan(lp[0]) and tok[1] == 0 and torch.isnan(lp[1])
+        assert tok[3] == 4 and torch.isnan(lp[3])
         assert bool(inverse_cdf_consistent(ref_lp[rows], u[rows, 0], tok[rows]).all())
         torch.testing.assert_close(lp[rows], ref_lp.gather(1, tok[:, None]).squeeze(1)[rows].float(), atol=5e-5,
                                    rtol=0)

@@ -134,7 +134,10 @@ def step_breakdown(torch, engine, model, batch: int, context: int, params, bandw
     out["linears_compute_floor_ms"] = 1e3 * 2.0 * sum(m.in_features * m.out_features for m in linears) * batch \
         / matrix_rate
     out["attention_floor_ms"] = 1e3 * kv_bytes / bandwidth
-    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * (4 + dtype.itemsize) / bandwidth  # logits + noise
+    # logits read once; Gumbel-max also writes and reads a float32 uniform per logit (copy bandwidth counts reads
+    # and writes), inverse CDF reads the logits about once more per row range it scans (~1/8 at batch 512)
+    per_logit = dtype.itemsize + 8 if engine._noise_width() > 1 else dtype.itemsize * 1.125
+    out["sampling_floor_ms"] = 1e3 * batch * cfg.vocab_size * per_logit / bandwidth
     out["context"], out["batch"] = context, batch
     return out
 

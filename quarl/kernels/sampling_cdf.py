@@ -9,8 +9,9 @@ the logits themselves (bench/results/sampling.md). Sampling by inverse CDF draws
      where the running mass passes it, then a scan of that range's columns only (running sum of exp(s - M)) to
      the first column that passes it. The log-prob is s[token] - (M + log sum(w)).
 The draw is exact up to float32 rounding of the running sums (a token's interval moves by ~1e-7 of the total
-mass); the reported log-prob is that of the distribution itself. Ties, NaN and empty rows follow `sampling`: a
-row holding a NaN gives its first NaN's index and a NaN log-prob, a row without mass token 0 and a NaN log-prob.
+mass); the reported log-prob is that of the distribution itself. NaN, +inf and empty rows follow `sampling`: a
+row holding a NaN gives its first NaN's index, else one holding +inf its first +inf's index, each with a NaN
+log-prob; a row without mass gives token 0 and a NaN log-prob.
 
 Imports Triton: load it only when `quarl.kernels.kernels_available()` says the kernels can run.
 """
@@ -38,21 +39,25 @@ def _cdf_pick_kernel(logits_ptr, part_ptr, u_ptr, token_ptr, logprob_ptr, V, str
     first = tl.load(part + 1, mask=ok, other=0.0).to(tl.int32, bitcast=True)  # that NaN's index
     m = tl.load(part + 3, mask=ok, other=float("-inf"))
     l_ = tl.load(part + 4, mask=ok, other=0.0)
+    # A NaN score, or a +inf one (its range's l is NaN then), makes the row's distribution undefined: its first
+    # such index is the token (as in `sampling`: NaN first, then the argmax), with a NaN log-prob.
     any_nan = tl.max((z != z).to(tl.int32), axis=0) > 0
-    nan_index = tl.min(tl.where(z != z, first, 2147483647), axis=0)
     m_all = tl.max(m, axis=0)
-    shift = tl.where(m_all > float("-inf"), m_all, 0.0)
-    w = tl.where(m > float("-inf"), l_ * tl.exp(m - shift), 0.0)  # each range's mass, relative to exp(shift)
+    bad = any_nan | (m_all == float("inf"))
+    bad_index = tl.where(any_nan, tl.min(tl.where(z != z, first, 2147483647), axis=0),
+                         tl.min(tl.where(m == float("inf"), first, 2147483647), axis=0))
+    shift = tl.where((m_all > float("-inf")) & ~bad, m_all, 0.0)
+    w = tl.where((m > float("-inf")) & ~bad, l_ * tl.exp(m - shift), 0.0)  # each range's mass, relative to e^shift
     total = tl.sum(w, axis=0)
     no_mass = total == 0
     rest = tl.load(u_ptr + row * stride_u) * total
     passed = tl.cumsum(w, axis=0) > rest
     pick = tl.min(tl.where(passed & (w > 0), r, BLOCK_R), axis=0)
     # float32 rounding can leave the target beyond the last running sum: the last range with mass then
-    pick = tl.where(pick == BLOCK_R, tl.max(tl.where(w > 0, r, -1), axis=0), pick)
+    pick = tl.where(pick == BLOCK_R, tl.max(tl.where(w > 0, r, 0), axis=0), pick)
     rest = rest - tl.sum(tl.where(r < pick, w, 0.0), axis=0)
     lo = pick * chunk
-    hi = tl.where(any_nan | no_mass, lo, tl.minimum(lo + chunk, V))  # nothing to scan then
+    hi = tl.where(bad | no_mass, lo, tl.minimum(lo + chunk, V))  # nothing to scan then
     offs = tl.arange(0, BLOCK)
     token = pick * 0 - 1
     last = pick * 0 - 1
@@ -69,9 +74,9 @@ def _cdf_pick_kernel(logits_ptr, part_ptr, u_ptr, token_ptr, logprob_ptr, V, str
         acc += tl.sum(p, axis=0)
         start += BLOCK
     token = tl.where(token < 0, last, token)  # rounding left the target past the range's sum: its last token
-    token = tl.where(any_nan, nan_index, tl.where(no_mass | (token < 0), 0, token))
+    token = tl.where(bad, bad_index, tl.where(no_mass | (token < 0), 0, token))
     s_tok = tl.load(logits_ptr + row * stride_l + token).to(tl.float32) * inv_temp
-    logprob = tl.where(any_nan | no_mass, float("nan"), s_tok - (shift + tl.log(total)))
+    logprob = tl.where(bad | no_mass, float("nan"), s_tok - (shift + tl.log(total)))
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, logprob)
 
@@ -94,10 +99,11 @@ def sample_rows_cdf(logits: torch.Tensor, uniforms: torch.Tensor, temperature: f
         logits = logits.contiguous()
     if not temperature > 0:  # also NaN
         raise ValueError(f"inverse-CDF sampling needs a temperature > 0, got {temperature} (greedy: sample_rows)")
-    u = uniforms.reshape(uniforms.shape[0], -1) if uniforms.dim() == 2 else uniforms[:, None]
-    if u.shape[0] < B or u.shape[1] != 1 or u.dtype != torch.float32:
-        raise ValueError(f"uniforms must be float32 [>= {B}] or [>= {B}, 1], got {uniforms.dtype} "
-                         f"{tuple(uniforms.shape)}")
+    if (uniforms.dim() not in (1, 2) or uniforms.shape[0] < B or uniforms.dim() == 2 and uniforms.shape[1] != 1
+            or uniforms.dtype != torch.float32 or uniforms.device != logits.device):
+        raise ValueError(f"uniforms must be float32 [>= {B}] or [>= {B}, 1] on {logits.device}, got "
+                         f"{uniforms.dtype} {tuple(uniforms.shape)} on {uniforms.device}")
+    u = uniforms if uniforms.dim() == 2 else uniforms[:, None]
     inv_temp = inverse_temperature(temperature)
     ranges, chunk = column_ranges(B, V, ranges, block)
     tokens = torch.empty(B, dtype=torch.long, device=logits.device)

@@ -350,6 +350,8 @@ class FusedDecoder:
 
     @deferred_scales.setter
     def deferred_scales(self, value) -> None:
+        if isinstance(value, str):
+            value = (value,)
         names = DEFERRABLE if value is True else () if value is False or value is None else tuple(value)
         unknown = set(names) - set(DEFERRABLE)
         if unknown:
