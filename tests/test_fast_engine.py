@@ -539,7 +539,9 @@ def test_inverse_cdf_engine_gives_the_reference_logprobs():
     model = make_model("qwen2", dtype=torch.float32)
     prompts = rand_prompts([5, 3, 8])
     engine = FastRolloutEngine(model, None, max_batch_size=8, sampler="inverse-cdf")
-    assert engine._noise_width() == 1
+    assert engine._noise_width() == 1 and engine.sampler == "inverse-cdf"
+    with pytest.raises(AttributeError):
+        engine.sampler = "gumbel"  # the decode state's noise was allocated for the chosen sampler
     outs = engine.generate(prompts, n=2, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
     again = engine.generate(prompts, n=2, max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
     assert [len(o.completions) for o in outs] == [2, 2, 2]

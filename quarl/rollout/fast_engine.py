@@ -88,7 +88,7 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-        self.sampler = sampler
+        self._sampler = sampler  # fixed: the decode state's noise is allocated for it
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
         self.kv_token_scales = kv_cache_dtype == "fp8-token"
         self.kv_dtype = self._kv_dtype("fp8" if self.kv_token_scales else kv_cache_dtype)
@@ -194,9 +194,14 @@ class FastRolloutEngine(RolloutEngine):
                 model.device, model.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype,
                 self.cache.kv_scale, self.attention_backend, self.kv_token_scales)
 
+    @property
+    def sampler(self) -> str:
+        """"gumbel" or "inverse-cdf", chosen at construction (see __init__)."""
+        return self._sampler
+
     def _noise_width(self) -> int:
         """Uniform draws per slot and step: one per vocabulary entry (Gumbel-max) or one (inverse CDF)."""
-        return 1 if self.sampler == "inverse-cdf" else self.model.config.vocab_size
+        return 1 if self._sampler == "inverse-cdf" else self.model.config.vocab_size
 
     def _check_memory(self, capacity: int) -> None:
         c = self.model.config
