@@ -5,7 +5,10 @@
 For the Qwen2.5-7B linear shapes (qkv, o, gate_up, down) with M tokens, times y = linear(x); y.backward(g):
   * bf16: F.linear on the bf16 master weight (the bf16 / split flows' training GEMMs);
   * unified: the straight-through unified forward (fake-quantized x and W, bf16 GEMMs, bf16 gradients);
-  * fp8-backward: `quarl.model.fp8_training.FP8BlockLinear` (precision.quantized_backward=true).
+  * fp8-backward: `quarl.model.fp8_training.FP8BlockLinear` (precision.quantized_backward=true);
+  * with --wgrad-kernel, fp8-backward again with its weight gradient on the FP8 tensor cores
+    (`fp8_training.FP8_WEIGHT_GRAD_KERNEL`), and that gradient's largest difference from the bf16-GEMM one
+    relative to its largest value (both multiply the same rounded operands).
 Each variant runs `--warmup` extra untimed iterations, then `quarl.bench.gemm.median_time` (3 untimed
 iterations, then `--repeats` timed ones; CUDA events around forward + backward; the median is reported;
 quantization of every operand included).
@@ -34,14 +37,20 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--warmup", type=int, default=0, help="extra untimed iterations per variant")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--wgrad-kernel", action="store_true",
+                        help="also time fp8-backward with the weight gradient on the FP8 kernel "
+                             "(quarl.model.fp8_training.FP8_WEIGHT_GRAD_KERNEL)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens} tokens")
-    print("| shape (N x K) | bf16 (ms) | unified (ms) | fp8-backward (ms) | fp8-backward vs bf16 |")
-    print("|---|---:|---:|---:|---:|")
+    from quarl.model import fp8_training
+
+    extra = " fp8 wgrad (ms) | fp8 wgrad vs bf16 | wgrad rel. diff |" if args.wgrad_kernel else ""
+    print("| shape (N x K) | bf16 (ms) | unified (ms) | fp8-backward (ms) | fp8-backward vs bf16 |" + extra)
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.wgrad_kernel else ""))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -64,8 +73,23 @@ def main(argv=None) -> int:
         ms = {"bf16": 1e3 * median_time(torch, run(lambda t: F.linear(t, w)), args.repeats)}
         for mode, layer in layers.items():
             ms[mode] = 1e3 * median_time(torch, run(layer), args.repeats)
-        print(f"| {name} ({n} x {k}) | {ms['bf16']:.2f} | {ms['unified']:.2f} | {ms['fp8-backward']:.2f} | "
-              f"{ms['bf16'] / ms['fp8-backward']:.2f}x |", flush=True)
+        row = (f"| {name} ({n} x {k}) | {ms['bf16']:.2f} | {ms['unified']:.2f} | {ms['fp8-backward']:.2f} | "
+               f"{ms['bf16'] / ms['fp8-backward']:.2f}x |")
+        if args.wgrad_kernel:
+            layer = layers["fp8-backward"]
+            layer.weight.grad = None
+            layer(x).backward(g)
+            ref = layer.weight.grad.float()
+            fp8_training.FP8_WEIGHT_GRAD_KERNEL = True
+            try:
+                t = 1e3 * median_time(torch, run(layer), args.repeats)
+                layer.weight.grad = None
+                layer(x).backward(g)
+                diff = float((layer.weight.grad.float() - ref).abs().max() / ref.abs().max())
+            finally:
+                fp8_training.FP8_WEIGHT_GRAD_KERNEL = False
+            row += f" {t:.2f} | {ms['bf16'] / t:.2f}x | {diff:.1e} |"
+        print(row, flush=True)
         del x, g, layers, w
         torch.cuda.empty_cache()
     return 0

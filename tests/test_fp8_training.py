@@ -104,3 +104,54 @@ def test_cuda_fp8_training_gemms_match_the_float64_products():
     assert_product_close(y.detach().cpu(), q_rows(x), q_tiles(w), torch.bfloat16)
     assert_product_close(xc.grad.cpu(), q_rows(g), q_tiles(w.t()), torch.bfloat16)
     assert_product_close(wc.grad.cpu(), q_rows(g.t()), q_rows(x.t()), torch.bfloat16)
+
+
+_WGRAD_GEMM_CHECK = """
+import torch
+from quarl.formats import quantize
+from quarl.kernels.tuning import Cfg
+from quarl.kernels.w8a8_gemm import X_PREQUANT, w8a8_matmul
+torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+for m, n, k in [(200, 96, 80), (128, 130, 64), (300, 64, 200)]:
+    g = torch.randn(m, n).half()
+    x = (torch.randn(m, k) * torch.rand(1, k) * 4).half()
+    gq = quantize(g.t().contiguous(), "fp8-block", "activation")
+    xq = quantize(x.t().contiguous(), "fp8-block", "activation")
+    out = w8a8_matmul(g.t(), xq, None, Cfg(64, 64, 128, warps=4, stages=1), X_PREQUANT, xq=(gq.data, gq.scale))
+    ref = gq.dequantize(torch.float64) @ xq.dequantize(torch.float64).T
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert out.shape == (n, k) and err < 2e-3, (m, n, k, err)
+print("ok")
+"""
+
+
+def test_weight_gradient_gemm_scales_each_row_group_in_the_interpreter():
+    """The weight-gradient GEMM's second operand is an activation-role fp8-block tensor (x^T, 1x128 groups of
+    each row): the W8A8 kernel must scale each 128-token partial product by that row's group scale, not by a
+    128x128 tile's. Run by Triton's CPU interpreter on reference codes (exact fp16 products of the codes), M not
+    a multiple of 128: within fp16 output rounding (2e-3 of the largest value) of the float64 product."""
+    from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+
+    _run_in_interpreter(_INTERPRETER_PATCH + _WGRAD_GEMM_CHECK)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_weight_gradient_kernel_matches_the_float64_product(monkeypatch):
+    """With `FP8_WEIGHT_GRAD_KERNEL` the weight gradient runs on the FP8 tensor cores
+    (`fp8_block_weight_grad`): it equals the float64 product of the same rounded operands within bf16 output
+    rounding, M = 257 tokens (a partial last group), and agrees with the bf16-GEMM path to 2^-7."""
+    from quarl.model import fp8_training
+
+    m, n, k = 257, 384, 520
+    x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    g = torch.randn(m, n).to(torch.bfloat16)
+    grads = {}
+    for on in (False, True):
+        monkeypatch.setattr(fp8_training, "FP8_WEIGHT_GRAD_KERNEL", on)
+        xc, wc = x.cuda().requires_grad_(True), w.cuda().requires_grad_(True)
+        FP8BlockLinear.apply(xc, wc, None).backward(g.cuda())
+        grads[on] = wc.grad.cpu()
+    assert_product_close(grads[True], q_rows(g.t()), q_rows(x.t()), torch.bfloat16)
+    scale = float(grads[False].float().abs().max())
+    assert float((grads[True].float() - grads[False].float()).abs().max()) <= 2.0**-7 * scale

@@ -34,12 +34,13 @@ def _w8a8_kernel(
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
     W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, NATIVE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, W_GROUP_ROWS: tl.constexpr,
 ):
     """x: [M, K] bf16/fp16 (X_MODE 0/1) or codes [M, KP] (X_MODE 2; fp8 as uint8 bytes); xs: activation
     scales float32 ([M] with stride stride_xsm, or [M, KP/128] for fp8-block; X_MODE 2 only);
     w: codes [N, KP] (int8, or fp8 as uint8 bytes); ws: float32 weight scales ([N] with stride stride_wsn,
-    0 for one per tensor; fp8-block [ceil(N/128), KP/128] with row stride stride_wsn);
+    0 for one per tensor; fp8-block [ceil(N/W_GROUP_ROWS), KP/128] with row stride stride_wsn: 128x128 tiles,
+    or with W_GROUP_ROWS = 1 1x128 groups of each row, as an activation-role second operand);
     out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias)."""
     QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
     pid_m, pid_n = pid_to_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
@@ -112,7 +113,7 @@ def _w8a8_kernel(
                 b = codes_to_f16(w, W_INT8)
 
         if BLOCKWISE:
-            sw = tl.load(ws_ptr + (offs_n // 128) * stride_wsn + kk // 128, mask=n_ok, other=0.0)
+            sw = tl.load(ws_ptr + (offs_n // W_GROUP_ROWS) * stride_wsn + kk // 128, mask=n_ok, other=0.0)
             part = tl.dot(a, tl.trans(b))
             if X_MODE == 0:
                 acc += part * sw[None, :]
@@ -157,8 +158,10 @@ def w8a8_matmul(
     """x [M, K] bf16/fp16 times an int8 / fp8 / fp8-tensor / fp8-block weight QuantizedTensor [N, K] -> [M, N].
 
     x_mode: X_RAW (weight-only), X_FUSED (quantize x here) or X_PREQUANT (xq = (codes [M, Kp], scales) from
-    `quarl.kernels.act_quant.quantize_activation`). fp8-block needs cfg.bk == 128; cfg.native needs
-    cfg.bm >= 64 (tensor-core tile) and an 8-bit activation (x_mode != X_RAW).
+    `quarl.kernels.act_quant.quantize_activation`; x then only gives the shape and output dtype). fp8-block
+    needs cfg.bk == 128; cfg.native needs cfg.bm >= 64 (tensor-core tile) and an 8-bit activation
+    (x_mode != X_RAW). An fp8-block second operand in the "activation" role (1x128 groups of each row, as the
+    weight gradient's x^T) is scaled per row and group instead of per 128x128 tile.
     """
     fmt = qweight.fmt
     blockwise = fmt == "fp8-block"
@@ -195,8 +198,33 @@ def w8a8_matmul(
         W_INT8=w_int8, BLOCKWISE=blockwise, X_MODE=x_mode, NATIVE=cfg.native and x_mode != X_RAW,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
         BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP_M=cfg.group_m,
+        W_GROUP_ROWS=1 if blockwise and qweight.role == "activation" else 128,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if split > 1:
         splitk_reduce(target, bias, out)
     return out
+
+
+# Weight-gradient tile: the products are 128 tokens deep per scale group, and both operands are large.
+WGRAD_CFG = GemmConfig(bm=128, bn=128, bk=128, warps=8, stages=4, native=True)
+
+
+def fp8_block_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = Q(g^T) @ Q(x^T)^T on the FP8 tensor cores: g [M, N] (output gradients), x [M, K] (layer inputs), both
+    bf16/fp16 with M tokens -> [N, K] in g's dtype. Both operands are rounded in 1x128 groups along M, as
+    `fake_quantize_columns` rounds them (FP8-block training, `quarl.model.fp8_training`): each is transposed
+    once and quantized by `quantize_activation`, and the GEMM scales every 128-token partial product by the two
+    groups' scales."""
+    from quarl.formats import QuantizedTensor
+    from quarl.kernels.act_quant import quantize_activation
+
+    if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0]:
+        raise ValueError(f"fp8_block_weight_grad needs g [M, N] and x [M, K] with the same M, got "
+                         f"{tuple(g.shape)} and {tuple(x.shape)}")
+    m, k = x.shape
+    mp = -(-m // 128) * 128
+    gq = quantize_activation(g.t().contiguous(), "fp8-block", mp)
+    xc, xs = quantize_activation(x.t().contiguous(), "fp8-block", mp)
+    xq = QuantizedTensor("fp8-block", "activation", xc, xs, None, torch.Size((k, m)))
+    return w8a8_matmul(g.t(), xq, None, WGRAD_CFG, X_PREQUANT, xq=gq)

@@ -15,8 +15,8 @@ dequantized operands), so rollout and training still compute the same function; 
 straight-through unified forward. What changes is the backward: it sees quantized gradients, as Jet-RL trains.
 
 On a GPU the input-gradient GEMM always runs on an FP8 kernel (`quarl.kernels.quantized_matmul`); the weight
-gradient, whose second operand has no FP8 kernel here, multiplies the dequantized operands. On a CPU all three
-GEMMs multiply dequantized operands (the reference).
+gradient multiplies the dequantized operands, or with `FP8_WEIGHT_GRAD_KERNEL` (experimental, off) runs on the FP8
+tensor cores. On a CPU all three GEMMs multiply dequantized operands (the reference).
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ from quarl.formats import QuantizedTensor
 from quarl.formats.registry import quantize_unchecked
 
 FORMAT = "fp8-block"
+
+# Experimental, off until measured faster (bench/fp8_training_linear.py --wgrad-kernel): the weight gradient on
+# the FP8 tensor cores (`kernels.w8a8_gemm.fp8_block_weight_grad`) instead of a bf16 GEMM of the rounded operands.
+# Same operands either way; the FP8 path rounds its output once, to the compute dtype.
+FP8_WEIGHT_GRAD_KERNEL = False
 
 
 def _rows_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -90,10 +95,21 @@ class FP8BlockLinear(torch.autograd.Function):
             grad_x = block_matmul(g, quantized_weight(weight, x.dtype, transpose=True))  # W^T [K, N] in its tiles
         if ctx.needs_input_grad[1]:
             # Both operands grouped along M (the reduction): rows of g^T and rows of x^T, i.e. columns of g and x.
-            grad_w = (kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)).to(weight.dtype)
+            grad_w = _weight_grad(g, x).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b
+
+
+def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Q(g^T) @ Q(x^T)^T [N, K] for g [M, N], x [M, K], both rounded in 1x128 groups along M: on the FP8 kernel
+    where `FP8_WEIGHT_GRAD_KERNEL` asks for it and it runs, else the rounded operands multiplied in g's dtype."""
+    if FP8_WEIGHT_GRAD_KERNEL and g.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and \
+            x.dtype == g.dtype and kernels.fp8_kernels_available(g.device):
+        from quarl.kernels.w8a8_gemm import fp8_block_weight_grad
+
+        return fp8_block_weight_grad(g.contiguous(), x.contiguous())
+    return kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
