@@ -102,10 +102,11 @@ class FP8BlockLinear(torch.autograd.Function):
 
 
 def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Q(g^T) @ Q(x^T)^T [N, K] for g [M, N], x [M, K], both rounded in 1x128 groups along M: on the FP8 kernel
-    where `FP8_WEIGHT_GRAD_KERNEL` asks for it and it runs, else the rounded operands multiplied in g's dtype."""
+    """Q(g^T) @ Q(x^T)^T [N, K] for g [M, N], x [M, K] (one dtype), both rounded in 1x128 groups along M: on the
+    FP8 kernel where `FP8_WEIGHT_GRAD_KERNEL` asks for it and it runs, else the rounded operands multiplied in g's
+    dtype."""
     if FP8_WEIGHT_GRAD_KERNEL and g.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and \
-            x.dtype == g.dtype and kernels.fp8_kernels_available(g.device):
+            kernels.fp8_kernels_available(g.device):
         from quarl.kernels.w8a8_gemm import fp8_block_weight_grad
 
         return fp8_block_weight_grad(g.contiguous(), x.contiguous())

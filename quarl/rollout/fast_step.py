@@ -64,13 +64,17 @@ def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logprobs - torch.log(-torch.log(uniform)), dim=-1)
 
 
+def _relative_probs(lp: torch.Tensor) -> torch.Tensor:
+    """exp(lp - row max) [B, V] float64: 0 outside the support, and 0 for NaN entries (callers handle NaN rows)."""
+    return torch.where(lp > float("-inf"), (lp - lp.amax(-1, keepdim=True)).exp(), 0.0).nan_to_num(0.0)
+
+
 def inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One draw per row from q = exp(logprobs) by inverse CDF: the first index whose running sum of q (float64)
     passes u times the row's total. logprobs: [B, V] (-inf outside the support); uniform: [B] in [0, 1). Returns
     long [B]; a row holding a NaN gives its first NaN's index (as `gumbel_max`), a row without mass 0."""
     lp = logprobs.double()
-    top = lp.amax(-1, keepdim=True)
-    p = torch.where(lp > float("-inf"), (lp - top).exp(), 0.0).nan_to_num(0.0)
+    p = _relative_probs(lp)
     run = p.cumsum(-1)
     token = torch.searchsorted(run, (uniform.double() * run[:, -1])[:, None], right=True).squeeze(1)
     cols = torch.arange(lp.shape[1], device=lp.device)
@@ -85,8 +89,7 @@ def inverse_cdf_consistent(logprobs: torch.Tensor, uniform: torch.Tensor, tokens
     """bool [B]: whether each token is an inverse-CDF draw of u from exp(logprobs) up to `tol` of the row's mass
     (its interval of the float64 running sum contains u * total, widened by tol * total, and it has mass). The
     check for samplers whose running sums round differently (float32 kernels)."""
-    lp = logprobs.double()
-    p = torch.where(lp > float("-inf"), (lp - lp.amax(-1, keepdim=True)).exp(), 0.0).nan_to_num(0.0)
+    p = _relative_probs(logprobs.double())
     run = p.cumsum(-1)
     total = run[:, -1]
     target = uniform.double() * total
@@ -132,62 +135,58 @@ def _sample_next_torch(logits: torch.Tensor, params: SamplingParams, noise: torc
 
 
 _SAMPLING_KERNEL_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def _sampling_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the sampling kernel may serve logits of `dtype` on `device`: kernels available and, on its first
-    use there, the same draws and log-probs as `_sample_next_torch` on random logits (greedy and at temperature
-    0.7). A compile error or a difference warns and keeps the torch sampler for the process. The check
-    synchronises once; the first call is an eager step (the engine warms up before it captures a graph)."""
-    key = (str(device), dtype)
-    if key not in _SAMPLING_KERNEL_OK:
-        ok = kernels.kernels_available(device)
-        if ok:
-            from quarl.kernels.sampling import sample_rows
-
-            gen = torch.Generator(device=device).manual_seed(0)
-            logits = (torch.randn(4, 3001, device=device, generator=gen) * 3).to(dtype)
-            noise = torch.rand(4, 3001, device=device, generator=gen)
-
-            def same_draws() -> bool:
-                for params in (SamplingParams(0.0), SamplingParams(0.7)):
-                    u = None if params.greedy else noise
-                    tok, lp = sample_rows(logits, u, params.temperature)
-                    ref_tok, ref_lp = _sample_next_torch(logits, params, u)
-                    if not (torch.equal(tok, ref_tok) and bool(((lp - ref_lp).abs() < 1e-4).all())):
-                        return False
-                return True
-
-            ok = kernels.kernel_passes_check("the sampling kernel", same_draws)
-        _SAMPLING_KERNEL_OK[key] = ok
-    return _SAMPLING_KERNEL_OK[key]
-
-
 _CDF_KERNEL_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _cdf_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """As `_sampling_kernel_ok` for the inverse-CDF kernel: on first use, 64 draws at temperature 0.7 from random
-    logits must be inverse-CDF draws of their uniforms (`inverse_cdf_consistent`) with log-probs within 1e-4."""
+def _checked_once(cache: dict, device: torch.device, dtype: torch.dtype, what: str, check) -> bool:
+    """cache[(device, dtype)], computed on first use: kernels available and check(logits, uniforms) true on seeded
+    random logits [64, 3001] of `dtype` and uniforms [64, 3001] (`kernels.kernel_passes_check`: a compile error
+    or a difference warns and keeps the torch sampler for the process). The check synchronises once; the first
+    call is an eager step (the engine warms up before it captures a graph)."""
     key = (str(device), dtype)
-    if key not in _CDF_KERNEL_OK:
+    if key not in cache:
         ok = kernels.kernels_available(device)
         if ok:
-            from quarl.kernels.sampling_cdf import sample_rows_cdf
-
             gen = torch.Generator(device=device).manual_seed(0)
             logits = (torch.randn(64, 3001, device=device, generator=gen) * 3).to(dtype)
-            u = torch.rand(64, 1, device=device, generator=gen)
+            uniforms = torch.rand(64, 3001, device=device, generator=gen)
+            ok = kernels.kernel_passes_check(what, lambda: check(logits, uniforms))
+        cache[key] = ok
+    return cache[key]
 
-            def consistent_draws() -> bool:
-                tok, lp = sample_rows_cdf(logits, u, 0.7)
-                ref_lp = filtered_logprobs(logits, SamplingParams(0.7))
-                return bool(inverse_cdf_consistent(ref_lp, u[:, 0], tok).all()) and bool(
-                    ((lp - ref_lp.gather(1, tok[:, None])[:, 0]).abs() < 1e-4).all())
 
-            ok = kernels.kernel_passes_check("the inverse-CDF sampling kernel", consistent_draws)
-        _CDF_KERNEL_OK[key] = ok
-    return _CDF_KERNEL_OK[key]
+def _sampling_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the sampling kernel may serve logits of `dtype` on `device`: on its first use there, the same draws
+    and log-probs as `_sample_next_torch` (greedy and at temperature 0.7; `_checked_once`)."""
+
+    def same_draws(logits: torch.Tensor, noise: torch.Tensor) -> bool:
+        from quarl.kernels.sampling import sample_rows
+
+        for params in (SamplingParams(0.0), SamplingParams(0.7)):
+            u = None if params.greedy else noise
+            tok, lp = sample_rows(logits, u, params.temperature)
+            ref_tok, ref_lp = _sample_next_torch(logits, params, u)
+            if not (torch.equal(tok, ref_tok) and bool(((lp - ref_lp).abs() < 1e-4).all())):
+                return False
+        return True
+
+    return _checked_once(_SAMPLING_KERNEL_OK, device, dtype, "the sampling kernel", same_draws)
+
+
+def _cdf_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """As `_sampling_kernel_ok` for the inverse-CDF kernel: its draws at temperature 0.7 must be inverse-CDF draws
+    of their uniforms (`inverse_cdf_consistent`) with log-probs within 1e-4."""
+
+    def consistent_draws(logits: torch.Tensor, uniforms: torch.Tensor) -> bool:
+        from quarl.kernels.sampling_cdf import sample_rows_cdf
+
+        u = uniforms[:, :1]
+        tok, lp = sample_rows_cdf(logits, u, 0.7)
+        ref_lp = filtered_logprobs(logits, SamplingParams(0.7))
+        return bool(inverse_cdf_consistent(ref_lp, u[:, 0], tok).all()) and bool(
+            ((lp - ref_lp.gather(1, tok[:, None])[:, 0]).abs() < 1e-4).all())
+
+    return _checked_once(_CDF_KERNEL_OK, device, dtype, "the inverse-CDF sampling kernel", consistent_draws)
 
 
 @dataclass
