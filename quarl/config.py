@@ -92,6 +92,7 @@ class RolloutSection:
     stop: tuple[str, ...] = ()  # strings that end an answer (besides EOS)
     max_batch_size: int = 256  # sequences decoded at once (KV slots of the fast engine)
     engine: str = "auto"  # auto (fast on a GPU, reference on a CPU) | fast | reference
+    sampler: str = "inverse-cdf"  # fast engine's temperature draws: inverse-cdf (one uniform per sequence) | gumbel
 
 
 @dataclass
@@ -190,6 +191,8 @@ class RunConfig:
             )
         if self.rollout.engine not in ("auto", "fast", "reference"):
             raise ConfigError(f"rollout.engine={self.rollout.engine!r}; choose auto, fast or reference")
+        if self.rollout.sampler not in ("inverse-cdf", "gumbel"):
+            raise ConfigError(f"rollout.sampler={self.rollout.sampler!r}; choose inverse-cdf or gumbel")
         if self.rollout.num_generations > self.rollout.max_batch_size:
             raise ConfigError(
                 f"rollout.num_generations={self.rollout.num_generations} exceeds rollout.max_batch_size="

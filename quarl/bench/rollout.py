@@ -129,7 +129,7 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales, the next "
                              "fused kernel applying the scales (FusedDecoder.deferred_scales): all, none, or a comma "
                              "list of qkv,o,gate_up,down; default: the decoder's (qkv,o,down)")
-    parser.add_argument("--sampler", default="gumbel", choices=["gumbel", "inverse-cdf"],
+    parser.add_argument("--sampler", default="inverse-cdf", choices=["gumbel", "inverse-cdf"],
                         help="temperature sampling: Gumbel-max over a [batch, vocab] uniform tensor per step, or "
                              "inverse CDF with one uniform per sequence (FastRolloutEngine(sampler=...))")
     parser.add_argument("--breakdown", action="store_true",

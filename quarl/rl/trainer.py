@@ -61,7 +61,7 @@ def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
             raise ValueError(f"precision.kv_cache={cfg.precision.kv_cache} needs rollout.engine=fast")
         return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
     return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
-                             kv_cache_dtype=cfg.precision.kv_cache)
+                             kv_cache_dtype=cfg.precision.kv_cache, sampler=cfg.rollout.sampler)
 
 
 class GracefulInterrupt:

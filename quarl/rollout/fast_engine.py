@@ -58,7 +58,7 @@ class FastRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, max_batch_size: int = 512, max_seq_len: int | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto", use_cuda_graphs: bool | None = None,
                  sync_every: int = 16, max_prefill_tokens: int = 32768, attention_backend: str = "auto",
-                 fused_decode: bool | None = None, sampler: str = "gumbel"):
+                 fused_decode: bool | None = None, sampler: str = "inverse-cdf"):
         """
         Args:
             model: a QuarlForCausalLM (any device and dtype; CUDA + bf16 is the fast case).
@@ -75,9 +75,10 @@ class FastRolloutEngine(RolloutEngine):
             fused_decode: decode with q/k/v and gate/up fused into one GEMM each and the fused norm / rotary /
                 SiLU·mul kernels (`fused_decode`, same values); None = on where the model supports it.
             sampler: how temperature sampling draws, both exact draws from the same distribution:
-                "gumbel" (Gumbel-max over a [slots, vocab] uniform tensor refilled every step; the reference
-                engine's draws for the same seed) or "inverse-cdf" (one uniform per slot: no [slots, vocab]
-                noise to write and read each step, different tokens for the same seed).
+                "inverse-cdf" (default: one uniform per slot, no [slots, vocab] noise to write and read each
+                step; 0.12 against 0.24 ms per step at 512 sequences of a 152k vocabulary) or "gumbel"
+                (Gumbel-max over a [slots, vocab] uniform tensor refilled every step: the reference engine's
+                draws for the same seed).
         """
         super().__init__(model, tokenizer, max_batch_size)
         if max_seq_len is not None and max_seq_len < 2:
