@@ -51,51 +51,33 @@ def _copy_in_capacity(t: torch.Tensor) -> torch.Tensor:
     return full[:, :, :t.shape[2]]
 
 
-def _transposed_copy(t: torch.Tensor) -> torch.Tensor:
-    """t [B, H, context, D] copied into a cache stored as [B, H, D, CAPACITY], viewed as [B, H, context, D]."""
-    full = torch.empty(t.shape[0], t.shape[1], t.shape[3], CAPACITY, dtype=t.dtype, device=t.device)
-    full[:, :, :, :t.shape[2]] = t.transpose(2, 3)
-    return full[:, :, :, :t.shape[2]].transpose(2, 3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[512, 128])
     ap.add_argument("--context", type=int, default=768)
     ap.add_argument("--quick", action="store_true", help="only the default tile (block_n 64, 4 warps, 2 stages)")
     ap.add_argument("--layers", type=int, default=1, help="distinct caches read in turn (cold L2, as in a step)")
-    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--v-layouts", nargs="+", default=["rows"], choices=["rows", "columns"],
-                    help="values stored as [.., C, D] (rows) and/or transposed, [.., D, C] (columns)")
-    ap.add_argument("--tiles", default=None, help="block_n:warps:stages,... or default, instead of the full sweep")
     args = ap.parse_args()
     bw, _ = measure_ceilings(torch)
     variants = [(64, 4, 2)] if args.quick else list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3)))
-    if args.tiles:  # "default" = the kernel's own choice for the cache (`default_tile`)
-        variants = [(None, None, None) if t == "default" else tuple(int(x) for x in t.split(":"))
-                    for t in args.tiles.split(",")]
-    dtypes = [{"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE}[k] for k in args.kv]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; context {args.context}")
-    print("| batch | KV | V layout | block_n | warps | stages | splits | ms | floor ms | % floor | rel. err |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, kv_dtype, layout in itertools.product(args.batch, dtypes, args.v_layouts):
+    print("| batch | KV | block_n | warps | stages | splits | ms | floor ms | % floor | rel. err |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, kv_dtype in itertools.product(args.batch, (torch.bfloat16, FP8_KV_DTYPE)):
         q, kk, vv, lengths, ref, floor_ms = attention_case(batch, kv_dtype, args.context, bw)
-        if layout == "columns":
-            vv = _transposed_copy(vv)
-        copy_v = _transposed_copy if layout == "columns" else _copy_in_capacity
-        caches = [(kk, vv)] + [(_copy_in_capacity(kk), copy_v(vv)) for _ in range(args.layers - 1)]
+        caches = [(kk, vv)] + [(_copy_in_capacity(kk), _copy_in_capacity(vv)) for _ in range(args.layers - 1)]
         for block_n, warps, stages in variants:
-            splits = choose_num_splits(batch, HKV, args.context, block_n or 64)
+            splits = choose_num_splits(batch, HKV, args.context, block_n)
             try:
                 out = decode_attention(q, kk, vv, lengths, splits, 1.0, block_n, warps, stages)
                 err = float((out[:8].double() - ref).norm() / ref.norm())
                 ms = _graph_ms(torch, lambda: [decode_attention(q, k, v, lengths, splits, 1.0, block_n, warps, stages)
                                                for k, v in caches]) / len(caches)
             except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
-                print(f"| {batch} | {str(kv_dtype)[6:]} | {layout} | {block_n} | {warps} | {stages} | {splits} | "
-                      f"failed: {type(e).__name__} | | | |")
+                print(f"| {batch} | {str(kv_dtype)[6:]} | {block_n} | {warps} | {stages} | {splits} | failed: "
+                      f"{type(e).__name__} | | | |")
                 continue
-            print(f"| {batch} | {str(kv_dtype)[6:]} | {layout} | {block_n} | {warps} | {stages} | {splits} | {ms:.3f} | "
+            print(f"| {batch} | {str(kv_dtype)[6:]} | {block_n} | {warps} | {stages} | {splits} | {ms:.3f} | "
                   f"{floor_ms:.3f} | {100 * floor_ms / ms:.0f}% | {err:.1e} |", flush=True)
 
 

@@ -14,12 +14,6 @@ kv_scale is applied to q and to the result rather than to every cached value. A 
 (per-token float32 scales next to the codes) multiplies each column's scores by its key scale and each
 probability by its value scale, normalised by the largest value scale of the program's column range.
 
-Values may be stored transposed (contiguous along the columns, as the engine stores an FP8 cache): the PV dot's
-operand then reads its FP8 codes in the order the tensor cores take them, like the keys of the QK dot, instead of
-transposing them through shared memory as fp16 (0.107 against 0.119 ms per 7B layer at 512 sequences). Full
-column blocks load without a column mask, so those values are copied in 16-byte chunks; only a range's last,
-partial block is masked.
-
 Imports Triton: load it only when `quarl.kernels.kernels_available()` says the kernels can run. The plain-torch
 semantics are `quarl.rollout.fast_attention.decode_attention_torch`.
 """
@@ -52,46 +46,11 @@ def _widen_fp8(x):
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, ks_base, vs_base, n0, end, offs_n, offs_d, d_ok, stride_kn, stride_vn,
-                  stride_vd, m_i, l_i, acc, v_norm, FP8_KV: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                  PIN_WIDEN: tl.constexpr, MASKED: tl.constexpr):
-    """Online-softmax update of (m_i [G], l_i [G], acc [G, D] float32) with columns n0 .. n0 + BLOCK_N - 1.
-
-    MASKED: the block may pass `end` (the last, partial block of a column range): columns >= end load as zeros and
-    score -inf. Unmasked (full) blocks load without a column mask, so values stored transposed (contiguous along
-    the columns) are copied in 16-byte chunks; a column mask of unknown alignment would cut those to bytes.
-    """
-    cols = n0 + offs_n
-    n_ok = cols < end
-    kv_mask = (n_ok[:, None] if MASKED else offs_n[:, None] >= 0) & d_ok[None, :]
-    k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    if FP8_KV:
-        v = _widen_fp8(v) if PIN_WIDEN else v.to(tl.float16)
-        k = k.to(tl.float16)
-    s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32, in log2 units with an FP8 cache
-    if not FP8_KV:
-        s = s * 1.4426950408889634
-    if TOKEN_SCALES:
-        s = s * tl.load(ks_base + cols, mask=n_ok, other=1.0)[None, :]
-    if MASKED:
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if TOKEN_SCALES:
-        p = p * (tl.load(vs_base + cols, mask=n_ok, other=0.0) / v_norm)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_vb, stride_vh, stride_vn,
     stride_sb, stride_sh,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh,
@@ -105,7 +64,6 @@ def _decode_attention_kernel(
     length = tl.load(len_ptr + b).to(tl.int32)  # int32 loop bounds whatever the lengths' dtype
     start = split * split_len
     end = tl.minimum(start + split_len, length)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # full blocks: start .. full_end - 1
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -136,7 +94,6 @@ def _decode_attention_kernel(
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
     ks_base = ks_ptr + b * stride_sb + kvh * stride_sh
     vs_base = vs_ptr + b * stride_sb + kvh * stride_sh
-    v_norm = 1.0
     if TOKEN_SCALES:
         # Per-token value scales enter as p * v_scale before the fp16 PV dot. Divided by their largest value in
         # this column range they lie in (0, 1] like p, so fp16 keeps them (a raw scale, amax / 448, can sit in
@@ -146,14 +103,31 @@ def _decode_attention_kernel(
             v_top = tl.maximum(v_top, tl.load(vs_base + n0 + offs_n, mask=n0 + offs_n < end, other=0.0))
         v_norm = tl.max(v_top, 0)
         v_norm = tl.where(v_norm > 0, v_norm, 1.0)
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, ks_base, vs_base, n0, end, offs_n, offs_d, d_ok, stride_kn,
-                                      stride_vn, stride_vd, m_i, l_i, acc, v_norm, FP8_KV, TOKEN_SCALES, PIN_WIDEN,
-                                      MASKED=False)
-    if full_end < end:
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, ks_base, vs_base, full_end, end, offs_n, offs_d, d_ok,
-                                      stride_kn, stride_vn, stride_vd, m_i, l_i, acc, v_norm, FP8_KV, TOKEN_SCALES,
-                                      PIN_WIDEN, MASKED=True)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            v = _widen_fp8(v) if PIN_WIDEN else v.to(tl.float16)
+            k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32, in log2 units
+        if not FP8_KV:
+            s = s * LOG2E
+        if TOKEN_SCALES:
+            s = s * tl.load(ks_base + cols, mask=n_ok, other=1.0)[None, :]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if TOKEN_SCALES:
+            pv = p * (tl.load(vs_base + cols, mask=n_ok, other=0.0) / v_norm)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
+        m_i = m_new
 
     if TOKEN_SCALES:
         acc = acc * v_norm
@@ -171,15 +145,6 @@ def _decode_attention_kernel(
         tl.store(l_ptr + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
 
 
-def default_tile(fp8: bool, value_columns: bool) -> tuple[int, int, int]:
-    """(block_n, num_warps, num_stages) for a cache: bf16/fp16 (64, 4, 3); FP8 with values stored by columns
-    (128, 4, 2): 0.107 ms per 7B layer at 512 sequences, 91 % of the byte floor, and 0.058 at 128; FP8 with values
-    by rows (64, 2, 3): 0.119 and 0.062, its PV operand transposed through shared memory as fp16."""
-    if not fp8:
-        return 64, 4, 3
-    return (128, 4, 2) if value_columns else (64, 2, 3)
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int = 64,
                       num_sms: int | None = None) -> int:
     """Column ranges per sequence so that batch * kv_heads * splits fills the GPU about 4 times over (at least 1,
@@ -193,21 +158,20 @@ def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     num_splits: int = 1, kv_scale: float = 1.0, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None,
-                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int = 1, kv_scale: float = 1.0, block_n: int = 64, num_warps: int | None = None,
+                     num_stages: int = 3, k_scales: torch.Tensor | None = None,
+                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for one query token per sequence over its first `lengths[b]` cache columns.
 
     Args:
         q: [B, Hq, D] bf16/fp16 (last dim contiguous); query head h reads kv head h // (Hq / Hkv).
-        k_cache, v_cache: [S >= B, Hkv, C, D], q's dtype or torch.float8_e4m3fn; row b of the batch is slot b of
-            the cache. Keys are contiguous in the last dim; values either so ("rows") or stored transposed,
-            contiguous along the columns ("columns": a [S, Hkv, D, C] buffer viewed as [S, Hkv, C, D], how
-            `quarl.rollout.fast_cache` stores an FP8 cache: the PV dot then reads the codes in its operand order).
+        k_cache, v_cache: [S >= B, Hkv, C, D] (last dim contiguous), q's dtype or torch.float8_e4m3fn; row b of
+            the batch is slot b of the cache.
         lengths: int32/int64 [B], 1 <= lengths[b] <= C (columns to attend over, the current token included).
         num_splits: column ranges per sequence (see `choose_num_splits`); kv_scale: FP8 dequantisation scale.
-        block_n, num_warps, num_stages: the tile; None = `default_tile` (measured best for each cache dtype and
-            value layout at 128 and 512 sequences, bench/results/decode_attention.md).
+        block_n, num_warps, num_stages: the tile; the defaults measured best or within 2 % of it for both cache
+            dtypes at 128 and 512 sequences (bench/results/decode_attention.md). num_warps None = 2 for an FP8
+            cache (0.121 against 0.131 ms per 7B layer at 512 sequences, 0.063 against 0.065 at 128), else 4.
         k_scales, v_scales: [S, Hkv, C] float32 (last dim contiguous) per-token scales of a token-scaled FP8
             cache (values = stored * scale; kv_scale must then be 1), or None.
     Returns:
@@ -218,10 +182,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if Dk != D or v_cache.shape != k_cache.shape or S < B or Hq % Hkv:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k/v caches {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} (need the same head_dim, >= B slots, Hq a multiple of Hkv)")
-    columns = v_cache.stride(-1) != 1
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or columns and v_cache.stride(-2) != 1:
-        raise ValueError("decode_attention needs q and k_cache contiguous in the last dimension and v_cache in the "
-                         "last dimension or (values stored transposed) in the column dimension")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention needs q, k_cache and v_cache contiguous in the last dimension")
     if k_cache.dtype != q.dtype and k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"decode_attention reads a cache in q's dtype ({q.dtype}) or float8_e4m3fn, the same for keys "
                          f"and values; got keys {k_cache.dtype}, values {v_cache.dtype}")
@@ -233,12 +195,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"per-token scales must be two [S, Hkv, C] = {tuple(k_cache.shape[:3])} float32 tensors "
                          "with the same strides, contiguous in the last dimension, for an FP8 cache with kv_scale 1")
     G = Hq // Hkv
-    tile = default_tile(k_cache.dtype == torch.float8_e4m3fn, columns)
-    block_n, num_warps, num_stages = (given or chosen for given, chosen in zip((block_n, num_warps, num_stages), tile))
     split_len = -(-C // num_splits)
     split_len = -(-split_len // block_n) * block_n
     num_splits = -(-C // split_len)
     normalize = num_splits == 1  # the kernel writes the result; no partials to merge
+    if num_warps is None:
+        num_warps = 2 if k_cache.dtype == torch.float8_e4m3fn else 4
     if normalize:
         acc = torch.empty(B, Hq, 1, D, device=q.device, dtype=q.dtype)
         m = l_ = acc  # unused
@@ -252,14 +214,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, ks, vs, lengths, acc, m, l_,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0) if token else 0, ks.stride(1) if token else 0,
         acc.stride(0), acc.stride(1), acc.stride(2),
         0 if normalize else m.stride(0), 0 if normalize else m.stride(1),
         1.0 / math.sqrt(D), float(kv_scale), split_len,
         G=G, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, TOKEN_SCALES=token, NORMALIZE=normalize,
-        PIN_WIDEN=not _INTERPRETED and v_cache.stride(3) == 1, num_warps=num_warps, num_stages=num_stages,
+        PIN_WIDEN=not _INTERPRETED, num_warps=num_warps, num_stages=num_stages,
     )
     if normalize:
         return acc[:, :, 0]

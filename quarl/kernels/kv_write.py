@@ -41,25 +41,22 @@ def _to_cache(x, inv_scale, FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, dtype
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pos_ptr, stride_kb, stride_kh, stride_vb,
-                     stride_vh, stride_cs, stride_ch, stride_cc, stride_vcs, stride_vch, stride_vcc, stride_vcd,
-                     stride_ss, stride_sh, inv_scale, D,
+                     stride_vh, stride_cs, stride_ch, stride_cc, stride_ss, stride_sh, inv_scale, D,
                      FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, h): k[b, h, :D], v[b, h, :D] -> caches [slot b, head h, column pos[b], :D] (and with
-    TOKEN_SCALES their scales -> ks, vs [slot b, head h, column pos[b]]). The value cache's strides are its own
-    (values may be stored transposed)."""
+    TOKEN_SCALES their scales -> ks, vs [slot b, head h, column pos[b]])."""
     b = tl.program_id(0).to(tl.int64)  # b * slot stride can pass 2^31 in a large cache
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
     col = tl.load(pos_ptr + b)
     dst = b * stride_cs + h * stride_ch + col * stride_cc + d
-    v_dst = b * stride_vcs + h * stride_vch + col * stride_vcc + d * stride_vcd
     k = tl.load(k_ptr + b * stride_kb + h * stride_kh + d, mask=ok, other=0.0)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + d, mask=ok, other=0.0)
     kq, ks = _to_cache(k, inv_scale, FP8, TOKEN_SCALES, kc_ptr.dtype.element_ty)
     vq, vs = _to_cache(v, inv_scale, FP8, TOKEN_SCALES, vc_ptr.dtype.element_ty)
     tl.store(kc_ptr + dst, kq, mask=ok)
-    tl.store(vc_ptr + v_dst, vq, mask=ok)
+    tl.store(vc_ptr + dst, vq, mask=ok)
     if TOKEN_SCALES:
         tl.store(ks_ptr + b * stride_ss + h * stride_sh + col, ks)
         tl.store(vs_ptr + b * stride_ss + h * stride_sh + col, vs)
@@ -70,19 +67,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scales: torch.Tensor | None = None) -> None:
     """k, v [B, Hkv, D] (last dim contiguous) -> k_cache[b, :, positions[b]] and v_cache[...] for b < B.
 
-    k_cache, v_cache: [S >= B, Hkv, C, D], same shape and dtype (the model dtype or float8_e4m3fn); k_cache
-        contiguous, v_cache contiguous or stored transposed (contiguous in the column dimension, see
-        `quarl.kernels.decode_attention`);
+    k_cache, v_cache: [S >= B, Hkv, C, D] contiguous, same shape and dtype (the model dtype or float8_e4m3fn);
     positions: long [B], each < C. kv_scale: a single-scale FP8 cache's dequantisation scale (ignored
     otherwise). k_scales, v_scales: [S, Hkv, C] float32 contiguous for a token-scaled FP8 cache (both or none).
     """
     B, H, D = k.shape
     if (k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape or not k_cache.is_contiguous()
-            or not (v_cache.is_contiguous() or v_cache.stride(2) == 1) or v_cache.shape != k_cache.shape
-            or k_cache.shape[0] < B or k_cache.shape[1] != H or k_cache.shape[3] != D):
+            or not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or k_cache.shape[0] < B
+            or k_cache.shape[1] != H or k_cache.shape[3] != D):
         raise ValueError(f"write_kv needs k, v [B, Hkv, D] of one shape with a contiguous last dimension and two "
-                         f"caches [>= B, Hkv, C, D] (keys contiguous, values contiguous or stored transposed); got k "
-                         f"{tuple(k.shape)}, caches {tuple(k_cache.shape)}")
+                         f"contiguous caches [>= B, Hkv, C, D]; got k {tuple(k.shape)}, caches {tuple(k_cache.shape)}")
     token = k_scales is not None
     if token and any(t is None or t.dtype != torch.float32 or not t.is_contiguous() or t.shape != k_cache.shape[:3]
                      for t in (k_scales, v_scales)):
@@ -94,6 +88,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if B:
         _kv_write_kernel[(B, H)](k, v, k_cache, v_cache, ks, vs, positions, k.stride(0), k.stride(1), v.stride(0),
                                  v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                 *v_cache.stride(),
                                  ks.stride(0) if token else 0, ks.stride(1) if token else 0, inv, D,
                                  FP8=fp8, TOKEN_SCALES=token, BLOCK_D=triton.next_power_of_2(D), num_warps=1)

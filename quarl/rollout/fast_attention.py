@@ -21,18 +21,6 @@ FP8_KV_MAX = 448.0
 AttentionFn = Callable[..., torch.Tensor]
 
 
-def value_buffer(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed value cache [S, Hkv, C, D] in the layout the decode attention reads fastest for `dtype`.
-
-    FP8: stored transposed ([S, Hkv, D, C'] with C' = C rounded up to 16, viewed as [S, Hkv, C, D]), so that
-    the PV dot reads the codes in its operand order (`quarl.kernels.decode_attention`); other dtypes: contiguous.
-    """
-    if dtype != FP8_KV_DTYPE:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    S, H, C, D = shape
-    return torch.zeros(S, H, D, -(-C // 16) * 16, dtype=dtype, device=device)[..., :C].transpose(2, 3)
-
-
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                            kv_len: int, kv_scale: float = 1.0, k_scales: torch.Tensor | None = None,
                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,8 +116,7 @@ def _self_check(fn, ref_fn, device, dtype, hq, hkv, d, kv_dtype, token_scales: b
     B, C = 5, 300
     q = torch.randn(B, hq, d, device=device, generator=gen).to(dtype)
     k = torch.randn(B + 2, hkv, C, d, device=device, generator=gen).to(kv_dtype)
-    v = value_buffer(k.shape, kv_dtype, device)  # the engine cache's value layout
-    v.copy_(torch.randn(B + 2, hkv, C, d, device=device, generator=gen).to(kv_dtype))
+    v = torch.randn(B + 2, hkv, C, d, device=device, generator=gen).to(kv_dtype)
     scales = ()
     if token_scales:  # scales over a few orders of magnitude, as keys/values of different sizes give; key
         # scales stay below ~10 so that scores are O(10): larger ones would measure fp16's rounding of q * scale

@@ -1,7 +1,6 @@
 """The fast engine's slot KV cache: one fixed row ("slot") per running sequence, preallocated once.
 
-Layout per layer: keys / values [num_slots, num_kv_heads, capacity, head_dim] (an FP8 cache's values are a
-transposed view, their buffer contiguous along the columns: see `fast_attention.value_buffer`). Slot s holds one sequence's
+Layout per layer: keys / values [num_slots, num_kv_heads, capacity, head_dim]. Slot s holds one sequence's
 tokens in columns 0 .. len-1 (no padding: a sequence starts at column 0 of its slot), so attention masks are
 plain length masks and a finished slot is reused by writing the next prompt over it. The cache never moves
 during decoding; only `move` (compaction of the running set into the lowest slots) copies slots.
@@ -25,7 +24,7 @@ import torch
 
 from quarl import kernels
 from quarl.formats.registry import quantize_unchecked
-from quarl.rollout.fast_attention import FP8_KV_DTYPE, FP8_KV_MAX, value_buffer
+from quarl.rollout.fast_attention import FP8_KV_DTYPE, FP8_KV_MAX
 
 
 class SlotKVCache:
@@ -50,8 +49,7 @@ class SlotKVCache:
         # Zeroed once: a length mask hides unwritten columns from the softmax, but the torch attention path still
         # multiplies them by probability 0, and 0 * NaN (uninitialised memory) would be NaN.
         self.keys = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
-        # An FP8 cache stores its values transposed (`value_buffer`): the decode attention reads them faster so.
-        self.values = [value_buffer(shape, kv_dtype, device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
         self.key_scales = self.value_scales = None
         if token_scales:
             self.key_scales = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
