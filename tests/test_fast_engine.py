@@ -301,6 +301,21 @@ def test_token_scaled_fp8_cache_writes_codes_and_scales_everywhere():
         SlotKVCache(1, 1, 1, 8, 4, torch.float32, "cpu", token_scales=True)
 
 
+def test_prefill_write_gives_each_slot_its_prompts_codes():
+    """write_prompts converts each prompt once and copies it to its slots (a group): every slot holds exactly the
+    single-scale FP8 codes of its own prompt row (saturated beyond +-448 / kv_scale), other slots stay zero."""
+    kv_scale = 0.3
+    cache = SlotKVCache(1, 6, 2, 8, 5, FP8_KV_DTYPE, "cpu", kv_scale=kv_scale)
+    k, v = torch.randn(3, 2, 4, 8) * 100, torch.randn(3, 2, 4, 8)
+    slots, rows = torch.tensor([5, 0, 2, 3]), torch.tensor([2, 2, 0, 1])
+    cache.write_prompts(0, slots, rows, k, v)
+    for got, x in ((cache.keys[0], k), (cache.values[0], v)):
+        for slot, row in zip(slots.tolist(), rows.tolist()):
+            expected = (x[row].float() / kv_scale).clamp(-448, 448).to(FP8_KV_DTYPE)
+            assert torch.equal(got[slot, :, :4].view(torch.uint8), expected.view(torch.uint8)), (slot, row)
+        assert got[[1, 4]].float().abs().sum() == 0 and got[:, :, 4].float().abs().sum() == 0
+
+
 def test_token_scaled_attention_matches_float64():
     """Attention over codes and per-token scales equals float64 attention over float32(code * scale) rounded to
     q's dtype (here float64 q: the dequantized values exactly)."""

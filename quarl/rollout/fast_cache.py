@@ -162,15 +162,17 @@ class SlotKVCache:
                       v: torch.Tensor) -> None:
         """Prefill write: k, v [P, Hkv, T, D] (right-padded prompts); slot slots[i] gets prompt rows[i] at
         columns 0..T-1 (padding columns are written too and masked by the slot's length later)."""
+        # Converted once per prompt, then copied to its slots (a group's n samples share one prompt): the
+        # conversion is elementwise (per head_dim vector with token scales), so the values are the same.
         T = k.shape[2]
         if self.token_scales:
             for codes, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
-                q, s = self.quantize_tokens(x.index_select(0, rows))
-                codes[layer][slots, :, :T] = q
-                scales[layer][slots, :, :T] = s
+                q, s = self.quantize_tokens(x)
+                codes[layer][slots, :, :T] = q.index_select(0, rows)
+                scales[layer][slots, :, :T] = s.index_select(0, rows)
             return
-        self.keys[layer][slots, :, :T] = self.to_storage(k.index_select(0, rows))
-        self.values[layer][slots, :, :T] = self.to_storage(v.index_select(0, rows))
+        self.keys[layer][slots, :, :T] = self.to_storage(k).index_select(0, rows)
+        self.values[layer][slots, :, :T] = self.to_storage(v).index_select(0, rows)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, num_columns: int) -> None:
         """Copy columns [0, num_columns) of slots src [M] into slots dst [M] (disjoint sets), every layer."""
