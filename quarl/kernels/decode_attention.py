@@ -21,28 +21,10 @@ semantics are `quarl.rollout.fast_attention.decode_attention_torch`.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-
-# Triton's CPU interpreter (used to check this kernel without a GPU) runs no inline assembly: skip the pin there.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _widen_fp8(x):
-    """E4M3 codes -> fp16 (exact), four at a time: each 32-bit register of codes splits into its two 16-bit halves
-    for two `cvt.rn.f16x2.e4m3x2`. Triton's own conversion takes the codes two at a time, with a move and a
-    16-bit extraction around every convert. As inline assembly the compiler also cannot move this widening past
-    the PV dot's operand layout change: moved there, the transposed FP8 V operand was read from shared memory one
-    byte at a time (64 `ld.shared.b8` per thread per block, and 4-byte async copies); here V is copied in 16-byte
-    chunks, widened in registers and transposed as fp16 by `ldmatrix.trans`."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -56,7 +38,7 @@ def _decode_attention_kernel(
     stride_mb, stride_mh,
     sm_scale, kv_scale, split_len,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr, NORMALIZE: tl.constexpr, PIN_WIDEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKEN_SCALES: tl.constexpr, NORMALIZE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # b * slot stride can pass 2^31 in a large cache
     kvh = tl.program_id(1)
@@ -110,7 +92,9 @@ def _decode_attention_kernel(
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         if FP8_KV:
-            v = _widen_fp8(v) if PIN_WIDEN else v.to(tl.float16)
+            # Triton's own widening: an inline-asm one that pinned it before V's layout change measured 0.118
+            # against 0.112 ms per 7B layer at 512 sequences (bench/results/decode_attention.md, 19:2x).
+            v = v.to(tl.float16)
             k = k.to(tl.float16)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32, in log2 units
         if not FP8_KV:
@@ -147,12 +131,13 @@ def _decode_attention_kernel(
 
 def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int = 64,
                       num_sms: int | None = None) -> int:
-    """Column ranges per sequence so that batch * kv_heads * splits fills the GPU about 4 times over (at least 1,
-    at most one range per `block_n` columns)."""
+    """Column ranges per sequence so that batch * kv_heads * splits gives every SM at least two programs (at least
+    1, at most one range per `block_n` columns). More ranges cost a float32 partial per range and the torch merge:
+    at 128 sequences of the 7B geometry (512 programs on 132 SMs) one range took 0.031 ms per layer, two 0.060."""
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
             if torch.cuda.is_available() else 132
-    target = 4 * num_sms
+    target = 2 * num_sms
     splits = max(1, -(-target // max(1, batch * num_kv_heads)))
     return int(min(splits, max(1, -(-capacity // block_n))))
 
@@ -171,7 +156,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits: column ranges per sequence (see `choose_num_splits`); kv_scale: FP8 dequantisation scale.
         block_n, num_warps, num_stages: the tile; the defaults measured best or within 2 % of it for both cache
             dtypes at 128 and 512 sequences (bench/results/decode_attention.md). num_warps None = 2 for an FP8
-            cache (0.121 against 0.131 ms per 7B layer at 512 sequences, 0.063 against 0.065 at 128), else 4.
+            cache (0.112 against 0.128 ms per 7B layer at 512 sequences, 0.031 against 0.043 at 128), else 4.
         k_scales, v_scales: [S, Hkv, C] float32 (last dim contiguous) per-token scales of a token-scaled FP8
             cache (values = stored * scale; kv_scale must then be 1), or None.
     Returns:
@@ -221,7 +206,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         1.0 / math.sqrt(D), float(kv_scale), split_len,
         G=G, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, TOKEN_SCALES=token, NORMALIZE=normalize,
-        PIN_WIDEN=not _INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if normalize:
         return acc[:, :, 0]
