@@ -388,11 +388,12 @@ _TRITON_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
         v = torch.randn(B + 1, hkv, C, d).to(kdt)
         lengths = torch.randint(1, C + 1, (B,))
         lengths[0] = 1
-        out = decode_attention(q, k, v, lengths, splits)
         ref = decode_attention_torch(q.double(), k, v, lengths, C)
-        err = float((out.double() - ref).norm() / ref.norm())
-        tol = 1e-6 if dt == torch.float32 else 2e-3
-        assert err < tol, (B, hq, hkv, d, C, splits, dt, kdt, err)
+        for block_n in (64, 16):  # 16: several full (unmasked) blocks per range, then a masked partial one
+            out = decode_attention(q, k, v, lengths, splits, block_n=block_n)
+            err = float((out.double() - ref).norm() / ref.norm())
+            tol = 1e-6 if dt == torch.float32 else 2e-3
+            assert err < tol, (B, hq, hkv, d, C, splits, dt, kdt, block_n, err)
     print("ok")
 """)
 
