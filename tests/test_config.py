@@ -49,6 +49,8 @@ def test_impossible_combinations():
         load_config(None, ["train.mini_batch_size=10000"])
     with pytest.raises(ConfigError, match="aqn"):
         load_config(None, ["aqn.sigma_start=0.01"])
+    with pytest.raises(ConfigError, match="rollout.sampler='multinomial'; choose inverse-cdf or gumbel"):
+        load_config(None, ["rollout.sampler=multinomial"])
 
 
 def test_qlora_with_lora_resolves_weight_only_nvfp4():

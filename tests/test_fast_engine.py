@@ -568,3 +568,15 @@ def test_inverse_cdf_engine_gives_the_reference_logprobs():
             assert float((torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max()) < 1e-4
     with pytest.raises(ValueError, match="gumbel, inverse-cdf"):
         FastRolloutEngine(model, None, max_batch_size=8, sampler="multinomial")
+
+
+def test_make_engine_takes_the_configured_sampler():
+    """`rollout.sampler` reaches the fast engine the trainer builds (default: inverse CDF)."""
+    from quarl.config import load_config
+    from quarl.rl.trainer import make_engine
+
+    model = make_model("llama")
+    assert make_engine(model, None, load_config(None, ["rollout.engine=fast"]), torch.device("cpu")).sampler \
+        == "inverse-cdf"
+    cfg = load_config(None, ["rollout.engine=fast", "rollout.sampler=gumbel"])
+    assert make_engine(model, None, cfg, torch.device("cpu")).sampler == "gumbel"
