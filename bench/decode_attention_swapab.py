@@ -32,9 +32,16 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from quarl.kernels.decode_attention import _widen_fp8  # noqa: E402
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _widen_fp8(x):
+    """E4M3 codes -> fp16 four at a time by inline assembly (two `cvt.rn.f16x2.e4m3x2`), pinned before the PV
+    operand's layout change (the production kernel's widening until 2026-11-29; it now uses Triton's own)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit

@@ -387,13 +387,24 @@ _TRITON_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
         k = torch.randn(B + 1, hkv, C, d).to(kdt)
         v = torch.randn(B + 1, hkv, C, d).to(kdt)
         lengths = torch.randint(1, C + 1, (B,))
-        lengths[0] = 1
+        lengths[0], lengths[1], lengths[-1] = 1, 32, C  # block-aligned lengths: no partial last block
         ref = decode_attention_torch(q.double(), k, v, lengths, C)
         for block_n in (64, 16):  # 16: several full (unmasked) blocks per range, then a masked partial one
             out = decode_attention(q, k, v, lengths, splits, block_n=block_n)
             err = float((out.double() - ref).norm() / ref.norm())
             tol = 1e-6 if dt == torch.float32 else 2e-3
             assert err < tol, (B, hq, hkv, d, C, splits, dt, kdt, block_n, err)
+    # a token-scaled FP8 cache: per-column key and value scales over orders of magnitude
+    B, hq, hkv, d, C = 3, 8, 2, 32, 100
+    q = torch.randn(B, hq, d).half()
+    k, v = (torch.randn(B + 1, hkv, C, d).to(torch.float8_e4m3fn) for _ in "kv")
+    scales = [torch.exp(torch.randn(B + 1, hkv, C) * w) * c for w, c in ((0.7, 0.3), (2.0, 1.0))]
+    lengths = torch.tensor([1, 48, 77])
+    ref = decode_attention_torch(q.double(), k, v, lengths, C, 1.0, *scales)
+    for splits, block_n in [(1, 64), (1, 16), (2, 16)]:
+        out = decode_attention(q, k, v, lengths, splits, block_n=block_n, k_scales=scales[0], v_scales=scales[1])
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < 2e-3, ("token scales", splits, block_n, err)
     print("ok")
 """)
 

@@ -234,7 +234,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
                                sync_every=args.sync_every, attention_backend=args.attention,
-                               sampler=getattr(args, "sampler", "gumbel"))
+                               sampler=getattr(args, "sampler", "inverse-cdf"))
     if engine._decoder is not None and getattr(args, "deferred_scales", None) is not None:
         engine._decoder.deferred_scales = args.deferred_scales
     gen_kw = dict(n=args.samples, temperature=args.temperature, ignore_eos=True)

@@ -9,8 +9,9 @@ one GPU (it also runs on the CPU, without graphs, which is how its equivalence i
     each prompt. The prompt's last token is not prefilled: the first decode step feeds it, so every sampled
     token comes from the same graph-captured step;
   * decode: one static-shape step (`fast_step.decode_step`) for slots 0..B-1, B the smallest batch bucket that
-    covers the slots in use, captured once per bucket in a CUDA graph and replayed; sampling (Gumbel-max with a
-    seeded torch.Generator) and behaviour log-probs are computed on the GPU and written to per-slot buffers;
+    covers the slots in use, captured once per bucket in a CUDA graph and replayed; sampling (with
+    a seeded torch.Generator: inverse CDF from one uniform per sequence by default, or Gumbel-max) and behaviour
+    log-probs are computed on the GPU and written to per-slot buffers;
   * the host looks at the state only every `sync_every` steps (one small device-to-host copy): it collects
     finished completions (EOS or length on the GPU; stop strings on the host), frees their slots and refills them
     from the queue (continuous batching). With the queue empty, the running sequences are moved into the lowest
@@ -21,7 +22,8 @@ one GPU (it also runs on the CPU, without graphs, which is how its equivalence i
 
 Differences from the reference engine, by design: a finished sequence keeps its slot busy until the next sync
 (at most sync_every - 1 wasted steps); `progress` is called at each sync with the tokens generated since the
-last one; the random stream differs (same seed -> same outputs within this engine, not across engines).
+last one; with the default inverse-CDF sampler the random stream differs (same seed -> same outputs within this
+engine, not across engines); `sampler="gumbel"` draws the reference engine's tokens for the same seed.
 """
 
 from __future__ import annotations
