@@ -591,3 +591,22 @@ def test_make_engine_takes_the_configured_sampler():
         == "inverse-cdf"
     cfg = load_config(None, ["rollout.engine=fast", "rollout.sampler=gumbel"])
     assert make_engine(model, None, cfg, torch.device("cpu")).sampler == "gumbel"
+
+
+def test_column_ranges_give_every_sm_two_programs_and_no_more():
+    """`choose_num_splits`: one range once batch x kv heads covers two programs per SM (more ranges only add the
+    float32 partials and the merge); below that, the fewest ranges reaching two per SM, capped at one range per
+    block of columns."""
+    pytest.importorskip("triton")
+    from quarl.kernels.decode_attention import choose_num_splits
+
+    for sms in (1, 108, 132):
+        for batch in (1, 3, 16, 64, 128, 512):
+            for heads in (1, 4, 8):
+                for capacity in (64, 700, 4096):
+                    s = choose_num_splits(batch, heads, capacity, 64, num_sms=sms)
+                    cap = -(-capacity // 64)
+                    assert 1 <= s <= cap
+                    if s < cap:  # not capped: two programs per SM, and one range fewer would not reach it
+                        assert batch * heads * s >= 2 * sms
+                        assert s == 1 or batch * heads * (s - 1) < 2 * sms, (sms, batch, heads, capacity, s)
