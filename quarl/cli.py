@@ -59,11 +59,13 @@ def _eval(args) -> int:
                        prompt_template=args.prompt_template, system_prompt=args.system_prompt,
                        chat_template=not args.no_chat, num_eval=args.limit or 64)
     task = load_task(data, RewardSection(), tok, seed=args.seed)
-    engine = make_engine(model, tok, args.engine, args.kv_cache, len(task.eval_examples) * args.n, args.n)
+    engine = make_engine(model, tok, args.engine, args.kv_cache, len(task.eval_examples) * args.n, args.n,
+                         args.sampler)
     result = evaluate(engine, task, task.eval_examples, n=args.n, temperature=args.temperature,
                       max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(json.dumps({"model": args.model, "data": args.data, "split": args.split, "precision": args.precision,
-                      "engine": type(engine).__name__, "kv_cache": args.kv_cache, **result}, indent=2))
+                      "engine": type(engine).__name__, "kv_cache": args.kv_cache,
+                      "sampler": getattr(engine, "sampler", "gumbel"), **result}, indent=2))
     return 0
 
 

@@ -22,6 +22,8 @@ import yaml
 from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rl.objectives import LossConfig
 
+SAMPLERS = ("inverse-cdf", "gumbel")  # the fast engine's temperature samplers, default first
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type, or inconsistent."""
@@ -191,8 +193,8 @@ class RunConfig:
             )
         if self.rollout.engine not in ("auto", "fast", "reference"):
             raise ConfigError(f"rollout.engine={self.rollout.engine!r}; choose auto, fast or reference")
-        if self.rollout.sampler not in ("inverse-cdf", "gumbel"):
-            raise ConfigError(f"rollout.sampler={self.rollout.sampler!r}; choose inverse-cdf or gumbel")
+        if self.rollout.sampler not in SAMPLERS:
+            raise ConfigError(f"rollout.sampler={self.rollout.sampler!r}; choose {' or '.join(SAMPLERS)}")
         if self.rollout.num_generations > self.rollout.max_batch_size:
             raise ConfigError(
                 f"rollout.num_generations={self.rollout.num_generations} exceeds rollout.max_batch_size="

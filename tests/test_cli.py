@@ -87,3 +87,16 @@ def test_plot_and_export_of_a_lora_run(tmp_path):
 def test_plot_needs_a_run_dir(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_eval_takes_the_fast_engines_sampler(tiny_dir, capsys):
+    """--sampler reaches the fast engine and is reported; the reference engine refuses it with the way out."""
+    rc = main(["eval", "--model", str(tiny_dir), "--data", "arithmetic", "--limit", "2", "--n", "2",
+               "--temperature", "1.0", "--max-new-tokens", "3", "--device", "cpu", "--engine", "fast",
+               "--sampler", "gumbel"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["sampler"] == "gumbel"
+    rc = main(["eval", "--model", str(tiny_dir), "--data", "arithmetic", "--limit", "2", "--device", "cpu",
+               "--engine", "reference", "--sampler", "inverse-cdf"])
+    assert rc == 2 and "--engine fast" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from quarl.bench import add_output_arguments, append_entry, bench_command, bench
 
 PRECISIONS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
 KV_CACHES = ("auto", "fp8", "fp8-token")  # = quarl.precision.KV_CACHE_FORMATS (this module imports no torch)
+SAMPLERS = ("inverse-cdf", "gumbel")  # = quarl.config.SAMPLERS, likewise
 W8A8 = ("int8", "fp8", "fp8-block", "fp8-tensor")
 HEAD_SUFFIX = "+head"  # "fp8+head": lm_head quantized as well (it stays bf16 otherwise)
 DEFAULT_SETTINGS = ("bf16:auto", "bf16:fp8", "int8:auto", "fp8:auto", "fp8-block:auto", "nvfp4:auto", "int8:fp8",
@@ -129,7 +130,7 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales, the next "
                              "fused kernel applying the scales (FusedDecoder.deferred_scales): all, none, or a comma "
                              "list of qkv,o,gate_up,down; default: the decoder's (qkv,o,down)")
-    parser.add_argument("--sampler", default="inverse-cdf", choices=["gumbel", "inverse-cdf"],
+    parser.add_argument("--sampler", default=SAMPLERS[0], choices=SAMPLERS,
                         help="temperature sampling: Gumbel-max over a [batch, vocab] uniform tensor per step, or "
                              "inverse CDF with one uniform per sequence (FastRolloutEngine(sampler=...))")
     parser.add_argument("--breakdown", action="store_true",

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from quarl.config import SAMPLERS
 from quarl.model.tokenizer import eos_token_ids
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
@@ -44,7 +45,6 @@ from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
 from quarl.rollout.sampling import SamplingParams
 
 KV_BUCKET = 256  # column granularity of the torch attention path's static bound (one graph per bound)
-SAMPLERS = ("gumbel", "inverse-cdf")  # FastRolloutEngine(sampler=...)
 
 
 def batch_buckets(num_slots: int) -> list[int]:

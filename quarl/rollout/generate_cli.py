@@ -7,6 +7,7 @@ import sys
 import time
 
 from quarl.devices import resolve_device
+from quarl.config import SAMPLERS
 from quarl.precision import KV_CACHE_FORMATS, QUANT_FORMATS
 
 PRECISIONS = ("bf16", *QUANT_FORMATS)
@@ -14,19 +15,23 @@ ENGINES = ("auto", "fast", "reference")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--engine and --kv-cache (shared by `quarl generate` and `quarl eval`)."""
+    """--engine, --kv-cache and --sampler (shared by `quarl generate` and `quarl eval`)."""
     parser.add_argument("--engine", default="auto", choices=ENGINES,
                         help="rollout engine: fast (slot KV cache, CUDA graphs on a GPU), reference (plain "
                              "PyTorch); auto = fast on a GPU or with an FP8 KV cache, else reference")
     parser.add_argument("--kv-cache", default="auto", choices=KV_CACHE_FORMATS,
                         help="KV cache of the fast engine: auto (the model dtype), fp8 (E4M3, scale 1), fp8-token "
                              "(E4M3, a scale per token and kv head)")
+    parser.add_argument("--sampler", default=None, choices=SAMPLERS,
+                        help="temperature draws of the fast engine: inverse-cdf (its default; one uniform per "
+                             "sequence) or gumbel (Gumbel-max: the reference engine's draws for the same seed)")
 
 
-def make_engine(model, tokenizer, engine: str, kv_cache: str, max_sequences: int, group_size: int = 1):
+def make_engine(model, tokenizer, engine: str, kv_cache: str, max_sequences: int, group_size: int = 1,
+                sampler: str | None = None):
     """The rollout engine for a CLI run of `max_sequences` sequences in groups of `group_size` (completions per
     prompt). The fast engine gets min(max_sequences, 512 on a GPU / 64 on a CPU) slots, at least one group: the
-    rest wait in its queue."""
+    rest wait in its queue. sampler: the fast engine's (None = its default)."""
     from quarl.rollout.engine import RolloutEngine
     from quarl.rollout.fast_engine import FastRolloutEngine
 
@@ -37,10 +42,14 @@ def make_engine(model, tokenizer, engine: str, kv_cache: str, max_sequences: int
     if engine == "reference":
         if kv_cache != "auto":
             raise ValueError(f"--kv-cache {kv_cache} is a fast-engine cache; use --engine fast (or auto)")
+        if sampler is not None:
+            raise ValueError(f"--sampler {sampler} is a fast-engine option (the reference engine draws by "
+                             "Gumbel-max); use --engine fast, or leave --sampler out")
         return RolloutEngine(model, tokenizer)
     limit = 512 if model.device.type == "cuda" else 64  # a CPU cache of 512 slots would take gigabytes
     slots = max(group_size, min(limit, max_sequences), 1)
-    return FastRolloutEngine(model, tokenizer, max_batch_size=slots, kv_cache_dtype=kv_cache)
+    return FastRolloutEngine(model, tokenizer, max_batch_size=slots, kv_cache_dtype=kv_cache,
+                             **({} if sampler is None else {"sampler": sampler}))
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"[quarl] loaded {args.model} on {device} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     prompts = [apply_chat(tokenizer, p, system=args.system) if args.chat else p for p in args.prompt]
-    engine = make_engine(model, tokenizer, args.engine, args.kv_cache, len(prompts) * args.n, args.n)
+    engine = make_engine(model, tokenizer, args.engine, args.kv_cache, len(prompts) * args.n, args.n, args.sampler)
     t0 = time.perf_counter()
     outputs = engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed)
