@@ -577,7 +577,7 @@ def test_inverse_cdf_engine_gives_the_reference_logprobs():
             assert len(c.token_ids) == 6 and c.token_ids == c2.token_ids
             ref = float64_logprobs(model, pr, c.token_ids, SamplingParams(1.0))
             assert float((torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max()) < 1e-4
-    with pytest.raises(ValueError, match="gumbel, inverse-cdf"):
+    with pytest.raises(ValueError, match="sampler must be one of inverse-cdf, gumbel"):
         FastRolloutEngine(model, None, max_batch_size=8, sampler="multinomial")
 
 
