@@ -151,18 +151,19 @@ def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_p
         amax = tl.maximum(amax, tl.max(tl.abs(h1.to(tl.float32)), axis=0))
     if C2 > 0:
         amax = tl.maximum(amax, tl.max(tl.abs(h2.to(tl.float32)), axis=0))
-    q_row = q_ptr + row * N
-    _store_codes(q_row, s_ptr, row, tl.arange(0, C0), ok0, h0.to(tl.float32), amax, QUANT_INT8)
-    if WRITE_H:
-        tl.store(h_ptr + row * N + tl.arange(0, C0), h0, mask=ok0)
+    _store_piece(q_ptr, h_ptr, s_ptr, row, N, tl.arange(0, C0), ok0, h0, amax, WRITE_H, QUANT_INT8)
     if C1 > 0:
-        _store_codes(q_row, s_ptr, row, C0 + tl.arange(0, C1), ok1, h1.to(tl.float32), amax, QUANT_INT8)
-        if WRITE_H:
-            tl.store(h_ptr + row * N + C0 + tl.arange(0, C1), h1, mask=ok1)
+        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + tl.arange(0, C1), ok1, h1, amax, WRITE_H, QUANT_INT8)
     if C2 > 0:
-        _store_codes(q_row, s_ptr, row, C0 + C1 + tl.arange(0, C2), ok2, h2.to(tl.float32), amax, QUANT_INT8)
-        if WRITE_H:
-            tl.store(h_ptr + row * N + C0 + C1 + tl.arange(0, C2), h2, mask=ok2)
+        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + C1 + tl.arange(0, C2), ok2, h2, amax, WRITE_H, QUANT_INT8)
+
+
+@triton.jit
+def _store_piece(q_ptr, h_ptr, s_ptr, row, N, cols, ok, h, amax, WRITE_H: tl.constexpr, QUANT_INT8: tl.constexpr):
+    """One piece of a row (columns cols, values h) -> its codes under the row's amax, and h itself with WRITE_H."""
+    _store_codes(q_ptr + row * N, s_ptr, row, cols, ok, h.to(tl.float32), amax, QUANT_INT8)
+    if WRITE_H:
+        tl.store(h_ptr + row * N + cols, h, mask=ok)
 
 
 def row_pieces(n: int, pieces: int = 3, smallest: int = 128) -> tuple[int, ...]:
@@ -359,6 +360,11 @@ def _check_scales(pair, m: int, col_shape: tuple, name: str):
     return rows, cols
 
 
+def _heads_per_program(head_dim: int) -> int:
+    """Heads per rotary program: about 1024 values each, at most 8 heads."""
+    return max(1, min(8, 1024 // head_dim))
+
+
 def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv: [M, >= (Hq + Hkv) * D] bf16 (q heads then k heads first in each row, rows contiguous); cos, sin:
@@ -375,7 +381,7 @@ def rope_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads
     q = torch.empty((M, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((M, num_kv_heads, D), dtype=qkv.dtype, device=qkv.device)
     if M:
-        heads = max(1, min(8, 1024 // D))  # about 1024 values per program
+        heads = _heads_per_program(D)
         _rope_kernel[(M, triton.cdiv(num_heads + num_kv_heads, heads))](
             qkv, cos, sin, q, k, num_heads, num_kv_heads, qkv.stride(0), cos.stride(0), D=D, HEADS=heads,
             num_warps=4)
@@ -405,7 +411,7 @@ def rope_rows_scaled(y: torch.Tensor, row_scales: torch.Tensor, col_scales: torc
     k = torch.empty((M, num_kv_heads, D), dtype=y.dtype, device=y.device)
     v = torch.empty((M, num_kv_heads, D), dtype=y.dtype, device=y.device)
     if M:
-        heads = max(1, min(8, 1024 // D))
+        heads = _heads_per_program(D)
         _rope_scaled_kernel[(M, triton.cdiv(num_heads + 2 * num_kv_heads, heads))](
             y, rows, cols, bias if bias is not None else cols, cos, sin, q, k, v, num_heads, num_kv_heads,
             y.stride(0), cos.stride(0), D=D, HEADS=heads, HAS_BIAS=bias is not None, num_warps=4)

@@ -25,7 +25,6 @@ import triton.language as tl
 from quarl.kernels.sampling import _sample_kernel, column_ranges, inverse_temperature
 
 
-
 @triton.jit
 def _cdf_pick_kernel(logits_ptr, part_ptr, u_ptr, token_ptr, logprob_ptr, V, stride_l, stride_u, inv_temp, chunk,
                      RANGES, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
