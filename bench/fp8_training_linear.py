@@ -1,6 +1,6 @@
 """Forward + backward time of one linear layer in the three training modes of the unified flow (GPU).
 
-    python3 bench/fp8_training_linear.py [--tokens 4096] [--repeats 10]
+    python3 bench/fp8_training_linear.py [--tokens 4096] [--repeats 10] [--shapes qkv,o] [--wgrad-kernel] [--profile]
 
 For the Qwen2.5-7B linear shapes (qkv, o, gate_up, down) with M tokens, times y = linear(x); y.backward(g):
   * bf16: F.linear on the bf16 master weight (the bf16 / split flows' training GEMMs);
@@ -8,7 +8,10 @@ For the Qwen2.5-7B linear shapes (qkv, o, gate_up, down) with M tokens, times y 
   * fp8-backward: `quarl.model.fp8_training.FP8BlockLinear` (precision.quantized_backward=true);
   * with --wgrad-kernel, fp8-backward again with its weight gradient on the FP8 tensor cores
     (`fp8_training.FP8_WEIGHT_GRAD_KERNEL`), and that gradient's largest difference from the bf16-GEMM one
-    relative to its largest value (both multiply the same rounded operands).
+    relative to its largest value (both multiply the same rounded operands);
+  * with --profile, the CUDA kernels of three fp8-backward iterations (weight-gradient kernel on with
+    --wgrad-kernel), largest total time first: where the layer's time goes.
+Shapes: the Qwen2.5-7B linears (qkv, o, gate_up, down) and the Qwen2.5-1.5B ones (qkv-1.5b, ...).
 Each variant runs `--warmup` extra untimed iterations, then `quarl.bench.gemm.median_time` (3 untimed
 iterations, then `--repeats` timed ones; CUDA events around forward + backward; the median is reported;
 quantization of every operand included).
@@ -22,7 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")))
 
-SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
+          "qkv-1.5b": (2048, 1536), "o-1.5b": (1536, 1536), "gate_up-1.5b": (17920, 1536), "down-1.5b": (1536, 8960)}
 
 
 def main(argv=None) -> int:
@@ -34,12 +38,13 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="rows M of the activations")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--warmup", type=int, default=0, help="extra untimed iterations per variant")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--wgrad-kernel", action="store_true",
                         help="also time fp8-backward with the weight gradient on the FP8 kernel "
                              "(quarl.model.fp8_training.FP8_WEIGHT_GRAD_KERNEL)")
+    parser.add_argument("--profile", action="store_true", help="print the CUDA kernels of fp8-backward per shape")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -90,9 +95,34 @@ def main(argv=None) -> int:
                 fp8_training.FP8_WEIGHT_GRAD_KERNEL = False
             row += f" {t:.2f} | {ms['bf16'] / t:.2f}x | {diff:.1e} |"
         print(row, flush=True)
+        if args.profile:
+            fp8_training.FP8_WEIGHT_GRAD_KERNEL = args.wgrad_kernel
+            try:
+                _print_profile(torch, run(layers["fp8-backward"]), name)
+            finally:
+                fp8_training.FP8_WEIGHT_GRAD_KERNEL = False
         del x, g, layers, w
         torch.cuda.empty_cache()
     return 0
+
+
+def _print_profile(torch, step, name: str, iterations: int = 3, top: int = 10) -> None:
+    """The CUDA kernels of `iterations` calls of step(), as a markdown table, largest total first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            step()
+        torch.cuda.synchronize()
+    rows = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                  key=lambda e: e.device_time_total, reverse=True)
+    print(f"\n{name}: CUDA kernels per fp8-backward call (us)\n\n| kernel | us per call | launches per call |")
+    print("|---|---:|---:|")
+    for e in rows[:top]:
+        print(f"| {e.key[:90]} | {e.device_time_total / iterations:.0f} | {e.count / iterations:.0f} |")
+    print(flush=True)
 
 
 if __name__ == "__main__":

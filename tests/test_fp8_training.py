@@ -136,16 +136,18 @@ def test_weight_gradient_gemm_scales_each_row_group_in_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_weight_gradient_kernel_matches_the_float64_product(monkeypatch):
+@pytest.mark.parametrize("m,n,k", [(257, 384, 528), (300, 400, 272), (257, 384, 520), (1, 96, 208)])
+def test_cuda_fp8_weight_gradient_kernel_matches_the_float64_product(monkeypatch, m, n, k):
     """With `FP8_WEIGHT_GRAD_KERNEL` the weight gradient runs on the FP8 tensor cores
-    (`fp8_block_weight_grad`): it equals the float64 product of the same rounded operands within bf16 output
-    rounding, M = 257 tokens (a partial last group), and agrees with the bf16-GEMM path to 2^-7."""
+    (`training_gemm.fp8_block_weight_grad`: cuBLAS 1x128 x 1x128 where N and K are multiples of 16, the Triton
+    kernel otherwise, both taken here; with M <= 128 cuBLAS sees the rowwise recipe): it equals the float64
+    product of the same rounded operands within bf16 output rounding, M not a multiple of 128 (a partial last
+    group), and agrees with the bf16-GEMM path to 2^-7."""
     from quarl.model import fp8_training
 
-    m, n, k = 257, 384, 520
     x = (torch.randn(m, k) * 2).to(torch.bfloat16)
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
-    g = torch.randn(m, n).to(torch.bfloat16)
+    g = (torch.randn(m, n) * torch.rand(1, n) * 3).to(torch.bfloat16)
     grads = {}
     for on in (False, True):
         monkeypatch.setattr(fp8_training, "FP8_WEIGHT_GRAD_KERNEL", on)
@@ -155,3 +157,24 @@ def test_cuda_fp8_weight_gradient_kernel_matches_the_float64_product(monkeypatch
     assert_product_close(grads[True], q_rows(g.t()), q_rows(x.t()), torch.bfloat16)
     scale = float(grads[False].float().abs().max())
     assert float((grads[True].float() - grads[False].float()).abs().max()) <= 2.0**-7 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n", [(257, 200), (128, 64), (5, 3)])
+def test_cuda_transposed_column_quantizer_equals_the_reference(m, n):
+    """`act_quant.quantize_columns_transposed(x)` writes the codes and scales of
+    `quantize(x.t(), "fp8-block", "activation")` bit for bit (codes [N, MP] with zero codes past M, scales
+    [MP/128, N]), including a zero column (scale 1), a huge value and partial groups in both directions."""
+    from quarl.formats.registry import quantize_unchecked
+    from quarl.kernels.act_quant import quantize_columns_transposed
+
+    x = torch.randn(m, n) * torch.rand(1, n) * 4
+    x[:, 0] = 0.0
+    x[m // 2, n - 1] = 3.0e4
+    x = x.to(torch.bfloat16)
+    codes, scales = quantize_columns_transposed(x.cuda())
+    ref = quantize_unchecked(x.t().contiguous().cuda(), "fp8-block", "activation")  # torch's CUDA rounding
+    mp = -(-m // 128) * 128
+    assert codes.shape == (n, mp) and scales.shape == (mp // 128, n)
+    assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(scales.t(), ref.scale)

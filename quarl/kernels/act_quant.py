@@ -96,6 +96,39 @@ def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _columns_to_rows_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_xm, stride_qn, stride_sg, BLOCK_N: tl.constexpr):
+    """x [M, N] -> q [N, MP] (uint8: the FP8 E4M3 codes of x^T in 1x128 groups along M; zero codes past M) and
+    s [MP/128, N] float32 at row stride stride_sg. pid 0 picks a 128-row group of x, pid 1 BLOCK_N columns; the
+    tile is quantized along its rows and written transposed (the transpose goes through shared memory)."""
+    group = tl.program_id(0)
+    rm = group.to(tl.int64) * 128 + tl.arange(0, 128)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    v = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=(rm[:, None] < M) & n_ok[None, :],
+                other=0.0).to(tl.float32)
+    s = safe_scale(tl.max(tl.abs(v), axis=0), 448.0)
+    q = quantize_tile(v, s[None, :], False).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + rn[:, None].to(tl.int64) * stride_qn + rm[None, :], tl.trans(q), mask=n_ok[:, None])
+    tl.store(s_ptr + group * stride_sg + rn, s, mask=n_ok)
+
+
+def quantize_columns_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, N] bf16/fp16/fp32 (rows contiguous) -> (codes [N, MP] float8_e4m3fn, scales [MP/128, N] float32),
+    MP = M rounded up to 128: the FP8-block activation quantization of x^T (1x128 groups along M) in one pass,
+    without a transposed copy of x. codes and scales.t() equal `quantize(x.t(), "fp8-block", "activation")`'s
+    data and scale bit for bit; scales.t() is the outer-dim-major layout torch._scaled_mm's 1x128 scaling reads.
+    The weight-gradient operands of FP8 training (`quarl.kernels.training_gemm`)."""
+    M, N = x.shape
+    mp = -(-M // 128) * 128
+    codes = torch.empty((N, mp), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((mp // 128, N), dtype=torch.float32, device=x.device)
+    if mp and N:
+        _columns_to_rows_kernel[(mp // 128, triton.cdiv(N, 64))](
+            x, codes, scales, M, N, x.stride(0), codes.stride(0), scales.stride(0), BLOCK_N=64, num_warps=4)
+    return codes.view(torch.float8_e4m3fn), scales
+
+
 def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False,
                         block: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in

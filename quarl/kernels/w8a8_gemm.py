@@ -208,23 +208,3 @@ def w8a8_matmul(
 
 # Weight-gradient tile: the products are 128 tokens deep per scale group, and both operands are large.
 WGRAD_CFG = GemmConfig(bm=128, bn=128, bk=128, warps=8, stages=4, native=True)
-
-
-def fp8_block_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW = Q(g^T) @ Q(x^T)^T on the FP8 tensor cores: g [M, N] (output gradients), x [M, K] (layer inputs), both
-    bf16/fp16 with M tokens -> [N, K] in g's dtype. Both operands are rounded in 1x128 groups along M, as
-    `fake_quantize_columns` rounds them (FP8-block training, `quarl.model.fp8_training`): each is transposed
-    once and quantized by `quantize_activation`, and the GEMM scales every 128-token partial product by the two
-    groups' scales."""
-    from quarl.formats import QuantizedTensor
-    from quarl.kernels.act_quant import quantize_activation
-
-    if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0]:
-        raise ValueError(f"fp8_block_weight_grad needs g [M, N] and x [M, K] with the same M, got "
-                         f"{tuple(g.shape)} and {tuple(x.shape)}")
-    m, k = x.shape
-    mp = -(-m // 128) * 128
-    gq = quantize_activation(g.t().contiguous(), "fp8-block", mp)
-    xc, xs = quantize_activation(x.t().contiguous(), "fp8-block", mp)
-    xq = QuantizedTensor("fp8-block", "activation", xc, xs, None, torch.Size((k, m)))
-    return w8a8_matmul(g.t(), xq, None, WGRAD_CFG, X_PREQUANT, xq=gq)

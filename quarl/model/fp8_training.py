@@ -31,8 +31,8 @@ from quarl.formats.registry import quantize_unchecked
 FORMAT = "fp8-block"
 
 # Experimental, off until measured faster (bench/fp8_training_linear.py --wgrad-kernel): the weight gradient on
-# the FP8 tensor cores (`kernels.w8a8_gemm.fp8_block_weight_grad`) instead of a bf16 GEMM of the rounded operands.
-# Same operands either way; the FP8 path rounds its output once, to the compute dtype.
+# the FP8 tensor cores (`kernels.training_gemm.fp8_block_weight_grad`: cuBLAS 1x128 x 1x128 on Hopper) instead of
+# a bf16 GEMM of the rounded operands. Same operands either way; the FP8 path rounds its output once, to bf16.
 FP8_WEIGHT_GRAD_KERNEL = False
 
 
@@ -107,7 +107,7 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dtype."""
     if FP8_WEIGHT_GRAD_KERNEL and g.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and \
             kernels.fp8_kernels_available(g.device):
-        from quarl.kernels.w8a8_gemm import fp8_block_weight_grad
+        from quarl.kernels.training_gemm import fp8_block_weight_grad
 
         return fp8_block_weight_grad(g.contiguous(), x.contiguous())
     return kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)
