@@ -45,6 +45,8 @@ def main(argv=None) -> int:
                         help="also time fp8-backward with the weight gradient on the FP8 kernel "
                              "(quarl.model.fp8_training.FP8_WEIGHT_GRAD_KERNEL)")
     parser.add_argument("--profile", action="store_true", help="print the CUDA kernels of fp8-backward per shape")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="print where the host (Python) time of fp8-backward goes per shape (cProfile)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
                 _print_profile(torch, run(layers["fp8-backward"]), name)
             finally:
                 fp8_training.FP8_WEIGHT_GRAD_KERNEL = False
+        if args.host_profile:
+            _print_host_profile(torch, run(layers["fp8-backward"]), name)
         del x, g, layers, w
         torch.cuda.empty_cache()
     return 0
@@ -123,6 +127,29 @@ def _print_profile(torch, step, name: str, iterations: int = 3, top: int = 10) -
     for e in rows[:top]:
         print(f"| {e.key[:90]} | {e.device_time_total / iterations:.0f} | {e.count / iterations:.0f} |")
     print(flush=True)
+
+
+def _print_host_profile(torch, step, name: str, iterations: int = 20, top: int = 25) -> None:
+    """cProfile of `iterations` calls of step() (GPU synchronized once at the end): host seconds per call and
+    the functions with the most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(iterations):
+        step()
+    prof.disable()
+    host = (time.perf_counter() - t0) / iterations
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    print(f"\n{name}: host {1e3 * host:.2f} ms per fp8-backward call (under cProfile)\n{out.getvalue()}", flush=True)
 
 
 if __name__ == "__main__":

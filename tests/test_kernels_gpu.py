@@ -277,15 +277,19 @@ def test_gemv_matches_reference(fmt, x_mode):
 @gpu
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-tensor", "fp8-block"])
 def test_scaled_mm_path(fmt):
-    from quarl.kernels.dispatch import run_plan
+    from quarl.kernels.act_quant import quantize_activation
+    from quarl.kernels.dispatch import run_plan, scaled_mm_codes
 
     shapes = [(1, 256, 512), (70, 320, 1024), (257, 512, 768)]
-    if fmt == "fp8-block":  # whole 128-row weight tiles, Kp/128 % 4 == 0 (M is padded inside)
-        shapes = [(64, 256, 512), (70, 384, 1000), (257, 512, 1024), (1, 128, 2000)]
+    if fmt == "fp8-block":  # whole 128-row weight tiles; M and Kp/128 (to a multiple of 4) are padded inside
+        shapes = [(64, 256, 512), (70, 384, 1000), (257, 512, 1024), (1, 128, 2000), (33, 256, 768),
+                  (40, 128, 700), (1024, 256, 8960)]
         qw = quantize(torch.randn(256, 768, device="cuda"), fmt)
-        with pytest.raises(ValueError, match="multiple of 4"):
-            run_plan(Plan("scaled_mm"), torch.randn(64, 768, device="cuda", dtype=torch.bfloat16), qw, None)
-        assert plan_for(fmt, False, 4096, 256, 768).kind != "scaled_mm"  # the dispatch avoids that shape
+        codes, sx = quantize_activation(torch.randn(64, 768, device="cuda", dtype=torch.bfloat16), fmt, 768,
+                                        scales_column_major=True)
+        with pytest.raises(ValueError, match="multiple of 4"):  # unpadded Kp/128 = 6: refused, not run
+            scaled_mm_codes(codes, sx, qw, None, torch.bfloat16)
+        assert plan_for(fmt, False, 4096, 256, 768).kind == "scaled_mm"  # padded, so the dispatch takes it
     for m, n, k in shapes:
         w, x, b = _inputs(m, n, k, bias=True)
         qw = quantize(w, fmt)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -32,11 +34,26 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
     """
     fmt = qweight.fmt
     m = x.shape[0]
-    if fmt == "fp8-block" and m % 16:
-        # Measured working with M a multiple of 16 only: pad rows (zero codes, scale 1), drop them after.
-        x = F.pad(x, (0, 0, 0, 16 - m % 16))
+    if fmt == "fp8-block":
+        if m % 16:
+            # Measured working with M a multiple of 16 only: pad rows (zero codes, scale 1), drop them after.
+            x = F.pad(x, (0, 0, 0, 16 - m % 16))
+        qweight = pad_block_groups(qweight, 4)
     codes, sx = quantize_activation(x, fmt, qweight.data.shape[1], scales_column_major=fmt == "fp8-block")
     return scaled_mm_codes(codes, sx, qweight, bias, x.dtype)[:m]
+
+
+def pad_block_groups(qweight, multiple: int):
+    """An fp8-block weight [N, Kp] with Kp/128 rounded up to a multiple of `multiple` groups: zero codes (they add
+    nothing to any product) with scale 1 appended. Why: cuBLAS blockwise FP8 returned wrong results for Kp/128 = 6
+    (its [ceil(N/128), Kp/128] scale rows were 24 bytes apart; it appears to need 16-byte aligned rows), so the
+    GEMM runs on Kp/128 a multiple of 4. Returns qweight itself when nothing is to add."""
+    kp = qweight.data.shape[1]
+    extra = (-(kp // 128) % multiple) * 128
+    if not extra:
+        return qweight
+    data = F.pad(qweight.data.view(torch.uint8), (0, extra)).view(torch.float8_e4m3fn)
+    return replace(qweight, data=data, scale=F.pad(qweight.scale, (0, extra // 128), value=1.0))
 
 
 def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.Tensor | None,
@@ -48,7 +65,8 @@ def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.
         if n % 128 or (qweight.data.shape[1] // 128) % 4:
             raise ValueError(
                 f"blockwise cuBLAS FP8 is used only with N a multiple of 128 and Kp/128 a multiple of 4, got "
-                f"N={n}, Kp={qweight.data.shape[1]}; use a Triton plan (Plan('w8a8', ...)) for this shape"
+                f"N={n}, Kp={qweight.data.shape[1]}; pad the weight with pad_block_groups(qweight, 4) (and the "
+                f"activation codes to the same Kp), or use a Triton plan (Plan('w8a8', ...)) for this shape"
             )
         sw = qweight.scale.t()
     elif qweight.scale.dim():
