@@ -5,7 +5,8 @@
 For the Qwen2.5-7B linear shapes (qkv, o, gate_up, down) with M tokens, times y = linear(x); y.backward(g):
   * bf16: F.linear on the bf16 master weight (the bf16 / split flows' training GEMMs);
   * unified: the straight-through unified forward (fake-quantized x and W, bf16 GEMMs, bf16 gradients);
-  * fp8-backward: `quarl.model.fp8_training.FP8BlockLinear` (precision.quantized_backward=true);
+  * fp8-backward: `quarl.model.fp8_training.FP8BlockLinear` (precision.quantized_backward=true), on its default
+    path (all three GEMMs on cuBLAS where `training_gemm_ok`), or with --unfused on the per-GEMM path;
   * with --wgrad-kernel, fp8-backward again with its weight gradient on the FP8 tensor cores
     (`fp8_training.FP8_WEIGHT_GRAD_KERNEL`), and that gradient's largest difference from the bf16-GEMM one
     relative to its largest value (both multiply the same rounded operands);
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wgrad-kernel", action="store_true",
                         help="also time fp8-backward with the weight gradient on the FP8 kernel "
                              "(quarl.model.fp8_training.FP8_WEIGHT_GRAD_KERNEL)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="fp8-backward without the all-cuBLAS path (quarl.model.fp8_training.FUSED_CUBLAS_PATH)")
     parser.add_argument("--profile", action="store_true", help="print the CUDA kernels of fp8-backward per shape")
     parser.add_argument("--host-profile", action="store_true",
                         help="print where the host (Python) time of fp8-backward goes per shape (cProfile)")
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens} tokens")
     from quarl.model import fp8_training
 
+    fp8_training.FUSED_CUBLAS_PATH = not args.unfused
+    print(f"fp8-backward: {'unfused (FUSED_CUBLAS_PATH off)' if args.unfused else 'defaults'}")
     extra = " fp8 wgrad (ms) | fp8 wgrad vs bf16 | wgrad rel. diff |" if args.wgrad_kernel else ""
     print("| shape (N x K) | bf16 (ms) | unified (ms) | fp8-backward (ms) | fp8-backward vs bf16 |" + extra)
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.wgrad_kernel else ""))

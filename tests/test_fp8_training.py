@@ -178,3 +178,57 @@ def test_cuda_transposed_column_quantizer_equals_the_reference(m, n):
     assert codes.shape == (n, mp) and scales.shape == (mp // 128, n)
     assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(scales.t(), ref.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,c,cp", [(257, 200, None), (128, 128, 512), (1040, 768, 1024), (16, 3584, None)])
+def test_cuda_both_ways_quantizer_equals_the_two_one_way_quantizers(m, c, cp):
+    """`act_quant.quantize_rows_and_columns` (one pass) writes exactly what `quantize_activation` (rows in 1x128
+    groups, scales column-major, padded to cp columns with zero codes) and `quantize_columns_transposed`
+    (columns in 128-row groups) write, a zero column and a huge value included."""
+    from quarl.kernels.act_quant import quantize_activation, quantize_columns_transposed, quantize_rows_and_columns
+
+    x = torch.randn(m, c, device="cuda") * torch.rand(1, c, device="cuda") * 4
+    x[:, 1] = 0.0
+    x[m // 2, c - 1] = 3.0e4
+    x = x.to(torch.bfloat16)
+    rows, row_scales, cols, col_scales = quantize_rows_and_columns(x, cp)
+    ref_rows, ref_row_scales = quantize_activation(x, "fp8-block", cp or -(-c // 128) * 128, scales_column_major=True)
+    ref_cols, ref_col_scales = quantize_columns_transposed(x)
+    assert torch.equal(rows.view(torch.uint8), ref_rows.view(torch.uint8))
+    assert row_scales.shape == ref_row_scales.shape and row_scales.stride() == ref_row_scales.stride()
+    assert torch.equal(row_scales, ref_row_scales)
+    assert torch.equal(cols.view(torch.uint8), ref_cols.view(torch.uint8))
+    assert torch.equal(col_scales, ref_col_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1024, 384, 512), (1040, 256, 768), (2048, 512, 1280)])
+def test_cuda_fused_cublas_linear_equals_the_unfused_path(monkeypatch, m, n, k):
+    """Where `training_gemm_ok` holds, FP8BlockLinear runs all three GEMMs on cuBLAS from one quantizing pass per
+    operand: the forward and the input gradient equal the unfused path's bit for bit (same codes, same cuBLAS
+    call; K = 768 exercises the padding to a multiple of 4 scale groups), the weight gradient equals the
+    float64 product of the rounded operands within bf16 output rounding, the bias gradient is the sum of g."""
+    from quarl.kernels import training_gemm
+    from quarl.model import fp8_training
+
+    x = (torch.randn(m, k) * 2).to(torch.bfloat16).cuda()
+    w = (torch.randn(n, k) * 0.05).cuda()
+    b = torch.randn(n).cuda()
+    g = (torch.randn(m, n) * torch.rand(1, n) * 3).to(torch.bfloat16).cuda()
+    assert fp8_training.training_gemm_ok(x, n)
+    calls = []
+    real_forward = training_gemm.linear_forward
+    monkeypatch.setattr(training_gemm, "linear_forward", lambda *a: calls.append(1) or real_forward(*a))
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", fused)
+        xc, wc, bc = x.clone().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        y = FP8BlockLinear.apply(xc, wc, bc)
+        y.backward(g)
+        out[fused] = (y, xc.grad, wc.grad, bc.grad)
+    assert calls == [1]
+    (y, dx, dw, db), (y0, dx0, _, db0) = out[True], out[False]
+    assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    assert dw.dtype == w.dtype and torch.equal(db, db0)
+    assert_product_close(dw.cpu(), q_rows(g.cpu().t()), q_rows(x.cpu().t()), torch.bfloat16)

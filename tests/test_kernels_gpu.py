@@ -191,8 +191,10 @@ def test_fp8_rounding_kernels_keep_nan_visible(fmt):
 @pytest.mark.fp8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_block_weight_quantization_is_exact(dtype):
-    """One-pass 128x128 tile quantization of W and of W^T (read from W) equals the reference bit for bit."""
+    """One-pass 128x128 tile quantization of W, of W^T (read from W), and of both at once equals the reference
+    bit for bit."""
     from quarl.kernels import try_quantize_fp8_block_weight
+    from quarl.kernels.weight_quant import quantize_fp8_block_weight_pair
 
     for n, k in [(130, 200), (384, 512), (96, 3584), (4608, 300)]:
         w = (torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda") * 3).to(dtype)
@@ -204,6 +206,10 @@ def test_fp8_block_weight_quantization_is_exact(dtype):
             assert torch.equal(q.scale, ref.scale), f"scales differ N={n} K={k} transpose={transpose}"
             assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), \
                 f"codes differ N={n} K={k} transpose={transpose}"
+        for q, transpose in zip(quantize_fp8_block_weight_pair(w), (False, True)):  # both from one pass
+            ref = quantize((w.t() if transpose else w).contiguous(), "fp8-block", "weight")
+            assert q.shape == ref.shape and torch.equal(q.scale, ref.scale), (n, k, transpose)
+            assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), (n, k, transpose)
 
 
 @gpu

@@ -129,6 +129,57 @@ def quantize_columns_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return codes.view(torch.float8_e4m3fn), scales
 
 
+@triton.jit
+def _rows_and_columns_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, C, stride_xm, stride_qr, stride_qt):
+    """One 128 x 128 tile of x [M, C] (pid 0 rows, pid 1 columns; tiles past C load as zeros) quantized both ways:
+    qr [M, CP] / sr [CP/128, M] (each row of x in 1x128 groups along C: the activation codes, scales laid out
+    column-major) and qt [C, MP] / st [MP/128, C] (each column of x in 128-row groups: the codes of x^T)."""
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rc = pid_c * 128 + tl.arange(0, 128)
+    m_ok = rm < M
+    c_ok = rc < C
+    v = tl.load(x_ptr + rm[:, None] * stride_xm + rc[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
+    sr = safe_scale(tl.max(tl.abs(v), axis=1), 448.0)
+    qr = quantize_tile(v, sr[:, None], False).to(tl.uint8, bitcast=True)
+    tl.store(qr_ptr + rm[:, None] * stride_qr + rc[None, :], qr, mask=m_ok[:, None])
+    tl.store(sr_ptr + pid_c * M + rm, sr, mask=m_ok)
+    st = safe_scale(tl.max(tl.abs(v), axis=0), 448.0)
+    qt = quantize_tile(v, st[None, :], False).to(tl.uint8, bitcast=True)
+    tl.store(qt_ptr + rc[:, None].to(tl.int64) * stride_qt + rm[None, :], tl.trans(qt), mask=c_ok[:, None])
+    tl.store(st_ptr + pid_m * C + rc, st, mask=c_ok)
+
+
+def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, C] bf16/fp16/fp32 (rows contiguous) quantized to FP8-block codes both ways in one pass:
+
+    row_codes [M, CP] float8_e4m3fn, row_scales [M, CP/128] float32 (a column-major view): each row of x in 1x128
+        groups along C, bit for bit `quantize_activation(x, "fp8-block", CP, scales_column_major=True)`;
+    col_codes [C, MP] float8_e4m3fn, col_scales [MP/128, C] float32: each column in 128-row groups, bit for bit
+        `quantize_columns_transposed(x)`.
+    CP (default C rounded up to 128) may be larger, a multiple of 128: zero codes with scale 1 fill it. MP is M
+    rounded up to 128. FP8 training reads x (and the output gradient) once for its two GEMMs this way.
+    """
+    M, C = x.shape
+    cp = -(-C // 128) * 128 if cp is None else cp
+    if cp % 128 or cp < C:
+        raise ValueError(f"cp must be a multiple of 128 and at least C={C}, got {cp}")
+    mp = -(-M // 128) * 128
+    row_codes = torch.empty((M, cp), dtype=torch.uint8, device=x.device)
+    row_scales = torch.empty((cp // 128, M), dtype=torch.float32, device=x.device)
+    col_codes = torch.empty((C, mp), dtype=torch.uint8, device=x.device)
+    col_scales = torch.empty((mp // 128, C), dtype=torch.float32, device=x.device)
+    if M and cp:
+        _rows_and_columns_kernel[(mp // 128, cp // 128)](
+            x, row_codes, row_scales, col_codes, col_scales, M, C, x.stride(0), row_codes.stride(0),
+            col_codes.stride(0), num_warps=8)
+    return (row_codes.view(torch.float8_e4m3fn), row_scales.t(), col_codes.view(torch.float8_e4m3fn),
+            col_scales)
+
+
 def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False,
                         block: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in

@@ -14,7 +14,10 @@ Q(x) @ Q(W)^T on the same path as the rollout forward (the FP8 kernel where the 
 dequantized operands), so rollout and training still compute the same function; on a CPU it is bit for bit the
 straight-through unified forward. What changes is the backward: it sees quantized gradients, as Jet-RL trains.
 
-On a GPU the input-gradient GEMM always runs on an FP8 kernel (`quarl.kernels.quantized_matmul`); the weight
+On a Hopper GPU, where the rollout forward itself runs cuBLAS blockwise FP8 for the shape (M large; N, K multiples
+of 128), all three GEMMs run on cuBLAS from codes that one Triton pass per operand writes both ways
+(`quarl.kernels.training_gemm`; `FUSED_CUBLAS_PATH`), and the backward keeps x's FP8 codes instead of x.
+Elsewhere on a GPU the input-gradient GEMM runs on an FP8 kernel (`quarl.kernels.quantized_matmul`) and the weight
 gradient multiplies the dequantized operands, or with `FP8_WEIGHT_GRAD_KERNEL` (experimental, off) runs on the FP8
 tensor cores. On a CPU all three GEMMs multiply dequantized operands (the reference).
 """
@@ -34,6 +37,20 @@ FORMAT = "fp8-block"
 # the FP8 tensor cores (`kernels.training_gemm.fp8_block_weight_grad`: cuBLAS 1x128 x 1x128 on Hopper) instead of
 # a bf16 GEMM of the rounded operands. Same operands either way; the FP8 path rounds its output once, to bf16.
 FP8_WEIGHT_GRAD_KERNEL = False
+
+# On a Hopper GPU, where the rollout forward runs cuBLAS blockwise for the shape (large M), all three GEMMs run
+# on cuBLAS from codes written by one quantizing pass per operand (`kernels.training_gemm.linear_forward`).
+FUSED_CUBLAS_PATH = True
+
+
+def training_gemm_ok(x: torch.Tensor, n: int) -> bool:
+    """Whether `FUSED_CUBLAS_PATH` applies to x [M, K] and a weight with n rows (see
+    `kernels.training_gemm.fused_linear_ok`); False without CUDA, so CPU callers never import Triton."""
+    if not x.is_cuda or not kernels.fp8_kernels_available(x.device):
+        return False
+    from quarl.kernels.training_gemm import fused_linear_ok
+
+    return fused_linear_ok(x, n)
 
 
 def _rows_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -80,17 +97,40 @@ class FP8BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The forward takes the rollout forward's path, so rollout and training compute the same function.
-        y = block_matmul(x, quantized_weight(weight, x.dtype), None if bias is None else bias.detach(),
-                         prefer_kernel=False)
-        ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.weight_dtype = weight.dtype
+        bias = None if bias is None else bias.detach().to(x.dtype)
+        if FUSED_CUBLAS_PATH and training_gemm_ok(x, weight.shape[0]):
+            from quarl.kernels.training_gemm import linear_forward
+
+            y, (x_cols, x_col_scales, qwt) = linear_forward(x, weight, bias)
+            # x's transposed codes and Q(W^T): the backward needs neither x nor W.
+            ctx.fused, ctx.wt_shape = True, qwt.shape
+            ctx.save_for_backward(x_cols, x_col_scales, qwt.data, qwt.scale)
+            return y
+        ctx.fused = False
+        y = block_matmul(x, quantized_weight(weight, x.dtype), bias, prefer_kernel=False)
+        ctx.save_for_backward(x, weight)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        grad_x = grad_w = grad_b = None
+        if ctx.fused:
+            from quarl.kernels.training_gemm import linear_backward
+
+            x_cols, x_col_scales, wt_codes, wt_scales = ctx.saved_tensors
+            qwt = QuantizedTensor(FORMAT, "weight", wt_codes, wt_scales, None, ctx.wt_shape)
+            g = grad_out.contiguous()
+            grad_x, grad_w = linear_backward(g, (x_cols, x_col_scales, qwt), ctx.needs_input_grad[0],
+                                             ctx.needs_input_grad[1])
+            if grad_w is not None:
+                grad_w = grad_w.to(ctx.weight_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = g.sum(0)
+            return grad_x, grad_w, grad_b
         x, weight = ctx.saved_tensors
         g = grad_out.to(x.dtype)
-        grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = block_matmul(g, quantized_weight(weight, x.dtype, transpose=True))  # W^T [K, N] in its tiles
         if ctx.needs_input_grad[1]:
