@@ -152,7 +152,7 @@ def _rows_and_columns_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, C, stride
     tl.store(st_ptr + pid_m * C + rc, st, mask=c_ok)
 
 
-def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None
+def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps: int = 16
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, C] bf16/fp16/fp32 (rows contiguous) quantized to FP8-block codes both ways in one pass:
 
@@ -162,6 +162,8 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None
         `quantize_columns_transposed(x)`.
     CP (default C rounded up to 128) may be larger, a multiple of 128: zero codes with scale 1 fill it. MP is M
     rounded up to 128. FP8 training reads x (and the output gradient) once for its two GEMMs this way.
+    num_warps: per 128 x 128 tile; 16 by default (sm_90: 121 registers per thread; with 8 warps 226, and one
+    program of 8 warps per SM left too few loads in flight).
     """
     M, C = x.shape
     cp = -(-C // 128) * 128 if cp is None else cp
@@ -175,7 +177,7 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None
     if M and cp:
         _rows_and_columns_kernel[(mp // 128, cp // 128)](
             x, row_codes, row_scales, col_codes, col_scales, M, C, x.stride(0), row_codes.stride(0),
-            col_codes.stride(0), num_warps=8)
+            col_codes.stride(0), num_warps=num_warps)
     return (row_codes.view(torch.float8_e4m3fn), row_scales.t(), col_codes.view(torch.float8_e4m3fn),
             col_scales)
 

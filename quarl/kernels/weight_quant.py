@@ -57,8 +57,11 @@ def quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False) -> Quant
 
 
 def quantize_fp8_block_weight_pair(w: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """(Q(w), Q(w^T)) as `quantize_fp8_block_weight` returns them, from one pass over w (FP8 training needs both:
-    W for the forward, W^T for the input gradient)."""
+    """(Q(w), Q(w^T)) as `quantize_fp8_block_weight` returns them, from one pass over a bf16/fp16 w (FP8 training
+    needs both: W for the forward, W^T for the input gradient). A float32 w takes two passes: with Triton 3.6 the
+    one-pass kernel wrote wrong W^T codes for float32 input (tests/test_kernels_gpu.py)."""
+    if w.dtype == torch.float32:
+        return _quantize(w, write_w=True, write_wt=False)[0], _quantize(w, write_w=False, write_wt=True)[1]
     return _quantize(w, write_w=True, write_wt=True)
 
 
