@@ -152,7 +152,7 @@ def _rows_and_columns_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, C, stride
     tl.store(st_ptr + pid_m * C + rc, st, mask=c_ok)
 
 
-def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps: int = 16
+def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps: int = 4
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, C] bf16/fp16/fp32 (rows contiguous) quantized to FP8-block codes both ways in one pass:
 
@@ -162,8 +162,9 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps:
         `quantize_columns_transposed(x)`.
     CP (default C rounded up to 128) may be larger, a multiple of 128: zero codes with scale 1 fill it. MP is M
     rounded up to 128. FP8 training reads x (and the output gradient) once for its two GEMMs this way.
-    num_warps: per 128 x 128 tile; 16 by default (sm_90: 121 registers per thread; with 8 warps 226, and one
-    program of 8 warps per SM left too few loads in flight).
+    num_warps: per 128 x 128 tile. On the H200 (bench/results/gemm.md, quantize_both_ways_sweep) 4 warps took
+    145 us for x [16384, 3584], 8 warps 194, 16 warps 220; the two one-way passes together 134 us: this pass
+    saves a launch and x's second read, not GPU time (each program loads one tile, then computes, then stores).
     """
     M, C = x.shape
     cp = -(-C // 128) * 128 if cp is None else cp
