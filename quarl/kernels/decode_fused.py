@@ -313,7 +313,10 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     return residual, h, _typed(codes, quant), scales
 
 
-ROW_ON_CHIP_MAX = 32768  # longest row `_silu_mul_row_kernel` holds (16 warps: 64 values per thread)
+ROW_ON_CHIP_MAX = 32768  # longest row `_silu_mul_row_kernel` holds (32 warps: 32 values per thread)
+# Warps per row of `_silu_mul_row_kernel`: on the H200 at 512 rows x 18944, 32 warps 20.8 us, 16 warps 22.4 us
+# (bench/results/decode_elementwise.md, 19:31).
+SILU_ROW_WARPS = 32
 
 
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True,
@@ -338,7 +341,7 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None
         _silu_mul_row_kernel[(M,)](
             gate, up, h if h is not None else up, codes, scales, *scale_args, N, gate.stride(0), up.stride(0),
             WRITE_H=write_h, QUANT_INT8=quant == "int8", SCALED=rs is not None, C0=c0, C1=c1, C2=c2,
-            num_warps=16)
+            num_warps=SILU_ROW_WARPS)
     elif M:
         _silu_mul_kernel[(M,)](
             gate, up, h if h is not None else up, codes if codes is not None else up,
