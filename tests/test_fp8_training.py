@@ -232,3 +232,39 @@ def test_cuda_fused_cublas_linear_equals_the_unfused_path(monkeypatch, m, n, k):
     assert torch.equal(y, y0) and torch.equal(dx, dx0)
     assert dw.dtype == w.dtype and torch.equal(db, db0)
     assert_product_close(dw.cpu(), q_rows(g.cpu().t()), q_rows(x.cpu().t()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("k,multiple,groups", [(768, 4, 8), (1000, 4, 8), (512, 4, 4), (130, 3, 3)])
+def test_block_group_padding_adds_zero_codes_that_change_no_product(k, multiple, groups):
+    """`pad_block_groups` (the cuBLAS blockwise K padding) appends zero codes with scale 1 up to a multiple of
+    `multiple` 128-wide groups: the padded weight times zero-padded activations is the same product, and an
+    already aligned weight is returned as is."""
+    from quarl.formats.fp8 import pad_block_groups
+
+    from quarl.formats.registry import quantize_unchecked
+
+    qw = quantize_unchecked((torch.randn(200, k) * 0.1), "fp8-block", "weight")
+    padded = pad_block_groups(qw, multiple)
+    assert padded.data.shape == (200, 128 * groups) and padded.scale.shape == (2, groups)
+    if padded is qw:
+        assert qw.data.shape[1] // 128 % multiple == 0
+        return
+    kp = qw.data.shape[1]
+    assert torch.equal(padded.data[:, :kp].view(torch.uint8), qw.data.view(torch.uint8))
+    assert not padded.data[:, kp:].view(torch.uint8).any() and torch.equal(padded.scale[:, kp // 128:],
+                                                                           torch.ones(2, groups - kp // 128))
+    x = torch.randn(3, kp, dtype=torch.float64)
+    x_padded = torch.cat([x, torch.randn(3, 128 * groups - kp, dtype=torch.float64)], dim=1)  # any values
+    from quarl.formats.fp8 import dequantize_fp8_block
+
+    # float64 sums of the same nonzero terms (BLAS may block the two lengths differently: 1e-12, not bit for bit)
+    torch.testing.assert_close(x_padded @ dequantize_fp8_block(padded).double().T,
+                               x @ dequantize_fp8_block(qw).double().T, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_training_gemms_are_not_taken_off_the_gpu():
+    """On a CPU tensor the all-cuBLAS training path says no (and imports no Triton): FP8BlockLinear keeps the
+    reference path there."""
+    from quarl.model.fp8_training import training_gemm_ok
+
+    assert not training_gemm_ok(torch.randn(1024, 256), 256)

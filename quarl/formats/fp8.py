@@ -10,7 +10,10 @@ All three: s = amax / 448 over the scaling group (as amax * float32(1/448); 1 wh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+import torch.nn.functional as F
 
 from quarl.formats.base import QuantizedTensor, div_const, safe_scale
 
@@ -89,3 +92,16 @@ def dequantize_fp8_block(qt: QuantizedTensor) -> torch.Tensor:
     else:
         full = _expand_groups(qt.scale)
     return qt.data.to(torch.float32) * full
+
+
+def pad_block_groups(qweight: QuantizedTensor, multiple: int) -> QuantizedTensor:
+    """An fp8-block weight [N, Kp] with Kp/128 rounded up to a multiple of `multiple` groups: zero codes (they add
+    nothing to any product) with scale 1 appended. Why: cuBLAS blockwise FP8 returned wrong results for Kp/128 = 6
+    (its [ceil(N/128), Kp/128] scale rows were 24 bytes apart; it appears to need 16-byte aligned rows), so the
+    GEMM runs on Kp/128 a multiple of 4. Returns qweight itself when nothing is to add."""
+    kp = qweight.data.shape[1]
+    extra = (-(kp // 128) % multiple) * 128
+    if not extra:
+        return qweight
+    data = F.pad(qweight.data.view(torch.uint8), (0, extra)).view(torch.float8_e4m3fn)
+    return replace(qweight, data=data, scale=F.pad(qweight.scale, (0, extra // 128), value=1.0))

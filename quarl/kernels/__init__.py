@@ -69,7 +69,7 @@ def fp8_kernels_available(device: torch.device | None = None) -> bool:
 
 def _blockwise_cublas_ok(n: int, k: int) -> bool:
     """Shapes where cuBLAS blockwise FP8 runs: whole 128-row weight tiles (K is padded to a multiple of 4 groups
-    inside, see `dispatch.pad_block_groups`)."""
+    inside, see `quarl.formats.fp8.pad_block_groups`)."""
     return n % 128 == 0
 
 

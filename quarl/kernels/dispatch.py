@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
+from quarl.formats.fp8 import pad_block_groups
 from quarl.kernels.act_quant import quantize_activation
 from quarl.kernels.common import GemmConfig
 from quarl.kernels.dequant import dequantize_fp4_weight
@@ -43,19 +42,6 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
     return scaled_mm_codes(codes, sx, qweight, bias, x.dtype)[:m]
 
 
-def pad_block_groups(qweight, multiple: int):
-    """An fp8-block weight [N, Kp] with Kp/128 rounded up to a multiple of `multiple` groups: zero codes (they add
-    nothing to any product) with scale 1 appended. Why: cuBLAS blockwise FP8 returned wrong results for Kp/128 = 6
-    (its [ceil(N/128), Kp/128] scale rows were 24 bytes apart; it appears to need 16-byte aligned rows), so the
-    GEMM runs on Kp/128 a multiple of 4. Returns qweight itself when nothing is to add."""
-    kp = qweight.data.shape[1]
-    extra = (-(kp // 128) % multiple) * 128
-    if not extra:
-        return qweight
-    data = F.pad(qweight.data.view(torch.uint8), (0, extra)).view(torch.float8_e4m3fn)
-    return replace(qweight, data=data, scale=F.pad(qweight.scale, (0, extra // 128), value=1.0))
-
-
 def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.Tensor | None,
                     out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm on activation codes [M, Kp] and scales from `quantize_activation` (layouts as in
@@ -65,8 +51,8 @@ def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.
         if n % 128 or (qweight.data.shape[1] // 128) % 4:
             raise ValueError(
                 f"blockwise cuBLAS FP8 is used only with N a multiple of 128 and Kp/128 a multiple of 4, got "
-                f"N={n}, Kp={qweight.data.shape[1]}; pad the weight with pad_block_groups(qweight, 4) (and the "
-                f"activation codes to the same Kp), or use a Triton plan (Plan('w8a8', ...)) for this shape"
+                f"N={n}, Kp={qweight.data.shape[1]}; pad the weight with quarl.formats.fp8.pad_block_groups(qweight, "
+                f"4) (and the activation codes to the same Kp), or use a Triton plan (Plan('w8a8', ...))"
             )
         sw = qweight.scale.t()
     elif qweight.scale.dim():

@@ -73,7 +73,8 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     first, as the rollout copy) where `fused_linear_ok` -> (y [M, N] in x.dtype, saved): the rollout forward's
     own cuBLAS call on the same codes; `saved` holds what `linear_backward` needs (x's transposed codes and
     Q(W^T)), not x."""
-    from quarl.kernels.dispatch import pad_block_groups, scaled_mm_codes
+    from quarl.formats.fp8 import pad_block_groups
+    from quarl.kernels.dispatch import scaled_mm_codes
     from quarl.kernels.weight_quant import quantize_fp8_block_weight_pair
 
     qw, qwt = quantize_fp8_block_weight_pair(weight.detach().to(x.dtype))
@@ -87,7 +88,8 @@ def linear_backward(g: torch.Tensor, saved, need_input_grad: bool, need_weight_g
     """(dx [M, K] or None, dW [N, K] or None) in g's dtype from g [M, N] (the output gradient, rows contiguous)
     and `linear_forward`'s saved codes: dx = Q(g) @ Q(W^T)^T (g in 1x128 groups along N, W^T in 128x128 tiles),
     dW = Q(g^T) @ Q(x^T)^T (both in 1x128 groups along M)."""
-    from quarl.kernels.dispatch import pad_block_groups, scaled_mm_codes
+    from quarl.formats.fp8 import pad_block_groups
+    from quarl.kernels.dispatch import scaled_mm_codes
 
     x_cols, x_col_scales, qwt = saved
     qwt = pad_block_groups(qwt, 4)
