@@ -406,3 +406,47 @@ def test_rotary_kernels_are_bit_exact_in_the_interpreter():
     from test_fast_engine import _run_in_interpreter
 
     _run_in_interpreter(_ROPE_CHECK)
+
+
+_GROUP_CODES_CHECK = textwrap.dedent("""
+    import torch
+    from quarl.formats import quantize
+    from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+
+    def check(h, codes, scales):
+        ref = quantize(h, "fp8-block", "activation")
+        n = h.shape[1]
+        assert codes.shape == h.shape and scales.shape == ref.scale.shape and scales.stride(0) == 1
+        assert torch.equal(scales, ref.scale), (scales - ref.scale).abs().max()
+        # The interpreter converts to E4M3 with its own rounding: a value that rounds up to a power of two comes
+        # out as half that power (the mantissa carry is lost; rowwise codes show the same). Codes are checked to
+        # one E4M3 step (2^-3 relative, plus the smallest subnormal step) apart from that case: a code under the
+        # wrong group's scale, or at the wrong column, is far outside it.
+        got = codes.float()
+        want = ref.data.float()[:, :n]
+        lost_carry = (got * 2 == want) & (torch.frexp(want).mantissa.abs() == 0.5)
+        near = (got - want).abs() <= want.abs() * 2.0**-3 + 2.0**-9
+        assert bool((near | lost_carry).all()) and float(lost_carry.float().mean()) < 0.1
+
+    for m, h in [(3, 200), (2, 512), (1, 64)]:  # a partial last group; whole groups; one group wider than the row
+        x, d = torch.randn(m, h).bfloat16() * 3, torch.randn(m, h).bfloat16()
+        w = (1 + 0.3 * torch.randn(h)).bfloat16()
+        _, hh, codes, scales = rms_norm_rows(x, d, w, None, 1e-6, "fp8-block")
+        check(hh, codes, scales)
+    for m, n in [(2, 1408), (3, 300), (2, 40000)]:  # row pieces (1024, 256, 128); (256, 64->128); two-pass kernel
+        gu = (torch.randn(m, 2 * n) * torch.rand(1, 2 * n) * 8).bfloat16()
+        hh, codes, scales = silu_mul_rows(gu[:, :n], gu[:, n:], "fp8-block")
+        check(hh, codes, scales)
+    print("ok")
+""")
+
+
+def test_group_codes_of_the_fused_kernels_in_the_interpreter():
+    """fp8-block codes from the fused norm and SiLU·mul kernels (every 128 columns their own scale, scales
+    column-major [M, groups]): run by Triton's CPU interpreter, the scales equal `quarl.formats.quantize`'s bit for
+    bit and every code lies within one E4M3 step of the reference code, for partial groups, rows split into
+    pieces and the two-pass kernel. (The GPU test checks the codes bit for bit.)"""
+    from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+
+    _run_in_interpreter(_INTERPRETER_PATCH + _GROUP_CODES_CHECK)

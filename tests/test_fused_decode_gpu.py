@@ -36,18 +36,21 @@ def one_rounding_apart(got, want):
 
 
 def assert_codes_of(h, codes, scales, fmt):
-    ref = quantize(h, fmt, "activation")
-    assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8))
+    ref = quantize(h, fmt, "activation")  # fp8-block pads K to whole groups; the kernels write K columns
+    assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)[:, :h.shape[1]])
     assert torch.equal(scales, ref.scale)
+    if fmt == "fp8-block":
+        assert scales.stride(0) == 1  # column-major, as torch._scaled_mm's 1x128 scaling reads it
 
 
 def test_the_self_check_accepts_the_kernels():
     assert kernels.decode_fused_ok(torch.device(DEV), BF16)
     assert kernels.decode_fused_scaled_ok(torch.device(DEV), BF16)  # the scaled-input variants too
+    assert kernels.decode_fused_group_ok(torch.device(DEV))  # and the fp8-block group codes
 
 
 @pytest.mark.parametrize("m,h", [(1, 896), (37, 3584), (512, 5000)])
-@pytest.mark.parametrize("quant", [None, "fp8", "int8"])
+@pytest.mark.parametrize("quant", [None, "fp8", "int8", "fp8-block"])
 def test_add_rms_norm_kernel(m, h, quant):
     from quarl.kernels.decode_fused import rms_norm_rows
 
@@ -69,7 +72,7 @@ def test_add_rms_norm_kernel(m, h, quant):
 
 
 @pytest.mark.parametrize("m,n", [(1, 1408), (300, 18944), (64, 1000), (3, 40000)])  # 40000: two-pass kernel
-@pytest.mark.parametrize("quant", [None, "fp8", "int8"])
+@pytest.mark.parametrize("quant", [None, "fp8", "int8", "fp8-block"])
 def test_silu_mul_kernel_on_the_halves_of_a_fused_output(m, n, quant):
     from quarl.kernels.decode_fused import silu_mul_rows
 
@@ -106,6 +109,22 @@ def test_fp8_matmul_from_codes_equals_the_quantizing_matmul():
     assert torch.equal(got, kernels.try_quantized_matmul(x, qw, False, bias))
 
 
+def test_fp8_block_matmul_from_group_codes_equals_the_quantizing_matmul():
+    """fp8-block: the fused norm's 1x128-group codes (column-major scales) handed to cuBLAS blockwise give the
+    quantizing matmul's result bit for bit; row-major scales are refused with a clear error."""
+    from quarl.kernels.decode_fused import rms_norm_rows
+
+    x, w = torch.randn(512, 3584, device=DEV, dtype=BF16), 1 + 0.1 * torch.randn(3584, device=DEV, dtype=BF16)
+    qw = quantize(torch.randn(4608, 3584, device=DEV, dtype=BF16) * 0.02, "fp8-block", "weight")
+    bias = torch.randn(4608, device=DEV, dtype=BF16)
+    assert kernels.fp8_codes_handoff(qw, False, 512)
+    _, h, codes, scales = rms_norm_rows(x, None, w, None, 1e-6, "fp8-block", write_h=True)
+    got = kernels.fp8_matmul_from_codes(codes, scales, qw, bias, BF16)
+    assert torch.equal(got, kernels.try_quantized_matmul(h, qw, False, bias))
+    with pytest.raises(ValueError, match="column-major"):
+        kernels.fp8_matmul_from_codes(codes, scales.contiguous(), qw, bias, BF16)
+
+
 def _small_model(fmt):
     torch.manual_seed(0)
     model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
@@ -114,7 +133,7 @@ def _small_model(fmt):
 
 
 @pytest.mark.parametrize("fmt,kv", [(None, "auto"), ("fp8", "fp8"), ("fp8", "fp8-token"), ("int8", "auto"),
-                                    ("nvfp4", "fp8")])
+                                    ("nvfp4", "fp8"), ("fp8-block", "fp8")])
 def test_fused_decoder_logits_match_the_module_path(fmt, kv):
     """With the scales applied in the GEMMs (deferred scales off) the fused step runs the module path's operations:
     its logits lie within 3e-2 of the largest, and argmaxes agree."""

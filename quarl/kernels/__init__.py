@@ -246,29 +246,40 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
 
 
 def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
-    """Whether a GEMM of m activation rows with this weight runs as cuBLAS FP8 rowwise (`torch._scaled_mm`), so
-    that a fused norm / SiLU·mul kernel can hand it the activation codes (`fp8_matmul_from_codes`) instead of
-    the bf16 activations it would quantize itself."""
-    if getattr(qweight, "fmt", None) != "fp8" or weight_only or not qweight.data.is_cuda:
+    """Whether a GEMM of m activation rows with this weight runs as cuBLAS FP8 (`torch._scaled_mm`), rowwise
+    ("fp8") or blockwise ("fp8-block"), so that a fused norm / SiLU·mul kernel can hand it the activation codes
+    (`fp8_matmul_from_codes`) instead of the bf16 activations it would quantize itself. fp8-block also needs K a
+    multiple of 512 (whole groups, and the group count cuBLAS takes unpadded) and the fused kernels' group codes
+    to have passed their check (`decode_fused_group_ok`)."""
+    fmt = getattr(qweight, "fmt", None)
+    if fmt not in ("fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
         return False
-    if not fp8_kernels_available(qweight.data.device):
+    device = qweight.data.device
+    if not fp8_kernels_available(device):
         return False
     n, k = qweight.shape
-    return plan_for("fp8", False, m, n, k, qweight.data.device).kind == "scaled_mm"
+    if fmt == "fp8-block" and (k % 512 or not decode_fused_group_ok(device)):
+        return False
+    return plan_for(fmt, False, m, n, k, device).kind == "scaled_mm"
 
 
 def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: torch.Tensor | None,
                           out_dtype: torch.dtype) -> torch.Tensor:
-    """Q(x) @ deq(W)^T (+ bias) from per-token FP8 activation codes [M, K] (float8_e4m3fn) and scales float32
-    [M, 1], for an "fp8" (rowwise) weight QuantizedTensor [N, K] -> [M, N] in out_dtype: the same values as
-    `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, "fp8", "activation")."""
-    if (qweight.fmt != "fp8" or codes.dtype != torch.float8_e4m3fn or codes.dim() != 2
+    """Q(x) @ deq(W)^T (+ bias) from FP8 activation codes [M, K] (float8_e4m3fn) and float32 scales, for an "fp8"
+    (rowwise) weight QuantizedTensor [N, K] with per-token scales [M, 1], or an "fp8-block" weight with 1x128-group
+    scales [M, K/128] laid out column-major (stride 1 along M) -> [M, N] in out_dtype: the same values as
+    `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, fmt, "activation")."""
+    if (qweight.fmt not in ("fp8", "fp8-block") or codes.dtype != torch.float8_e4m3fn or codes.dim() != 2
             or codes.shape[1] != qweight.data.shape[1]):
         raise ValueError(f"fp8_matmul_from_codes needs float8_e4m3fn codes [M, {qweight.data.shape[1]}] and an "
-                         f"'fp8' weight; got codes {codes.dtype} {tuple(codes.shape)}, weight {qweight.fmt!r}")
-    if scales.dtype != torch.float32 or tuple(scales.shape) != (codes.shape[0], 1):
-        raise ValueError(f"fp8_matmul_from_codes needs float32 per-token scales [{codes.shape[0]}, 1], got "
-                         f"{scales.dtype} {tuple(scales.shape)}")
+                         f"'fp8' or 'fp8-block' weight; got codes {codes.dtype} {tuple(codes.shape)}, weight "
+                         f"{qweight.fmt!r}")
+    groups = qweight.data.shape[1] // 128 if qweight.fmt == "fp8-block" else 1
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (codes.shape[0], groups) or \
+            (groups > 1 and scales.stride(0) != 1):
+        raise ValueError(f"fp8_matmul_from_codes needs float32 scales [{codes.shape[0]}, {groups}]"
+                         f"{' column-major' if groups > 1 else ''}, got {scales.dtype} {tuple(scales.shape)} "
+                         f"strides {scales.stride()}")
     from quarl.kernels.dispatch import scaled_mm_codes
 
     return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)
@@ -339,6 +350,41 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
     rot = torch.cat((-x4[..., 8:], x4[..., :8]), dim=-1)
     ref = x4 * cos[:, None] + rot * sin[:, None]
     return ok and torch.equal(torch.cat((q, k), dim=1), ref)
+
+
+_DECODE_FUSED_GROUP_OK: dict[str, bool] = {}
+
+
+def decode_fused_group_ok(device: torch.device) -> bool:
+    """Whether the fused norm and SiLU·mul kernels may hand fp8-block codes (1x128 groups) to cuBLAS: the FP8
+    kernels run, and on first use their group codes equal `quarl.formats.quantize(h, "fp8-block")` of their own
+    values. A separate check: a failure turns only this handoff off."""
+    key = str(device)
+    if key not in _DECODE_FUSED_GROUP_OK:
+        ok = fp8_kernels_available(device) and decode_fused_ok(device, torch.bfloat16)
+        if ok:
+            ok = kernel_passes_check("the fused decode kernels' fp8-block codes",
+                                     lambda: _group_codes_agree(device))
+        _DECODE_FUSED_GROUP_OK[key] = ok
+    return _DECODE_FUSED_GROUP_OK[key]
+
+
+def _group_codes_agree(device: torch.device) -> bool:
+    from quarl.formats import quantize
+    from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
+
+    randn = _seeded_randn(device, torch.bfloat16)
+
+    def same(h, c, s) -> bool:
+        ref = quantize(h, "fp8-block", "activation")
+        return torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)[:, :h.shape[1]]) and \
+            torch.equal(s, ref.scale)
+
+    x, w = randn(5, 300), randn(300)
+    _, h, c, s = rms_norm_rows(x, None, w, None, 1e-6, "fp8-block", write_h=True)
+    gu = randn(5, 2 * 700)
+    a, c2, s2 = silu_mul_rows(gu[:, :700], gu[:, 700:], "fp8-block")
+    return same(h, c, s) and same(a, c2, s2)
 
 
 _DECODE_FUSED_SCALED_OK: dict[tuple[str, torch.dtype], bool] = {}

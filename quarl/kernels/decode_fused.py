@@ -4,8 +4,9 @@ Unfused, each RMSNorm is seven PyTorch kernels, rotary embedding five per tensor
 linear first quantizes its input in a kernel of its own. At a rollout batch of 512 these small kernels took
 about a quarter of a 7B decode step on an H200 (bench/results/rollout.md). Here each group is one pass:
 
-  rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h, and optionally h's per-token
-                  8-bit codes and scales (the next linear's activation quantization);
+  rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h, and optionally h's 8-bit
+                  codes and scales, per token or (fp8-block) per 1x128 group: the next linear's activation
+                  quantization;
   silu_mul_rows   silu(gate) * up -> h, optionally with its codes and scales;
   rope_rows       rotary embedding of the q and k heads of the fused q/k/v projection output.
 
@@ -24,25 +25,40 @@ from quarl.kernels.quant_utils import _INTERPRETING, quantize_tile, safe_scale
 
 
 @triton.jit
-def _store_codes(q_ptr, s_ptr, row, offs, mask, h, amax, QUANT_INT8: tl.constexpr):
-    """Per-row scale from amax, codes of h (float32) at q_ptr + offs (int8, or fp8 as raw bytes)."""
-    QMAX: tl.constexpr = 127.0 if QUANT_INT8 else 448.0
-    s = safe_scale(amax, QMAX)
-    q = quantize_tile(h, s, QUANT_INT8)
-    if QUANT_INT8:
-        q = q.to(tl.int8)
+def _store_codes(q_ptr, s_ptr, row, offs, mask, h, amax, QUANT_INT8: tl.constexpr, GROUPED: tl.constexpr = False,
+                 start=0, N=0, stride_sg=0):
+    """Codes of h (float32 [B], columns offs of one row) at q_ptr + offs (int8, or fp8 as raw bytes).
+    Per-row: the row's scale from amax, stored at s_ptr + row. GROUPED (fp8-block): each 128 columns from `start`
+    (a multiple of 128; B a multiple of 128) get their own scale, stored at s_ptr + group * stride_sg + row for the
+    groups that begin before N (amax unused)."""
+    if GROUPED:
+        G: tl.constexpr = h.shape[0] // 128
+        hg = tl.reshape(h, (G, 128))
+        sg = safe_scale(tl.max(tl.abs(hg), axis=1), 448.0)
+        q = tl.reshape(quantize_tile(hg, sg[:, None], False), (G * 128,)).to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + offs, q, mask=mask)
+        group = start // 128 + tl.arange(0, G)
+        tl.store(s_ptr + group * stride_sg + row, sg, mask=group * 128 < N)
     else:
-        q = q.to(tl.uint8, bitcast=True)
-    tl.store(q_ptr + offs, q, mask=mask)
-    tl.store(s_ptr + row, s)
+        QMAX: tl.constexpr = 127.0 if QUANT_INT8 else 448.0
+        s = safe_scale(amax, QMAX)
+        q = quantize_tile(h, s, QUANT_INT8)
+        if QUANT_INT8:
+            q = q.to(tl.int8)
+        else:
+            q = q.to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + offs, q, mask=mask)
+        tl.store(s_ptr + row, s)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, eps, stride_x,
-                     stride_d, HAS_DELTA: tl.constexpr, DELTA_SCALED: tl.constexpr, HAS_NOISE: tl.constexpr,
-                     WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_d, stride_sg, HAS_DELTA: tl.constexpr, DELTA_SCALED: tl.constexpr,
+                     HAS_NOISE: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr,
+                     GROUPED: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row; the whole row stays in registers (BLOCK >= H). DELTA_SCALED: delta is a unit-scale
-    FP8 product, multiplied here by its per-token (ds [M]) and per-channel (dc [H]) scales and rounded."""
+    FP8 product, multiplied here by its per-token (ds [M]) and per-channel (dc [H]) scales and rounded. GROUPED:
+    fp8-block codes (1x128 groups, scales at stride_sg per group, see `_store_codes`)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
@@ -64,7 +80,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q
         tl.store(h_ptr + row * H + offs, h, mask=ok)
     if QUANT:
         hf = h.to(tl.float32)
-        _store_codes(q_ptr + row * H, s_ptr, row, offs, ok, hf, tl.max(tl.abs(hf), axis=0), QUANT_INT8)
+        _store_codes(q_ptr + row * H, s_ptr, row, offs, ok, hf, tl.max(tl.abs(hf), axis=0), QUANT_INT8, GROUPED, 0,
+                     H, stride_sg)
 
 
 @triton.jit
@@ -101,18 +118,20 @@ def _sigmoid(g):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u,
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u, stride_sg,
                      WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     GROUPED: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row, BLOCK columns at a time; with QUANT a first pass finds the row's amax (the second
-    pass recomputes h from the L2-resident inputs rather than storing and re-reading it)."""
+    pass recomputes h from the L2-resident inputs rather than storing and re-reading it). GROUPED: fp8-block
+    codes, one pass (a group's scale needs only its own 128 columns)."""
     row = tl.program_id(0).to(tl.int64)
     ar = tl.arange(0, BLOCK)
     g_row = g_ptr + row * stride_g
     u_row = u_ptr + row * stride_u
     out_dtype: tl.constexpr = h_ptr.dtype.element_ty
     rs = tl.load(rs_ptr + row) if SCALED else 1.0
-    if QUANT:
+    row_amax = 0.0
+    if QUANT and not GROUPED:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
             h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
@@ -123,13 +142,14 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, 
         if WRITE_H:
             tl.store(h_ptr + row * N + start + ar, h, mask=ok)
         if QUANT:
-            _store_codes(q_ptr + row * N, s_ptr, row, start + ar, ok, h.to(tl.float32), row_amax, QUANT_INT8)
+            _store_codes(q_ptr + row * N, s_ptr, row, start + ar, ok, h.to(tl.float32), row_amax, QUANT_INT8,
+                         GROUPED, start, N, stride_sg)
 
 
 @triton.jit
 def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u,
-                         WRITE_H: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr, C0: tl.constexpr,
-                         C1: tl.constexpr, C2: tl.constexpr):
+                         stride_sg, WRITE_H: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr,
+                         GROUPED: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
     """One program per row, the whole row on chip in up to three power-of-two pieces (C0 >= C1 >= C2, 0 = none;
     C0 + C1 + C2 >= N): each product is computed once, then the row's scale and codes. Used with quantization,
     where `_silu_mul_kernel` would compute every product twice (one pass for the amax, one for the codes)."""
@@ -151,17 +171,23 @@ def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_p
         amax = tl.maximum(amax, tl.max(tl.abs(h1.to(tl.float32)), axis=0))
     if C2 > 0:
         amax = tl.maximum(amax, tl.max(tl.abs(h2.to(tl.float32)), axis=0))
-    _store_piece(q_ptr, h_ptr, s_ptr, row, N, tl.arange(0, C0), ok0, h0, amax, WRITE_H, QUANT_INT8)
+    _store_piece(q_ptr, h_ptr, s_ptr, row, N, 0, tl.arange(0, C0), ok0, h0, amax, WRITE_H, QUANT_INT8, GROUPED,
+                 stride_sg)
     if C1 > 0:
-        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + tl.arange(0, C1), ok1, h1, amax, WRITE_H, QUANT_INT8)
+        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0, C0 + tl.arange(0, C1), ok1, h1, amax, WRITE_H, QUANT_INT8,
+                     GROUPED, stride_sg)
     if C2 > 0:
-        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + C1 + tl.arange(0, C2), ok2, h2, amax, WRITE_H, QUANT_INT8)
+        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + C1, C0 + C1 + tl.arange(0, C2), ok2, h2, amax, WRITE_H,
+                     QUANT_INT8, GROUPED, stride_sg)
 
 
 @triton.jit
-def _store_piece(q_ptr, h_ptr, s_ptr, row, N, cols, ok, h, amax, WRITE_H: tl.constexpr, QUANT_INT8: tl.constexpr):
-    """One piece of a row (columns cols, values h) -> its codes under the row's amax, and h itself with WRITE_H."""
-    _store_codes(q_ptr + row * N, s_ptr, row, cols, ok, h.to(tl.float32), amax, QUANT_INT8)
+def _store_piece(q_ptr, h_ptr, s_ptr, row, N, start, cols, ok, h, amax, WRITE_H: tl.constexpr,
+                 QUANT_INT8: tl.constexpr, GROUPED: tl.constexpr, stride_sg):
+    """One piece of a row (columns cols = start + arange, values h) -> its codes under the row's amax (GROUPED:
+    under each 128-column group's own), and h itself with WRITE_H."""
+    _store_codes(q_ptr + row * N, s_ptr, row, cols, ok, h.to(tl.float32), amax, QUANT_INT8, GROUPED, start, N,
+                 stride_sg)
     if WRITE_H:
         tl.store(h_ptr + row * N + cols, h, mask=ok)
 
@@ -264,19 +290,30 @@ def _rope_scaled_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k
 
 
 def _codes(m: int, n: int, quant: str | None, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Code and scale buffers: codes [m, n]; scales [m, 1], or for fp8-block [m, ceil(n/128)] column-major (the
+    transposed view of a [groups, m] buffer: the layout torch._scaled_mm's 1x128 scaling reads)."""
     if quant is None:
         return None, None
     dtype = torch.int8 if quant == "int8" else torch.uint8
-    return torch.empty((m, n), dtype=dtype, device=device), torch.empty((m, 1), dtype=torch.float32, device=device)
+    codes = torch.empty((m, n), dtype=dtype, device=device)
+    if quant == "fp8-block":
+        return codes, torch.empty((-(-n // 128), m), dtype=torch.float32, device=device).t()
+    return codes, torch.empty((m, 1), dtype=torch.float32, device=device)
 
 
 def _typed(codes: torch.Tensor | None, quant: str | None) -> torch.Tensor | None:
-    return codes.view(torch.float8_e4m3fn) if codes is not None and quant == "fp8" else codes
+    return codes.view(torch.float8_e4m3fn) if codes is not None and quant in ("fp8", "fp8-block") else codes
 
 
 def _check_quant(quant: str | None) -> None:
-    if quant not in (None, "int8", "fp8"):
-        raise ValueError(f"fused decode kernels quantize to the rowwise formats 'int8' or 'fp8', got {quant!r}")
+    if quant not in (None, "int8", "fp8", "fp8-block"):
+        raise ValueError(f"fused decode kernels quantize to 'int8', 'fp8' (per token) or 'fp8-block' (1x128 "
+                         f"groups), got {quant!r}")
+
+
+def _group_stride(quant: str | None, scales: torch.Tensor | None) -> int:
+    """The scale buffer's stride between 128-column groups (fp8-block), 0 otherwise."""
+    return scales.stride(1) if quant == "fp8-block" else 0
 
 
 def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, noise: torch.Tensor | None,
@@ -286,7 +323,8 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
     residual = x + delta ([M, H], new tensor; x itself when delta is None); h = RMSNorm(residual) with weight
     (+ noise) ([M, H], None unless write_h); quant "int8"/"fp8": codes [M, H] (int8 / float8_e4m3fn) and
-    scales float32 [M, 1] of h per token, else None, None. num_warps: per row (default by row length).
+    scales float32 [M, 1] of h per token; "fp8-block": float8_e4m3fn codes [M, H] and scales float32
+    [M, ceil(H/128)] per 1x128 group, column-major; else None, None. num_warps: per row (default by row length).
     delta_scales: (per-token float32 [M, 1], per-channel float32 [H]) when delta is a unit-scale FP8 product:
     delta * both scales, rounded to x's dtype, is what gets added.
     """
@@ -300,15 +338,16 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     residual = torch.empty_like(x) if delta is not None else x
     h = torch.empty((M, H), dtype=x.dtype, device=x.device) if write_h else None
     codes, scales = _codes(M, H, quant, x.device)
-    block = triton.next_power_of_2(H)
+    block = max(triton.next_power_of_2(H), 128 if quant == "fp8-block" else 1)  # whole 128-column groups
     if M:
         _rms_norm_kernel[(M,)](
             x, delta if delta is not None else x, ds if ds is not None else x, dc if dc is not None else x, weight,
             noise if noise is not None else weight, residual, h if h is not None else x,
             codes if codes is not None else x, scales if scales is not None else x,
-            H, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
+            H, eps, x.stride(0), delta.stride(0) if delta is not None else 0, _group_stride(quant, scales),
             HAS_DELTA=delta is not None, DELTA_SCALED=ds is not None, HAS_NOISE=noise is not None,
-            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", BLOCK=block,
+            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", GROUPED=quant == "fp8-block",
+            BLOCK=block,
             num_warps=num_warps or min(16, max(4, block // 256)))
     return residual, h, _typed(codes, quant), scales
 
@@ -322,7 +361,8 @@ SILU_ROW_WARPS = 32
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True,
                   in_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """gate, up: [M, N] (rows contiguous; may be the two halves of one fused projection output) ->
-    (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None).
+    (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None;
+    quant as `rms_norm_rows`, "fp8-block" giving scales [M, ceil(N/128)] column-major).
     in_scales: (per-token float32 [M, 1], per-channel float32 [2N] for gate then up) when gate and up are the
     halves of a unit-scale FP8 product: each is first multiplied by its scales and rounded to up's dtype."""
     _check_quant(quant)
@@ -340,14 +380,14 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None
         c0, c1, c2 = row_pieces(N)
         _silu_mul_row_kernel[(M,)](
             gate, up, h if h is not None else up, codes, scales, *scale_args, N, gate.stride(0), up.stride(0),
-            WRITE_H=write_h, QUANT_INT8=quant == "int8", SCALED=rs is not None, C0=c0, C1=c1, C2=c2,
-            num_warps=SILU_ROW_WARPS)
+            _group_stride(quant, scales), WRITE_H=write_h, QUANT_INT8=quant == "int8", SCALED=rs is not None,
+            GROUPED=quant == "fp8-block", C0=c0, C1=c1, C2=c2, num_warps=SILU_ROW_WARPS)
     elif M:
         _silu_mul_kernel[(M,)](
             gate, up, h if h is not None else up, codes if codes is not None else up,
             scales if scales is not None else up, *scale_args, N, gate.stride(0), up.stride(0),
-            WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", SCALED=rs is not None,
-            BLOCK=2048, num_warps=8)
+            _group_stride(quant, scales), WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8",
+            SCALED=rs is not None, GROUPED=quant == "fp8-block", BLOCK=2048, num_warps=8)
     return h, _typed(codes, quant), scales
 
 

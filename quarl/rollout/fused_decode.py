@@ -6,8 +6,9 @@ ones, which rounds bf16 outputs differently, and the norm's mean square sums in 
   - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
   - residual add + RMSNorm (+ the next linear's FP8 activation quantization), rotary embedding of q and k, and
     SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`).
-Where the next linear is FP8 rowwise on cuBLAS (`kernels.fp8_codes_handoff`), the norm or SiLU·mul kernel hands it
-the activation codes and scales directly, so no separate quantization pass reads the activations again.
+Where the next linear is FP8 on cuBLAS (`kernels.fp8_codes_handoff`: rowwise, or fp8-block with K a multiple of
+512), the norm or SiLU·mul kernel hands it the activation codes and scales (per token, or per 1x128 group)
+directly, so no separate quantization pass reads the activations again.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
 `decode_logits` picks this forward when `fused_decode_supported(model)`.
@@ -150,17 +151,18 @@ class FusedProjection:
                           for p, n in zip(self.parts, self.sizes)])
 
     def codes_handoff(self, m: int) -> str | None:
-        """"fp8" when the fused GEMM at m rows can take FP8 activation codes directly (see
-        `kernels.fp8_codes_handoff`), else None (it wants the bf16 activations)."""
+        """"fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take FP8
+        activation codes directly (see `kernels.fp8_codes_handoff`), else None (it wants the bf16 activations)."""
         qw = self.fused_qweight
         if qw is None or any(p.lora_rank for p in self.parts):
             return None
-        return "fp8" if _handoff(qw, self.parts[0], m) else None
+        return qw.fmt if _handoff(qw, self.parts[0], m) else None
 
     def __call__(self, x: torch.Tensor | None, codes: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> torch.Tensor:
-        """x [M, K] (compute dtype; may be None when codes are given), codes (float8 [M, K], float32 [M, 1]) from
-        a fused norm when `codes_handoff(M)` said so -> [M, sum N] in the compute dtype."""
+        """x [M, K] (compute dtype; may be None when codes are given), codes (float8 [M, K], float32 scales [M, 1]
+        or, fp8-block, [M, K/128]) from a fused norm when `codes_handoff(M)` said so -> [M, sum N] in the compute
+        dtype."""
         qw = self.fused_qweight
         if qw is None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
@@ -213,9 +215,10 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
     """As `FusedProjection.codes_handoff` for a single linear in rollout mode."""
-    if not linear.rollout or linear.rollout_format != "fp8" or linear.lora_rank or linear.qweight_data is None:
+    if not linear.rollout or linear.rollout_format not in ("fp8", "fp8-block") or linear.lora_rank or \
+            linear.qweight_data is None:
         return None
-    return "fp8" if _handoff(linear.qweight, linear, m) else None
+    return linear.rollout_format if _handoff(linear.qweight, linear, m) else None
 
 
 def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
@@ -228,7 +231,8 @@ def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
 # ------------------------------------------------------------------------------------------ elementwise pieces
 def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None, delta_scales=None):
     """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (FP8 codes [M, H],
-    scales [M, 1]) of the normed values when quant == "fp8" (then the normed values themselves are None).
+    scales [M, 1]) of the normed values when quant == "fp8", (codes, 1x128-group scales [M, H/128] column-major)
+    when quant == "fp8-block" (then the normed values themselves are None).
     delta_scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale FP8 product
     (`unit_scale_matmul`): delta * scales, rounded to x's dtype, is added."""
     noise = norm.rollout_noise if norm.rollout else None
@@ -390,8 +394,9 @@ class FusedDecoder:
         for layer, qkv_proj, gate_up in zip(model.model.layers, self.qkv, self.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
             Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            x, h, codes = add_norm(layer.input_layernorm, x, delta, qkv_proj.codes_handoff(B), pending)
-            if "qkv" in deferred and codes is not None:
+            handoff = qkv_proj.codes_handoff(B)
+            x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending)
+            if "qkv" in deferred and handoff == "fp8":  # unit scales: per-token codes only
                 y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
                 q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
             else:
@@ -402,8 +407,9 @@ class FusedDecoder:
             cache.write_tokens(li, positions, k, v)
             out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
             o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B)
-            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, gate_up.codes_handoff(B), o_scales)
-            if "gate_up" in deferred and codes is not None and not gate_up.has_bias:
+            handoff = gate_up.codes_handoff(B)
+            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales)
+            if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias:
                 gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
             else:
                 gu, gu_scales = gate_up(h, codes), None
@@ -425,7 +431,8 @@ def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tens
     """(output, None) of one linear on x or on handed-over codes; with deferred scales (unit given), where the
     linear runs as cuBLAS FP8 rowwise without a bias, (unit-scale product, its scales) instead. Handed codes
     already mean the FP8 GEMM runs; without them the handoff test decides, and x is quantized here."""
-    if unit is None or linear.bias is not None or (codes is None and linear_codes_handoff(linear, batch) is None):
+    if unit is None or linear.bias is not None or linear.rollout_format != "fp8" or \
+            (codes is None and linear_codes_handoff(linear, batch) is None):
         return linear_from(linear, x, codes), None
     return _unit_product(codes if codes is not None else _activation_codes(x), linear.qweight, unit,
                          linear.compute_dtype)
