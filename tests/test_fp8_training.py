@@ -203,23 +203,25 @@ def test_cuda_both_ways_quantizer_equals_the_two_one_way_quantizers(m, c, cp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1024, 384, 512), (1040, 256, 768), (2048, 512, 1280)])
-def test_cuda_fused_cublas_linear_equals_the_unfused_path(monkeypatch, m, n, k):
-    """Where `training_gemm_ok` holds, FP8BlockLinear runs all three GEMMs on cuBLAS from one quantizing pass per
-    operand: the forward and the input gradient equal the unfused path's bit for bit (same codes, same cuBLAS
-    call; K = 768 exercises the padding to a multiple of 4 scale groups), the weight gradient equals the
-    float64 product of the rounded operands within bf16 output rounding, the bias gradient is the sum of g."""
+@pytest.mark.parametrize("m,n,k", [(1024, 512, 512), (1040, 256, 768), (2048, 384, 1280)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n, k, dtype):
+    """Where `training_gemm_ok` holds, FP8BlockLinear runs all three GEMMs on cuBLAS: y, dx and dW each equal the
+    float64 product of their rounded operands (x and g in 1x128 groups, W and W^T in 128x128 tiles of W rounded
+    to x's dtype; dW's operands in groups along M) within output rounding, K = 768 and 1280 (and N = 384 for dx)
+    padded to a multiple of 4 scale groups. Where N and K are multiples of 512, y and dx equal the unfused
+    path's bit for bit (the same cuBLAS calls). A frozen weight gets no gradient and its x keeps no codes."""
     from quarl.kernels import training_gemm
     from quarl.model import fp8_training
 
-    x = (torch.randn(m, k) * 2).to(torch.bfloat16).cuda()
+    x = (torch.randn(m, k) * 2).to(dtype).cuda()
     w = (torch.randn(n, k) * 0.05).cuda()
     b = torch.randn(n).cuda()
-    g = (torch.randn(m, n) * torch.rand(1, n) * 3).to(torch.bfloat16).cuda()
+    g = (torch.randn(m, n) * torch.rand(1, n) * 3).to(dtype).cuda()
     assert fp8_training.training_gemm_ok(x, n)
     calls = []
     real_forward = training_gemm.linear_forward
-    monkeypatch.setattr(training_gemm, "linear_forward", lambda *a: calls.append(1) or real_forward(*a))
+    monkeypatch.setattr(training_gemm, "linear_forward", lambda *a, **kw: calls.append(kw) or real_forward(*a, **kw))
     out = {}
     for fused in (True, False):
         monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", fused)
@@ -227,11 +229,19 @@ def test_cuda_fused_cublas_linear_equals_the_unfused_path(monkeypatch, m, n, k):
         y = FP8BlockLinear.apply(xc, wc, bc)
         y.backward(g)
         out[fused] = (y, xc.grad, wc.grad, bc.grad)
-    assert calls == [1]
+    assert calls == [{"keep_x_codes": True}]
     (y, dx, dw, db), (y0, dx0, _, db0) = out[True], out[False]
-    assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    w_c = w.to(dtype).cpu()
+    assert_product_close(y.cpu(), q_rows(x.cpu()), q_tiles(w_c), torch.bfloat16, bias=b.cpu().to(dtype))
+    assert_product_close(dx.cpu(), q_rows(g.cpu()), q_tiles(w_c.t()), torch.bfloat16)
     assert dw.dtype == w.dtype and torch.equal(db, db0)
     assert_product_close(dw.cpu(), q_rows(g.cpu().t()), q_rows(x.cpu().t()), torch.bfloat16)
+    if n % 512 == 0 and k % 512 == 0:
+        assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", True)
+    xc = x.clone().requires_grad_(True)
+    FP8BlockLinear.apply(xc, w, None).backward(g)  # frozen weight: input gradient only
+    assert calls[-1] == {"keep_x_codes": False} and torch.equal(xc.grad, dx)
 
 
 @pytest.mark.parametrize("k,multiple,groups", [(768, 4, 8), (1000, 4, 8), (512, 4, 4), (130, 3, 3)])

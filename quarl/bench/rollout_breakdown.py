@@ -42,18 +42,22 @@ def _fused_linear_runs(decoder, model, inputs: dict, batch: int) -> list:
     from quarl.formats import quantize
     from quarl.rollout.fused_decode import linear_codes_handoff, linear_from
 
-    def codes_of(x):
-        qt = quantize(x, "fp8", "activation")
+    def codes_of(x, fmt: str):
+        """The codes a fused kernel hands over: per token ("fp8"), or 1x128 groups with column-major scales."""
+        qt = quantize(x, fmt, "activation")
+        if fmt == "fp8-block":
+            return qt.data[:, :x.shape[1]], qt.scale.t().contiguous().t()
         return qt.data, qt.scale
 
     def stacked(proj):  # a FusedProjection: on codes where the norm kernel hands it codes
         x = inputs[proj.in_features]
-        return (lambda c=codes_of(x): proj(None, c)) if proj.codes_handoff(batch) else (lambda: proj(x))
+        fmt = proj.codes_handoff(batch)
+        return (lambda c=codes_of(x, fmt): proj(None, c)) if fmt else (lambda: proj(x))
 
     def down_run(down):  # down_proj: on codes where the SiLU·mul kernel hands it codes
         x = inputs[down.in_features]
-        return (lambda c=codes_of(x): linear_from(down, None, c)) if linear_codes_handoff(down, batch) \
-            else (lambda: down(x))
+        fmt = linear_codes_handoff(down, batch)
+        return (lambda c=codes_of(x, fmt): linear_from(down, None, c)) if fmt else (lambda: down(x))
 
     def plain(linear):  # its input arrives in bf16: the linear quantizes it itself
         return lambda: linear(inputs[linear.in_features])

@@ -68,9 +68,12 @@ def fp8_kernels_available(device: torch.device | None = None) -> bool:
 
 
 def _blockwise_cublas_ok(n: int, k: int) -> bool:
-    """Shapes where cuBLAS blockwise FP8 runs: whole 128-row weight tiles (K is padded to a multiple of 4 groups
-    inside, see `quarl.formats.fp8.pad_block_groups`)."""
-    return n % 128 == 0
+    """Shapes the dispatch sends to cuBLAS blockwise FP8: whole 128-row weight tiles and a number of 128-wide K
+    groups divisible by 4 (Kp/128 = 6 returned garbage: cuBLAS appears to need 16-byte aligned scale rows). An
+    explicit Plan("scaled_mm") pads other K (`quarl.formats.fp8.pad_block_groups`), but that copies the weight
+    every call: too slow for a persistent rollout weight, where the Triton kernel runs instead. FP8 training
+    pads its freshly quantized weight (`kernels.training_gemm`)."""
+    return n % 128 == 0 and (-(-k // 128)) % 4 == 0
 
 
 def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.device | None = None,
@@ -249,8 +252,9 @@ def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     """Whether a GEMM of m activation rows with this weight runs as cuBLAS FP8 (`torch._scaled_mm`), rowwise
     ("fp8") or blockwise ("fp8-block"), so that a fused norm / SiLU·mul kernel can hand it the activation codes
     (`fp8_matmul_from_codes`) instead of the bf16 activations it would quantize itself. fp8-block also needs K a
-    multiple of 512 (whole groups, and the group count cuBLAS takes unpadded) and the fused kernels' group codes
-    to have passed their check (`decode_fused_group_ok`)."""
+    multiple of 512 (whole groups, and the group count cuBLAS takes unpadded), m a multiple of 16 (the rows
+    cuBLAS blockwise was seen correct with; `dispatch._scaled_mm` pads others, codes are not padded) and the
+    fused kernels' group codes to have passed their check (`decode_fused_group_ok`)."""
     fmt = getattr(qweight, "fmt", None)
     if fmt not in ("fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
         return False
@@ -258,7 +262,7 @@ def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     if not fp8_kernels_available(device):
         return False
     n, k = qweight.shape
-    if fmt == "fp8-block" and (k % 512 or not decode_fused_group_ok(device)):
+    if fmt == "fp8-block" and (k % 512 or m % 16 or not decode_fused_group_ok(device)):
         return False
     return plan_for(fmt, False, m, n, k, device).kind == "scaled_mm"
 

@@ -6,10 +6,10 @@ blockwise recipe (cuBLAS >= 12.9 on Hopper), from codes written already transpos
 (`act_quant.quantize_columns_transposed`). Where cuBLAS does not take the shapes the Triton W8A8 kernel
 multiplies the same codes.
 
-Whole linear (`linear_forward` / `linear_backward`, where `fused_linear_ok`): every operand is read once.
-W -> Q(W) and Q(W^T) in one pass; x -> its activation codes (forward) and its transposed codes (weight gradient)
-in one pass, and the backward keeps those codes instead of x; g likewise (input and weight gradient). Three
-quantizing launches and three cuBLAS GEMMs per forward + backward, where the unfused path reads x, g and W twice.
+Whole linear (`linear_forward` / `linear_backward`, where `fused_linear_ok`): x -> its activation codes
+(forward) and its transposed codes (weight gradient) in one pass, and the backward keeps those codes instead of
+x; g likewise (input and weight gradient); Q(W) in the forward and Q(W^T) in the backward, one pass each. Four
+quantizing launches and three cuBLAS GEMMs per forward + backward.
 """
 
 from __future__ import annotations
@@ -54,48 +54,64 @@ def weight_grad_from_codes(g_codes: torch.Tensor, g_scales: torch.Tensor, x_code
 
 
 def fused_linear_ok(x: torch.Tensor, n: int) -> bool:
-    """Whether `linear_forward` applies to x [M, K] and a weight [n, K]: a Hopper GPU, bf16/fp16 x, N and K
-    multiples of 128 (whole weight tiles both ways), M a multiple of 16 (cuBLAS blockwise), and M large enough
-    that the rollout forward itself runs cuBLAS blockwise for this shape (so both compute the same function)."""
+    """Whether `linear_forward` applies to x [M, K] and a weight [n, K]: a Hopper GPU, bf16/fp16 x with
+    contiguous rows, N and K multiples of 128 (whole weight tiles both ways), M a multiple of 16 (cuBLAS
+    blockwise), and M large enough that the rollout forward's plan for this shape is cuBLAS blockwise. (For K
+    not a multiple of 512 the rollout dispatch runs the same codes on the Triton kernel instead, to avoid padding
+    a persistent weight every call: the two then agree to float32 summation order.)"""
     from quarl import kernels
+    from quarl.kernels.tuning import choose_plan
 
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
         return False
     m, k = x.shape
     if m == 0 or m % 16 or n % 128 or k % 128 or not kernels.fp8_kernels_available(x.device):
         return False
-    return cublas_weight_grad_ok(n, k, x.device) and \
-        kernels.plan_for("fp8-block", False, m, n, k, x.device).kind == "scaled_mm"
+    return cublas_weight_grad_ok(n, k, x.device) and choose_plan("fp8-block", False, m, n, k).kind == "scaled_mm"
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_x_codes: bool):
     """y = Q(x) @ Q(W)^T (+ bias) for x [M, K] and the master weight [N, K] (any float dtype; rounded to x.dtype
-    first, as the rollout copy) where `fused_linear_ok` -> (y [M, N] in x.dtype, saved): the rollout forward's
-    own cuBLAS call on the same codes; `saved` holds what `linear_backward` needs (x's transposed codes and
-    Q(W^T)), not x."""
+    first, as the rollout copy) where `fused_linear_ok` -> (y [M, N] in x.dtype, x_codes): the rollout
+    forward's codes on cuBLAS blockwise. keep_x_codes (the weight needs a gradient): x is quantized both ways in
+    one pass and x_codes = (x's transposed codes [K, MP], scales [MP/128, K]) for `linear_backward`, which then
+    needs no x; else x_codes is None."""
     from quarl.formats.fp8 import pad_block_groups
     from quarl.kernels.dispatch import scaled_mm_codes
-    from quarl.kernels.weight_quant import quantize_fp8_block_weight_pair
+    from quarl.kernels.weight_quant import quantize_fp8_block_weight
 
-    qw, qwt = quantize_fp8_block_weight_pair(weight.detach().to(x.dtype))
-    qw = pad_block_groups(qw, 4)
-    x_rows, x_row_scales, x_cols, x_col_scales = quantize_rows_and_columns(x, qw.data.shape[1])
-    y = scaled_mm_codes(x_rows, x_row_scales, qw, bias, x.dtype)
-    return y, (x_cols, x_col_scales, qwt)
+    qw = pad_block_groups(quantize_fp8_block_weight(weight.detach().to(x.dtype)), 4)
+    kp = qw.data.shape[1]
+    if keep_x_codes:
+        x_rows, x_row_scales, x_cols, x_col_scales = quantize_rows_and_columns(x, kp)
+        x_codes = (x_cols, x_col_scales)
+    else:
+        (x_rows, x_row_scales), x_codes = quantize_activation(x, "fp8-block", kp, scales_column_major=True), None
+    return scaled_mm_codes(x_rows, x_row_scales, qw, bias, x.dtype), x_codes
 
 
-def linear_backward(g: torch.Tensor, saved, need_input_grad: bool, need_weight_grad: bool):
-    """(dx [M, K] or None, dW [N, K] or None) in g's dtype from g [M, N] (the output gradient, rows contiguous)
-    and `linear_forward`'s saved codes: dx = Q(g) @ Q(W^T)^T (g in 1x128 groups along N, W^T in 128x128 tiles),
-    dW = Q(g^T) @ Q(x^T)^T (both in 1x128 groups along M)."""
+def linear_backward(g: torch.Tensor, weight: torch.Tensor, x_codes, need_input_grad: bool, need_weight_grad: bool):
+    """(dx [M, K] in g's dtype or None, dW [N, K] in bf16 or None) from g [M, N] (the output gradient, rows
+    contiguous), the master weight and `linear_forward`'s x_codes: dx = Q(g) @ Q(W^T)^T (g in 1x128 groups along
+    N, W^T in 128x128 tiles, quantized here from W: keeping Q(W^T) from the forward would hold N*K bytes per
+    linear until the backward), dW = Q(g^T) @ Q(x^T)^T (both in 1x128 groups along M). g is read once for both."""
     from quarl.formats.fp8 import pad_block_groups
     from quarl.kernels.dispatch import scaled_mm_codes
+    from quarl.kernels.weight_quant import quantize_fp8_block_weight
 
-    x_cols, x_col_scales, qwt = saved
-    qwt = pad_block_groups(qwt, 4)
-    g_rows, g_row_scales, g_cols, g_col_scales = quantize_rows_and_columns(g, qwt.data.shape[1])
-    dx = scaled_mm_codes(g_rows, g_row_scales, qwt, None, g.dtype) if need_input_grad else None
-    dw = weight_grad_from_codes(g_cols, g_col_scales, x_cols, x_col_scales, g.dtype) if need_weight_grad else None
+    dx = dw = g_cols = None
+    if need_input_grad:
+        qwt = pad_block_groups(quantize_fp8_block_weight(weight.detach().to(g.dtype), transpose=True), 4)
+        np_ = qwt.data.shape[1]
+        if need_weight_grad:
+            g_rows, g_row_scales, g_cols, g_col_scales = quantize_rows_and_columns(g, np_)
+        else:
+            g_rows, g_row_scales = quantize_activation(g, "fp8-block", np_, scales_column_major=True)
+        dx = scaled_mm_codes(g_rows, g_row_scales, qwt, None, g.dtype)
+    if need_weight_grad:
+        if g_cols is None:
+            g_cols, g_col_scales = quantize_columns_transposed(g)
+        dw = weight_grad_from_codes(g_cols, g_col_scales, *x_codes, torch.bfloat16)
     return dx, dw
 
 

@@ -14,8 +14,8 @@ Q(x) @ Q(W)^T on the same path as the rollout forward (the FP8 kernel where the 
 dequantized operands), so rollout and training still compute the same function; on a CPU it is bit for bit the
 straight-through unified forward. What changes is the backward: it sees quantized gradients, as Jet-RL trains.
 
-On a Hopper GPU, where the rollout forward itself runs cuBLAS blockwise FP8 for the shape (M large; N, K multiples
-of 128), all three GEMMs run on cuBLAS from codes that one Triton pass per operand writes both ways
+On a Hopper GPU, where the rollout forward's plan is cuBLAS blockwise FP8 for the shape (M large; N, K multiples
+of 128), all three GEMMs run on cuBLAS, x and the output gradient each quantized both ways by one Triton pass
 (`quarl.kernels.training_gemm`; `FUSED_CUBLAS_PATH`), and the backward keeps x's FP8 codes instead of x.
 Elsewhere on a GPU the input-gradient GEMM runs on an FP8 kernel (`quarl.kernels.quantized_matmul`) and the weight
 gradient multiplies the dequantized operands, or with `FP8_WEIGHT_GRAD_KERNEL` (experimental, off) runs on the FP8
@@ -35,11 +35,12 @@ FORMAT = "fp8-block"
 
 # Experimental, off until measured faster (bench/fp8_training_linear.py --wgrad-kernel): the weight gradient on
 # the FP8 tensor cores (`kernels.training_gemm.fp8_block_weight_grad`: cuBLAS 1x128 x 1x128 on Hopper) instead of
-# a bf16 GEMM of the rounded operands. Same operands either way; the FP8 path rounds its output once, to bf16.
+# a bf16 GEMM of the rounded operands. Same operands either way; the FP8 path's output is bf16 (then the
+# weight's dtype).
 FP8_WEIGHT_GRAD_KERNEL = False
 
-# On a Hopper GPU, where the rollout forward runs cuBLAS blockwise for the shape (large M), all three GEMMs run
-# on cuBLAS from codes written by one quantizing pass per operand (`kernels.training_gemm.linear_forward`).
+# On a Hopper GPU, where the rollout forward's plan is cuBLAS blockwise for the shape (large M), all three GEMMs
+# run on cuBLAS, x and g each quantized both ways in one pass (`kernels.training_gemm`).
 FUSED_CUBLAS_PATH = True
 
 
@@ -103,10 +104,12 @@ class FP8BlockLinear(torch.autograd.Function):
         if FUSED_CUBLAS_PATH and training_gemm_ok(x, weight.shape[0]):
             from quarl.kernels.training_gemm import linear_forward
 
-            y, (x_cols, x_col_scales, qwt) = linear_forward(x, weight, bias)
-            # x's transposed codes and Q(W^T): the backward needs neither x nor W.
-            ctx.fused, ctx.wt_shape = True, qwt.shape
-            ctx.save_for_backward(x_cols, x_col_scales, qwt.data, qwt.scale)
+            keep = ctx.needs_input_grad[1]
+            y, x_codes = linear_forward(x, weight, bias, keep_x_codes=keep)
+            # x's transposed codes (the weight gradient's operand) and the master weight (Q(W^T) for the input
+            # gradient is quantized in the backward): the backward needs no x.
+            ctx.fused = True
+            ctx.save_for_backward(weight, *(x_codes if keep else ()))
             return y
         ctx.fused = False
         y = block_matmul(x, quantized_weight(weight, x.dtype), bias, prefer_kernel=False)
@@ -119,13 +122,11 @@ class FP8BlockLinear(torch.autograd.Function):
         if ctx.fused:
             from quarl.kernels.training_gemm import linear_backward
 
-            x_cols, x_col_scales, wt_codes, wt_scales = ctx.saved_tensors
-            qwt = QuantizedTensor(FORMAT, "weight", wt_codes, wt_scales, None, ctx.wt_shape)
+            weight, *x_codes = ctx.saved_tensors
             g = grad_out.contiguous()
-            grad_x, grad_w = linear_backward(g, (x_cols, x_col_scales, qwt), ctx.needs_input_grad[0],
-                                             ctx.needs_input_grad[1])
+            grad_x, grad_w = linear_backward(g, weight, x_codes, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
             if grad_w is not None:
-                grad_w = grad_w.to(ctx.weight_dtype)
+                grad_w = grad_w.to(ctx.weight_dtype)  # from the GEMM's bf16 output, rounded once more at most
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g.sum(0)
             return grad_x, grad_w, grad_b

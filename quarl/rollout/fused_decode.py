@@ -298,11 +298,15 @@ def _apply_scales(y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, dtype
 
 
 def _torch_codes(h: torch.Tensor, quant: str | None):
+    """The codes the fused kernels hand over, from `quarl.formats`: fp8-block as they lay them out (K columns,
+    scales [M, groups] column-major)."""
     if quant is None:
         return None
     from quarl.formats import quantize
 
     qt = quantize(h, quant, "activation")
+    if quant == "fp8-block":
+        return qt.data[:, :h.shape[1]], qt.scale.t().contiguous().t()
     return qt.data, qt.scale
 
 
