@@ -118,6 +118,7 @@ def test_fp8_block_matmul_from_group_codes_equals_the_quantizing_matmul():
     qw = quantize(torch.randn(4608, 3584, device=DEV, dtype=BF16) * 0.02, "fp8-block", "weight")
     bias = torch.randn(4608, device=DEV, dtype=BF16)
     assert kernels.fp8_codes_handoff(qw, False, 512)
+    assert not kernels.fp8_codes_handoff(qw, False, 504)  # rows not a multiple of 16: no blockwise handoff
     _, h, codes, scales = rms_norm_rows(x, None, w, None, 1e-6, "fp8-block", write_h=True)
     got = kernels.fp8_matmul_from_codes(codes, scales, qw, bias, BF16)
     assert torch.equal(got, kernels.try_quantized_matmul(h, qw, False, bias))

@@ -113,12 +113,19 @@ def _columns_to_rows_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_xm, stride_qn, str
     tl.store(s_ptr + group * stride_sg + rn, s, mask=n_ok)
 
 
+def _check_rows_contiguous(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"{what} needs a 2-D tensor with contiguous rows (column stride 1), got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}; pass x.contiguous()")
+
+
 def quantize_columns_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, N] bf16/fp16/fp32 (rows contiguous) -> (codes [N, MP] float8_e4m3fn, scales [MP/128, N] float32),
     MP = M rounded up to 128: the FP8-block activation quantization of x^T (1x128 groups along M) in one pass,
     without a transposed copy of x. codes and scales.t() equal `quantize(x.t(), "fp8-block", "activation")`'s
     data and scale bit for bit; scales.t() is the outer-dim-major layout torch._scaled_mm's 1x128 scaling reads.
     The weight-gradient operands of FP8 training (`quarl.kernels.training_gemm`)."""
+    _check_rows_contiguous(x, "quantize_columns_transposed")
     M, N = x.shape
     mp = -(-M // 128) * 128
     codes = torch.empty((N, mp), dtype=torch.uint8, device=x.device)
@@ -166,6 +173,7 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps:
     145 us for x [16384, 3584], 8 warps 194, 16 warps 220; the two one-way passes together 134 us: this pass
     saves a launch and x's second read, not GPU time (each program loads one tile, then computes, then stores).
     """
+    _check_rows_contiguous(x, "quantize_rows_and_columns")
     M, C = x.shape
     cp = -(-C // 128) * 128 if cp is None else cp
     if cp % 128 or cp < C:
