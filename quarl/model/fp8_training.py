@@ -16,7 +16,8 @@ straight-through unified forward. What changes is the backward: it sees quantize
 
 On a Hopper GPU, where the rollout forward's plan is cuBLAS blockwise FP8 for the shape (M large; N, K multiples
 of 128), all three GEMMs run on cuBLAS, x and the output gradient each quantized both ways by one Triton pass
-(`quarl.kernels.training_gemm`; `FUSED_CUBLAS_PATH`), and the backward keeps x's FP8 codes instead of x.
+(`quarl.kernels.training_gemm`; `FUSED_CUBLAS_PATH`), and the backward keeps x's FP8 codes instead of x. (For K
+not a multiple of 512 the rollout runs the same codes on the Triton kernel: equal up to float32 summation order.)
 Elsewhere on a GPU the input-gradient GEMM runs on an FP8 kernel (`quarl.kernels.quantized_matmul`) and the weight
 gradient multiplies the dequantized operands, or with `FP8_WEIGHT_GRAD_KERNEL` (experimental, off) runs on the FP8
 tensor cores. On a CPU all three GEMMs multiply dequantized operands (the reference).
