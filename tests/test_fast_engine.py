@@ -106,6 +106,33 @@ def test_sampled_behaviour_logprobs_equal_float64_forward(tok, params):
             torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("case", range(8))
+def test_continuous_batching_with_early_eos_keeps_every_completion_on_its_own_prompt(tok, case):
+    """Randomized configurations (architecture, prompt lengths, samples per prompt, slots, sync interval,
+    temperature) with EOS made likely, so sequences end at different steps: slots are refilled and compacted while
+    others run. Every request comes back exactly once, and every completion's behaviour log-probs equal a float64
+    forward of its own prompt (a completion attributed to the wrong prompt, or decoded over another sequence's
+    cache columns, fails)."""
+    import random
+
+    rnd = random.Random(1000 + case)
+    torch.manual_seed(1000 + case)
+    model = make_model(rnd.choice(["qwen2", "llama"]))
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= rnd.choice([3.0, 6.0])
+    prompts = rand_prompts([rnd.randint(1, 9) for _ in range(rnd.randint(2, 5))])
+    n = rnd.randint(1, 3)
+    params = SamplingParams(rnd.choice([0.7, 1.0, 1.3]))
+    outs = FastRolloutEngine(model, tok, max_batch_size=rnd.randint(n, 7), sync_every=rnd.randint(1, 5)).generate(
+        prompts, n=n, max_new_tokens=10, temperature=params.temperature, seed=case)
+    assert [o.prompt_token_ids for o in outs] == prompts and all(len(o.completions) == n for o in outs)
+    for pr, out in zip(prompts, outs):
+        for c in out.completions:
+            assert 0 < len(c.token_ids) == len(c.logprobs) <= 10
+            ref = float64_logprobs(model, pr, c.token_ids, params)
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+
+
 def test_gumbel_max_draws_from_the_distribution():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(8, generator=gen) * 1.5
