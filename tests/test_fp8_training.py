@@ -278,3 +278,62 @@ def test_fused_training_gemms_are_not_taken_off_the_gpu():
     from quarl.model.fp8_training import training_gemm_ok
 
     assert not training_gemm_ok(torch.randn(1024, 256), 256)
+
+
+def _reference_training_kernels(monkeypatch):
+    """Stand-ins for the GPU pieces of `kernels.training_gemm` with the same layouts, from `quarl.formats`
+    (codes) and float64 products (the cuBLAS GEMMs), so its plumbing runs on a CPU."""
+    from quarl.formats.fp8 import dequantize_fp8_block
+    from quarl.formats.registry import quantize_unchecked
+    from quarl.kernels import dispatch, training_gemm, weight_quant
+
+    def rows(x, cp, scales_column_major=True):  # codes [M, cp], scales [M, cp/128] column-major
+        q = quantize_unchecked(torch.nn.functional.pad(x.float(), (0, cp - x.shape[1])), "fp8-block", "activation")
+        return q.data, q.scale.t().contiguous().t()
+
+    def cols(x):  # codes of x^T [C, MP], scales [MP/128, C]
+        q = quantize_unchecked(x.t().contiguous().float(), "fp8-block", "activation")
+        return q.data, q.scale.t().contiguous()
+
+    def deq(codes, scales):  # scales [R, groups]
+        return codes.double() * scales.double().repeat_interleave(128, dim=1)[:, :codes.shape[1]]
+
+    def scaled_mm_codes(codes, sx, qw, bias, dtype):
+        assert sx.stride(0) == 1 and codes.shape[1] == qw.data.shape[1] and qw.data.shape[1] // 128 % 4 == 0
+        y = deq(codes, sx) @ dequantize_fp8_block(qw).double().T
+        return (y + (0 if bias is None else bias.double())).to(dtype)
+
+    monkeypatch.setattr(training_gemm, "quantize_rows_and_columns", lambda x, cp=None: (*rows(x, cp), *cols(x)))
+    monkeypatch.setattr(training_gemm, "quantize_activation", lambda x, fmt, kp, scales_column_major: rows(x, kp))
+    monkeypatch.setattr(training_gemm, "quantize_columns_transposed", cols)
+    monkeypatch.setattr(training_gemm, "weight_grad_from_codes",
+                        lambda gc, gs, xc, xs, dtype: (deq(gc, gs.t()) @ deq(xc, xs.t()).T).to(dtype))
+    monkeypatch.setattr(dispatch, "scaled_mm_codes", scaled_mm_codes)
+    monkeypatch.setattr(weight_quant, "quantize_fp8_block_weight", lambda w, transpose=False: quantize_unchecked(
+        (w.t() if transpose else w).contiguous().float(), "fp8-block", "weight"))
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 384, 768), (128, 512, 512)])
+def test_training_gemm_plumbing_on_reference_pieces(monkeypatch, m, n, k):
+    """`training_gemm.linear_forward` / `linear_backward` with their kernels replaced by reference pieces of the
+    same layouts (Triton must import; no GPU needed): y, dx and dW equal the float64 products of the rounded
+    operands within bf16 output rounding, for K and N padded to 4 scale groups (768, 384) and not; each
+    gradient alone equals the one computed with both; a frozen weight's forward keeps no codes."""
+    pytest.importorskip("triton")
+    _reference_training_kernels(monkeypatch)
+    from quarl.kernels import training_gemm
+
+    x, w = (torch.randn(m, k) * 2).to(torch.bfloat16), torch.randn(n, k) * 0.05
+    b, g = torch.randn(n).to(torch.bfloat16), (torch.randn(m, n) * torch.rand(1, n) * 3).to(torch.bfloat16)
+    y, x_codes = training_gemm.linear_forward(x, w, b, keep_x_codes=True)
+    dx, dw = training_gemm.linear_backward(g, w, x_codes, True, True)
+    wb = w.to(torch.bfloat16)
+    assert_product_close(y, q_rows(x), q_tiles(wb), torch.bfloat16, bias=b)
+    assert_product_close(dx, q_rows(g), q_tiles(wb.t()), torch.bfloat16)
+    assert_product_close(dw, q_rows(g.t()), q_rows(x.t()), torch.bfloat16)
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
+    dx_only, none = training_gemm.linear_backward(g, w, None, True, False)
+    none2, dw_only = training_gemm.linear_backward(g, w, x_codes, False, True)
+    assert none is None and none2 is None and torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
+    y_frozen, no_codes = training_gemm.linear_forward(x, w, b, keep_x_codes=False)
+    assert no_codes is None and torch.equal(y_frozen, y)
