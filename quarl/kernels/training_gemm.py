@@ -1,10 +1,10 @@
-"""The GEMMs of FP8-block training (`quarl.model.fp8_training`) on cuBLAS, with one quantizing pass per operand.
+"""The GEMMs of FP8-block training (`quarl.model.fp8_training`) on cuBLAS blockwise FP8.
 
 Weight gradient: dW [N, K] = Q(g^T) @ Q(x^T)^T for g [M, N] (output gradients) and x [M, K] (layer inputs), M
 tokens: both operands rounded in 1x128 groups along M (the reduction), `torch._scaled_mm`'s 1x128 x 1x128
 blockwise recipe (cuBLAS >= 12.9 on Hopper), from codes written already transposed by a Triton pass
 (`act_quant.quantize_columns_transposed`). Where cuBLAS does not take the shapes the Triton W8A8 kernel
-multiplies the same codes.
+multiplies codes quantized the same way (from transposed copies).
 
 Whole linear (`linear_forward` / `linear_backward`, where `fused_linear_ok`): x -> its activation codes
 (forward) and its transposed codes (weight gradient) in one pass, and the backward keeps those codes instead of
