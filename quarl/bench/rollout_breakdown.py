@@ -39,15 +39,8 @@ def _fused_linear_runs(decoder, model, inputs: dict, batch: int) -> list:
     where the norm or SiLU·mul kernel hands a GEMM FP8 activation codes, that GEMM on codes made beforehand (the
     step quantizes inside those kernels, which "other" counts); o_proj and lm_head on bf16 inputs, quantizing
     them themselves as in the step."""
-    from quarl.formats import quantize
     from quarl.rollout.fused_decode import linear_codes_handoff, linear_from
-
-    def codes_of(x, fmt: str):
-        """The codes a fused kernel hands over: per token ("fp8"), or 1x128 groups with column-major scales."""
-        qt = quantize(x, fmt, "activation")
-        if fmt == "fp8-block":
-            return qt.data[:, :x.shape[1]], qt.scale.t().contiguous().t()
-        return qt.data, qt.scale
+    from quarl.rollout.fused_decode import reference_codes as codes_of
 
     def stacked(proj):  # a FusedProjection: on codes where the norm kernel hands it codes
         x = inputs[proj.in_features]

@@ -58,14 +58,14 @@ def fused_linear_ok(x: torch.Tensor, n: int) -> bool:
     contiguous rows, N and K multiples of 128 (whole weight tiles both ways), M a multiple of 16 (cuBLAS
     blockwise), and M large enough that the rollout forward's plan for this shape is cuBLAS blockwise. (For K
     not a multiple of 512 the rollout dispatch runs the same codes on the Triton kernel instead, to avoid padding
-    a persistent weight every call: the two then agree to float32 summation order.)"""
-    from quarl import kernels
+    a persistent weight every call: the two then agree to float32 summation order.) The caller has checked
+    `kernels.fp8_kernels_available` (`fp8_training.training_gemm_ok` does, before importing this module)."""
     from quarl.kernels.tuning import choose_plan
 
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
         return False
     m, k = x.shape
-    if m == 0 or m % 16 or n % 128 or k % 128 or not kernels.fp8_kernels_available(x.device):
+    if m == 0 or m % 16 or n % 128 or k % 128:
         return False
     return cublas_weight_grad_ok(n, k, x.device) and choose_plan("fp8-block", False, m, n, k).kind == "scaled_mm"
 

@@ -210,7 +210,7 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from quarl.kernels.act_quant import quantize_activation
 
         return quantize_activation(x, "fp8", x.shape[1])
-    return _torch_codes(x, "fp8")
+    return reference_codes(x, "fp8")
 
 
 def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
@@ -246,7 +246,7 @@ def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | Non
         delta = _apply_scales(delta, *delta_scales, x.dtype)
     r = x if delta is None else x + delta
     h = norm(r)
-    return r, h, _torch_codes(h, quant)
+    return r, h, reference_codes(h, quant)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None):
@@ -263,7 +263,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=
         n = gate.shape[1]
         gate, up = _apply_scales(gate, rows, cols[:n], up.dtype), _apply_scales(up, rows, cols[n:], up.dtype)
     h = F.silu(gate) * up
-    return h, _torch_codes(h, quant)
+    return h, reference_codes(h, quant)
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int):
@@ -297,9 +297,9 @@ def _apply_scales(y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, dtype
     return (y.float() * rows * cols).to(dtype)
 
 
-def _torch_codes(h: torch.Tensor, quant: str | None):
-    """The codes the fused kernels hand over, from `quarl.formats`: fp8-block as they lay them out (K columns,
-    scales [M, groups] column-major)."""
+def reference_codes(h: torch.Tensor, quant: str | None):
+    """(codes, scales) of h [M, K] as the fused kernels hand them over, from `quarl.formats` (None for quant None):
+    per token for "fp8" / "int8", and for "fp8-block" K columns with scales [M, groups] column-major."""
     if quant is None:
         return None
     from quarl.formats import quantize
