@@ -229,7 +229,7 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
         y = FP8BlockLinear.apply(xc, wc, bc)
         y.backward(g)
         out[fused] = (y, xc.grad, wc.grad, bc.grad)
-    assert calls == [{"keep_x_codes": True}]
+    assert calls == [{"keep_x_codes": True, "qweight": None}]
     (y, dx, dw, db), (y0, dx0, _, db0) = out[True], out[False]
     w_c = w.to(dtype).cpu()
     assert_product_close(y.cpu(), q_rows(x.cpu()), q_tiles(w_c), torch.bfloat16, bias=b.cpu().to(dtype))
@@ -241,7 +241,15 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
     monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", True)
     xc = x.clone().requires_grad_(True)
     FP8BlockLinear.apply(xc, w, None).backward(g)  # frozen weight: input gradient only
-    assert calls[-1] == {"keep_x_codes": False} and torch.equal(xc.grad, dx)
+    assert calls[-1] == {"keep_x_codes": False, "qweight": None} and torch.equal(xc.grad, dx)
+    # ... and with its codes quantized once (FrozenWeightCodes, as a LoRA-frozen base passes them): the same
+    # cuBLAS calls on the same codes, so the same values bit for bit.
+    codes = fp8_training.FrozenWeightCodes(quantized_weight(w, dtype), quantized_weight(w, dtype, transpose=True))
+    xc = x.clone().requires_grad_(True)
+    y_frozen = FP8BlockLinear.apply(xc, w, None, codes)
+    y_frozen.backward(g)
+    assert calls[-1]["qweight"] is codes.forward and not calls[-1]["keep_x_codes"]
+    assert torch.equal(xc.grad, dx) and torch.equal(y_frozen, FP8BlockLinear.apply(x, w, None))
 
 
 @pytest.mark.parametrize("k,multiple,groups", [(768, 4, 8), (1000, 4, 8), (512, 4, 4), (130, 3, 3)])
@@ -337,3 +345,78 @@ def test_training_gemm_plumbing_on_reference_pieces(monkeypatch, m, n, k):
     assert none is None and none2 is None and torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
     y_frozen, no_codes = training_gemm.linear_forward(x, w, b, keep_x_codes=False)
     assert no_codes is None and torch.equal(y_frozen, y)
+    # Codes passed in (a frozen weight's, quantized once) are used instead of quantizing W again.
+    from quarl.kernels import weight_quant
+
+    qw, qwt = weight_quant.quantize_fp8_block_weight(wb), weight_quant.quantize_fp8_block_weight(wb, transpose=True)
+    monkeypatch.setattr(weight_quant, "quantize_fp8_block_weight", None)  # any call now fails
+    y_given, _ = training_gemm.linear_forward(x, w, b, keep_x_codes=False, qweight=qw)
+    dx_given, _ = training_gemm.linear_backward(g, w, None, True, False, qweight_t=qwt)
+    assert torch.equal(y_given, y) and torch.equal(dx_given, dx)
+
+
+def _frozen_lora_layer(k: int = 300, n: int = 200) -> QuantLinear:
+    """A unified fp8-block quantized_backward layer with a LoRA adapter (so its base weight is frozen), B != 0."""
+    layer = QuantLinear(k, n, bias=True)
+    s = PrecisionConfig(flow="unified", format="fp8-block", quantized_backward=True)
+    s.lora.rank = 4
+    layer.configure(**s.linear_settings())
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    assert not layer.weight.requires_grad and layer.lora_A.requires_grad
+    return layer
+
+
+def _reference_frozen_lora(layer: QuantLinear, x: torch.Tensor, g: torch.Tensor):
+    """(y, dx, dA, dB) of the same layer with the base quantized on every call (FP8BlockLinear, frozen=None)."""
+    xr = x.clone().requires_grad_(True)
+    a, b = layer.lora_A.detach().clone().requires_grad_(True), layer.lora_B.detach().clone().requires_grad_(True)
+    y = FP8BlockLinear.apply(xr, layer.weight, layer.bias) + (xr @ a.T @ b.T) * layer.scaling
+    y.backward(g)
+    return y.detach(), xr.grad, a.grad, b.grad
+
+
+def test_frozen_lora_base_is_quantized_once_with_the_same_values(monkeypatch):
+    """quantized_backward under LoRA: the frozen base's FP8 codes are built once (Q(W) is the rollout copy itself,
+    Q(W^T) kept on the module) and reused by every forward and backward; outputs and all gradients equal the
+    per-call quantization bit for bit; an in-place change of the weight, or refresh(), rebuilds them."""
+    from quarl.model import fp8_training
+
+    layer = _frozen_lora_layer()
+    quantized = []
+    real = fp8_training.quantized_weight
+    monkeypatch.setattr(fp8_training, "quantized_weight", lambda *a, **kw: quantized.append(kw) or real(*a, **kw))
+
+    def step():
+        x, g = torch.randn(3, 5, 300), torch.randn(3, 5, 200)
+        xc = x.clone().requires_grad_(True)
+        layer.lora_A.grad = layer.lora_B.grad = None
+        y = layer(xc)
+        y.backward(g)
+        got = (y.detach(), xc.grad, layer.lora_A.grad, layer.lora_B.grad)
+        calls = len(quantized)
+        for a, b in zip(got, _reference_frozen_lora(layer, x.reshape(-1, 300), g.reshape(-1, 200))):
+            assert torch.equal(a.reshape(b.shape), b)
+        del quantized[calls:]  # the reference's own quantizations are not the layer's
+
+    for _ in range(3):
+        step()
+    assert quantized == [{"transpose": True}]  # Q(W^T) once; Q(W) is the rollout copy
+    assert layer._frozen_codes.forward.data.data_ptr() == layer.qweight_data.data_ptr()
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # the rollout copy is now stale: both codes are quantized from the new weight
+    step()
+    assert quantized[1:] == [{}, {"transpose": True}]
+    layer.refresh()  # the sync: the rollout copy is current again and is used
+    step()
+    assert quantized[3:] == [{"transpose": True}]
+    assert layer._frozen_codes.forward.data.data_ptr() == layer.qweight_data.data_ptr()
+
+
+def test_frozen_codes_for_a_trained_weight_are_refused():
+    from quarl.model.fp8_training import FrozenWeightCodes
+
+    w = torch.randn(200, 300, requires_grad=True)
+    codes = FrozenWeightCodes(quantized_weight(w, torch.float32), quantized_weight(w, torch.float32, transpose=True))
+    with pytest.raises(ValueError, match="frozen=None for a trained weight"):
+        FP8BlockLinear.apply(torch.randn(4, 300), w, None, codes)

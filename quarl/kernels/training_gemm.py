@@ -70,17 +70,21 @@ def fused_linear_ok(x: torch.Tensor, n: int) -> bool:
     return cublas_weight_grad_ok(n, k, x.device) and choose_plan("fp8-block", False, m, n, k).kind == "scaled_mm"
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_x_codes: bool):
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_x_codes: bool,
+                   qweight=None):
     """y = Q(x) @ Q(W)^T (+ bias) for x [M, K] and the master weight [N, K] (any float dtype; rounded to x.dtype
     first, as the rollout copy) where `fused_linear_ok` -> (y [M, N] in x.dtype, x_codes): the rollout
-    forward's codes on cuBLAS blockwise. keep_x_codes (the weight needs a gradient): x is quantized both ways in
+    forward's codes on cuBLAS blockwise. qweight: Q(W) already quantized (fp8-block [N, K], e.g. a frozen
+    weight's), else W is quantized here. keep_x_codes (the weight needs a gradient): x is quantized both ways in
     one pass and x_codes = (x's transposed codes [K, MP], scales [MP/128, K]) for `linear_backward`, which then
     needs no x; else x_codes is None."""
     from quarl.formats.fp8 import pad_block_groups
     from quarl.kernels.dispatch import scaled_mm_codes
     from quarl.kernels.weight_quant import quantize_fp8_block_weight
 
-    qw = pad_block_groups(quantize_fp8_block_weight(weight.detach().to(x.dtype)), 4)
+    if qweight is None:
+        qweight = quantize_fp8_block_weight(weight.detach().to(x.dtype))
+    qw = pad_block_groups(qweight, 4)
     kp = qw.data.shape[1]
     if keep_x_codes:
         x_rows, x_row_scales, x_cols, x_col_scales = quantize_rows_and_columns(x, kp)
@@ -90,18 +94,22 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return scaled_mm_codes(x_rows, x_row_scales, qw, bias, x.dtype), x_codes
 
 
-def linear_backward(g: torch.Tensor, weight: torch.Tensor, x_codes, need_input_grad: bool, need_weight_grad: bool):
+def linear_backward(g: torch.Tensor, weight: torch.Tensor, x_codes, need_input_grad: bool, need_weight_grad: bool,
+                    qweight_t=None):
     """(dx [M, K] in g's dtype or None, dW [N, K] in bf16 or None) from g [M, N] (the output gradient, rows
     contiguous), the master weight and `linear_forward`'s x_codes: dx = Q(g) @ Q(W^T)^T (g in 1x128 groups along
-    N, W^T in 128x128 tiles, quantized here from W: keeping Q(W^T) from the forward would hold N*K bytes per
-    linear until the backward), dW = Q(g^T) @ Q(x^T)^T (both in 1x128 groups along M). g is read once for both."""
+    N, W^T in 128x128 tiles: qweight_t when given (a frozen weight's, kept), else quantized here from W, since
+    keeping Q(W^T) from the forward would hold N*K bytes per trained linear until the backward),
+    dW = Q(g^T) @ Q(x^T)^T (both in 1x128 groups along M). g is read once for both."""
     from quarl.formats.fp8 import pad_block_groups
     from quarl.kernels.dispatch import scaled_mm_codes
     from quarl.kernels.weight_quant import quantize_fp8_block_weight
 
     dx = dw = g_cols = None
     if need_input_grad:
-        qwt = pad_block_groups(quantize_fp8_block_weight(weight.detach().to(g.dtype), transpose=True), 4)
+        if qweight_t is None:
+            qweight_t = quantize_fp8_block_weight(weight.detach().to(g.dtype), transpose=True)
+        qwt = pad_block_groups(qweight_t, 4)
         np_ = qwt.data.shape[1]
         if need_weight_grad:
             g_rows, g_row_scales, g_cols, g_col_scales = quantize_rows_and_columns(g, np_)

@@ -2,11 +2,11 @@
 
 A linear y = x @ W^T + b has three GEMMs per training step. Here all three take FP8-block operands:
 
-| GEMM                      | shapes                    | first operand                  | second operand                  |
-|---------------------------|---------------------------|--------------------------------|---------------------------------|
-| forward  y  = x W^T       | [M,K] x [N,K] -> [M,N]    | x, 1x128 groups along K        | W, 128x128 tiles                |
-| input grad dx = g W       | [M,N] x [K,N] -> [M,K]    | g, 1x128 groups along N        | W^T, 128x128 tiles              |
-| weight grad dW = g^T x    | [N,M] x [K,M] -> [N,K]    | g^T, 1x128 groups along M      | x^T, 1x128 groups along M       |
+| GEMM                   | shapes                 | first operand             | second operand            |
+|------------------------|------------------------|---------------------------|---------------------------|
+| forward  y  = x W^T    | [M,K] x [N,K] -> [M,N] | x, 1x128 groups along K   | W, 128x128 tiles          |
+| input grad dx = g W    | [M,N] x [K,N] -> [M,K] | g, 1x128 groups along N   | W^T, 128x128 tiles        |
+| weight grad dW = g^T x | [N,M] x [K,M] -> [N,K] | g^T, 1x128 groups along M | x^T, 1x128 groups along M |
 
 (g = dL/dy; the weight-gradient's second operand in 1x128 groups of x^T is "128x1 groups" of x.) The master
 weight stays in full precision and gradients between operators are in the compute dtype. The forward computes
@@ -24,6 +24,8 @@ tensor cores. On a CPU all three GEMMs multiply dequantized operands (the refere
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -89,31 +91,49 @@ def block_matmul(a: torch.Tensor, qb: QuantizedTensor, bias: torch.Tensor | None
     return y
 
 
+@dataclass(frozen=True)
+class FrozenWeightCodes:
+    """The two FP8-block operands of a weight W [N, K] that gets no gradient (a base frozen under LoRA), quantized
+    once and reused by every forward and backward: forward = Q(W) (`quantized_weight(w, dtype)`), transposed =
+    Q(W^T) (`quantized_weight(w, dtype, transpose=True)`)."""
+
+    forward: QuantizedTensor
+    transposed: QuantizedTensor
+
+
 class FP8BlockLinear(torch.autograd.Function):
     """y = Q(x) @ Q(W)^T + b with FP8-block input- and weight-gradient GEMMs (see the module docstring).
 
-    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype), bias [N] or None)
-    -> y [M, N] in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
+    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype), bias [N] or None,
+    frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to quantize it here) -> y [M, N]
+    in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                frozen: FrozenWeightCodes | None = None) -> torch.Tensor:
         # The forward takes the rollout forward's path, so rollout and training compute the same function.
+        if frozen is not None and ctx.needs_input_grad[1]:
+            raise ValueError("FP8BlockLinear got FrozenWeightCodes for a weight that requires a gradient; pass "
+                             "frozen=None for a trained weight (its codes change every optimizer step)")
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
+        ctx.frozen = frozen
         bias = None if bias is None else bias.detach().to(x.dtype)
         if FUSED_CUBLAS_PATH and training_gemm_ok(x, weight.shape[0]):
             from quarl.kernels.training_gemm import linear_forward
 
             keep = ctx.needs_input_grad[1]
-            y, x_codes = linear_forward(x, weight, bias, keep_x_codes=keep)
+            y, x_codes = linear_forward(x, weight, bias, keep_x_codes=keep,
+                                        qweight=None if frozen is None else frozen.forward)
             # x's transposed codes (the weight gradient's operand) and the master weight (Q(W^T) for the input
             # gradient is quantized in the backward): the backward needs no x.
             ctx.fused = True
             ctx.save_for_backward(weight, *(x_codes if keep else ()))
             return y
         ctx.fused = False
-        y = block_matmul(x, quantized_weight(weight, x.dtype), bias, prefer_kernel=False)
+        qw = quantized_weight(weight, x.dtype) if frozen is None else frozen.forward
+        y = block_matmul(x, qw, bias, prefer_kernel=False)
         ctx.save_for_backward(x, weight)
         return y
 
@@ -125,22 +145,24 @@ class FP8BlockLinear(torch.autograd.Function):
 
             weight, *x_codes = ctx.saved_tensors
             g = grad_out.contiguous()
-            grad_x, grad_w = linear_backward(g, weight, x_codes, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            grad_x, grad_w = linear_backward(g, weight, x_codes, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                             qweight_t=None if ctx.frozen is None else ctx.frozen.transposed)
             if grad_w is not None:
                 grad_w = grad_w.to(ctx.weight_dtype)  # from the GEMM's bf16 output, rounded once more at most
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g.sum(0)
-            return grad_x, grad_w, grad_b
+            return grad_x, grad_w, grad_b, None
         x, weight = ctx.saved_tensors
         g = grad_out.to(x.dtype)
         if ctx.needs_input_grad[0]:
-            grad_x = block_matmul(g, quantized_weight(weight, x.dtype, transpose=True))  # W^T [K, N] in its tiles
+            qwt = quantized_weight(weight, x.dtype, transpose=True) if ctx.frozen is None else ctx.frozen.transposed
+            grad_x = block_matmul(g, qwt)  # W^T [K, N] in its tiles
         if ctx.needs_input_grad[1]:
             # Both operands grouped along M (the reduction): rows of g^T and rows of x^T, i.e. columns of g and x.
             grad_w = _weight_grad(g, x).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +177,9 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)
 
 
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] -> [..., N] through `FP8BlockLinear` (leading dimensions flattened into M)."""
-    y = FP8BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     frozen: FrozenWeightCodes | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] through `FP8BlockLinear` (leading dimensions flattened into M); frozen: the
+    weight's `FrozenWeightCodes` when it gets no gradient (see `FP8BlockLinear`)."""
+    y = FP8BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, frozen)
     return y.reshape(*x.shape[:-1], y.shape[-1])

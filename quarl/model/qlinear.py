@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from quarl import kernels
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
-from quarl.model.fp8_training import fp8_block_linear
+from quarl.model import fp8_training
+from quarl.model.fp8_training import FrozenWeightCodes, fp8_block_linear
 
 # Settings that define a frozen (qlora) base; once its master weight is dropped only the LoRA settings may change.
 _BASE_SETTINGS = ("rollout_format", "train_format", "weight_only", "frozen_base")
@@ -122,6 +123,11 @@ class QuantLinear(nn.Module):
         self._base_dtype = dtype if dtype is not None else self.weight.dtype
         self._frozen_by_lora = False
         self._settings: dict | None = None
+        # The master weight's version (torch's in-place counter) that the rollout copy was quantized from, and
+        # the FP8-block codes of a weight that gets no gradient (quantized_backward under LoRA), with their key.
+        self._rollout_version: int | None = None
+        self._frozen_codes: FrozenWeightCodes | None = None
+        self._frozen_codes_key: tuple | None = None
 
     # ------------------------------------------------------------------------------------------- configuration
     def configure(
@@ -211,6 +217,8 @@ class QuantLinear(nn.Module):
         for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
             setattr(self, name, None)
         self._qdtypes = None
+        self._rollout_version = None
+        self._frozen_codes = self._frozen_codes_key = None
 
     def _reset_lora(self) -> None:
         """Drop the adapters and undo the freezing they caused."""
@@ -227,6 +235,7 @@ class QuantLinear(nn.Module):
     def _allocate_rollout_copy(self) -> None:
         qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight")
         self._qdtypes = (qt.data.dtype, qt.scale.dtype)
+        self._rollout_version = self.weight._version
         # The rollout copy is derived from the master weight (refresh() rebuilds it), so it is not saved in the
         # state dict — except with a frozen base, where it IS the weight.
         persistent = self.frozen_base
@@ -295,9 +304,11 @@ class QuantLinear(nn.Module):
         Quantizes the master values as rounded to the compute dtype (BRIEF §7: both sides must see the same
         bf16-rounded values). No-op without a rollout format and for a frozen (qlora) base.
         """
+        self._frozen_codes_key = None  # a write through .data bypasses the version counter: refresh sees it
         if self.qweight_data is None or self.frozen_base:
             return
         qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight", out=self.qweight)
+        self._rollout_version = self.weight._version
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
 
@@ -372,13 +383,32 @@ class QuantLinear(nn.Module):
         """Unified / qlora training forward: the rollout values, straight-through gradients (Jet-RL)."""
         fmt = self.train_format
         if self.quantized_backward:
-            return fp8_block_linear(x, self.weight, bias)
+            return fp8_block_linear(x, self.weight, bias, self._frozen_fp8_codes(x.dtype))
         if not self.weight_only:
             x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:
             return self._frozen_base_linear(x, bias)
         w = _straight_through(kernels.fake_quantize_weight(self.weight.detach(), fmt), self.weight)
         return F.linear(x, w, bias)
+
+    def _frozen_fp8_codes(self, dtype: torch.dtype) -> FrozenWeightCodes | None:
+        """For quantized_backward with a weight that gets no gradient (frozen under LoRA): its FP8-block codes,
+        Q(W) [N, K] and Q(W^T) [K, N] from the weight rounded to dtype, quantized once instead of in every forward
+        and backward; None when the weight trains or dtype is not the compute dtype. Q(W) is the rollout copy
+        itself while that is current (same codes, no second copy); Q(W^T) is kept on the module (N*K bytes, not
+        in the state dict). Both are rebuilt when the weight changes in place (torch's version counter) or moves, and
+        after `refresh()` (which also covers writes through `.data`, invisible to the version counter)."""
+        w = self.weight
+        if w.requires_grad or dtype != self.compute_dtype:
+            return None
+        key = (w.data_ptr(), w._version, dtype)
+        if self._frozen_codes_key != key:
+            rollout_current = (self.qweight_data is not None and self.rollout_format == fp8_training.FORMAT
+                               and self._rollout_version == w._version and self.qweight_data.device == w.device)
+            forward = self.qweight if rollout_current else fp8_training.quantized_weight(w, dtype)
+            self._frozen_codes = FrozenWeightCodes(forward, fp8_training.quantized_weight(w, dtype, transpose=True))
+            self._frozen_codes_key = key
+        return self._frozen_codes
 
     def _frozen_base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ deq(base)^T + b; under autograd without keeping deq(base) alive until backward."""
