@@ -107,3 +107,32 @@ def test_load_model_to_device_in_bf16(tmp_path):
     with torch.no_grad():
         got, ref = model(ids), ours.to(torch.bfloat16)(ids)  # the same bf16-rounded weights
     torch.testing.assert_close(got, ref, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,dim", [(7, 3584), (300, 128)])
+def test_cuda_rms_norm_matches_float64_forward_and_gradients(dtype, rows, dim):
+    """RMSNorm on CUDA in bf16/fp16 (torch's fused kernel): the output and the gradients of x and the weight equal
+    the float64 math within the dtype's rounding (output: one rounding, 2^-8 / 2^-11 relative to |y| plus a
+    float32-reduction term; gradients: bf16/fp16 results of float32 sums, checked at 2^-7 / 2^-10 of the
+    largest magnitude)."""
+    from quarl.model.layers import RMSNorm
+
+    norm = RMSNorm(dim, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim) + 0.5)
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, dim) * torch.rand(rows, 1) * 4).to(dtype).to(DEVICE).requires_grad_(True)
+    g = torch.randn(rows, dim).to(dtype).to(DEVICE)
+    y = norm(x)
+    y.backward(g)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    y64.backward(g.double())
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    assert y.dtype == dtype and x.grad.dtype == dtype
+    assert bool(((y.double() - y64).abs() <= eps * y64.abs() + 1e-3 * eps).all())
+    for got, want in [(x.grad, x64.grad), (norm.weight.grad, w64.grad)]:
+        err = float((got.double() - want).abs().max())
+        assert err <= 2 * eps * float(want.abs().max()), (err, float(want.abs().max()))

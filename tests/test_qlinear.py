@@ -455,3 +455,33 @@ def test_weight_rounding_helper_is_the_reference_on_cpu(fmt):
 
     w = torch.randn(70, 300) * torch.rand(70, 1)
     assert torch.equal(kernels.fake_quantize_weight(w, fmt), fake_quantize(w, fmt, "weight"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_accumulates_in_the_gemm_epilogue_with_float64_values_and_gradients(dtype):
+    """add_lora: y + x A^T B^T * scaling, the scaling folded into B and the sum done by addmm; its value and the
+    gradients of x, A and B equal the float64 ones within the dtype's rounding (float32: 1e-5 relative; bf16:
+    the adapter's inputs and output rounded to bf16, 2^-7 relative on the sums' magnitudes). in_place into a
+    column slice of a wider output (the rollout's stacked q/k/v) gives the same values as out of place."""
+    layer = QuantLinear(96, 40)
+    layer.configure(lora_rank=3, lora_alpha=6.0)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    y = torch.randn(2, 5, 40, dtype=dtype, requires_grad=True)
+    x = torch.randn(2, 5, 96, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, 5, 40, dtype=dtype)
+    out = layer.add_lora(y, x)
+    out.backward(g)
+    a64, b64 = layer.lora_A.detach().double().requires_grad_(True), layer.lora_B.detach().double().requires_grad_(True)
+    x64, y64 = x.detach().double().requires_grad_(True), y.detach().double().requires_grad_(True)
+    ref = y64 + x64 @ a64.T @ b64.T * 2.0
+    ref.backward(g.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6 * 8)
+    for got, want in [(out, ref), (x.grad, x64.grad), (y.grad, y64.grad), (layer.lora_A.grad, a64.grad),
+                      (layer.lora_B.grad, b64.grad)]:
+        torch.testing.assert_close(got.detach().double(), want.detach(), **tol)
+    with torch.no_grad():
+        wide = torch.randn(10, 70, dtype=dtype)
+        expected = layer.add_lora(wide[:, 20:60].clone(), x.reshape(10, 96))
+        layer.add_lora(wide[:, 20:60], x.reshape(10, 96), in_place=True)
+        assert torch.equal(wide[:, 20:60], expected)

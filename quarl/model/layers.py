@@ -46,6 +46,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            # torch's fused CUDA kernel (forward and backward): the same float32 math in one pass over x instead
+            # of six elementwise passes through a float32 copy (a training step spent ~5 % of its time there).
+            return F.rms_norm(x, (x.shape[-1],), self.effective_weight().to(x.dtype), self.eps)
         xf = x if x.dtype == torch.float64 else x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.effective_weight().to(xf.dtype)).to(x.dtype)

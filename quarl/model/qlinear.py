@@ -354,7 +354,7 @@ class QuantLinear(nn.Module):
         else:
             y = F.linear(x, self.weight, bias)
         if self.lora_rank:
-            y = y + self._lora(x)
+            y = self.add_lora(y, x)
         return y
 
     def _rollout_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -417,12 +417,21 @@ class QuantLinear(nn.Module):
             return F.linear(x, self._dequantized_base(x.dtype), bias)
         return _FrozenBaseLinear.apply(x, bias, self)
 
-    def _lora(self, x: torch.Tensor) -> torch.Tensor:
-        """dropout(x) @ A^T @ B^T * scaling in x.dtype. Dropout only in training (never in rollout: the
-        behaviour policy must be the deterministic adapter)."""
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """y + dropout(x) @ A^T @ B^T * scaling for y [..., out_features] and x [..., in_features] (x.dtype);
+        in_place (no autograd; y 2-D, e.g. a column slice of a stacked output): accumulated into y itself.
+
+        The adapter's output is accumulated into y by the second GEMM's epilogue (addmm, beta = 1), with the
+        scaling folded into B ([out, r] values, not [M, out]): no elementwise pass over the [M, out] output in the
+        forward or the backward, where `y + lora(x) * scaling` takes two forward and one backward. Dropout only
+        in training (never in rollout: the behaviour policy must be the deterministic adapter)."""
         p = self.lora_dropout if (self.training and not self.rollout) else 0.0
         h = F.dropout(x, p, training=True) if p > 0 else x
-        return F.linear(F.linear(h, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scaling
+        xa = F.linear(h.reshape(-1, self.in_features), self.lora_A.to(x.dtype))  # [M, r]
+        b = (self.lora_B * self.scaling).to(x.dtype)  # [out, r]
+        if in_place:
+            return y.addmm_(xa, b.t())
+        return torch.addmm(y.reshape(-1, self.out_features), xa, b.t()).reshape(y.shape)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",

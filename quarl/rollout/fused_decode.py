@@ -183,9 +183,18 @@ class FusedProjection:
             xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
             y = F.linear(xq, self._fused["weight_dequant"].to(dtype), bias)
         if any(p.lora_rank for p in self.parts):
-            y = y + torch.cat([p._lora(x) if p.lora_rank else x.new_zeros(x.shape[0], n)
-                               for p, n in zip(self.parts, self.sizes)], dim=-1)
+            if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+                y = torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
+                               for p, start, n in zip(self.parts, self._offsets(), self.sizes)], dim=-1)
+            else:  # rollout: each adapter accumulates into its part's columns of the stacked output
+                for p, start, n in zip(self.parts, self._offsets(), self.sizes):
+                    if p.lora_rank:
+                        p.add_lora(y[:, start:start + n], x, in_place=True)
         return y
+
+    def _offsets(self) -> list[int]:
+        """The first output column of each part in the stacked output."""
+        return [sum(self.sizes[:i]) for i in range(len(self.sizes))]
 
 
 def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Tensor:
