@@ -208,7 +208,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and kernels.kernels_available(gate.device):
+            # One Triton pass forward and one backward, PyTorch's roundings (`kernels.silu_mul_train`).
+            from quarl.kernels.silu_mul_train import silu_mul
+
+            return self.down_proj(silu_mul(gate.contiguous(), up.contiguous()))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
