@@ -494,3 +494,33 @@ def test_lora_accumulates_in_the_gemm_epilogue_with_float64_values_and_gradients
         expected = layer.add_lora(wide[:, 20:60].clone(), x.reshape(10, 96))
         layer.add_lora(wide[:, 20:60], x.reshape(10, 96), in_place=True)
         assert torch.equal(wide[:, 20:60], expected)
+
+
+def test_sync_requantizes_a_frozen_base_only_when_it_changed(monkeypatch):
+    """refresh(only_if_changed=True), the trainer's sync: a LoRA-frozen weight is not quantized again while it is
+    unchanged (torch's version counter), is after an in-place change, and a trained weight always is; a plain
+    refresh() always re-quantizes (it also covers writes through .data)."""
+    import quarl.model.qlinear as qlinear
+
+    calls = []
+    real = qlinear.quantize
+    monkeypatch.setattr(qlinear, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    frozen = make_layer(rollout_format="int8", lora_rank=4)
+    trained = make_layer(rollout_format="int8")
+    assert not frozen.weight.requires_grad and trained.weight.requires_grad
+    calls.clear()
+    frozen.refresh(only_if_changed=True)
+    assert calls == []
+    trained.refresh(only_if_changed=True)
+    assert calls == [1]
+    with torch.no_grad():
+        frozen.weight.mul_(2.0)
+    frozen.refresh(only_if_changed=True)
+    assert len(calls) == 2
+    torch.testing.assert_close(frozen.qweight.dequantize(torch.float32),
+                               quantize(frozen.weight.detach(), "int8", "weight").dequantize(torch.float32))
+    frozen.weight.data.mul_(0.5)  # invisible to the version counter: only a plain refresh() sees it
+    frozen.refresh(only_if_changed=True)
+    assert len(calls) == 2
+    frozen.refresh()
+    assert len(calls) == 3

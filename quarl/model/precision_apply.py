@@ -75,11 +75,12 @@ def _freeze_for_lora(model: nn.Module, train_norms: bool) -> None:
                 param.requires_grad_(bool(norm and train_norms))
 
 
-def refresh_rollout_weights(model: nn.Module) -> None:
-    """Re-quantize every QuantLinear's master weight into its rollout copy, in place (the per-step sync)."""
+def refresh_rollout_weights(model: nn.Module, only_if_changed: bool = False) -> None:
+    """Re-quantize every QuantLinear's master weight into its rollout copy, in place (the per-step sync);
+    only_if_changed skips frozen weights that did not change since (see `QuantLinear.refresh`)."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.refresh()
+            module.refresh(only_if_changed)
 
 
 @contextlib.contextmanager

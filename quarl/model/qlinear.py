@@ -298,12 +298,18 @@ class QuantLinear(nn.Module):
         self.rollout = bool(on)
 
     @torch.no_grad()
-    def refresh(self) -> None:
+    def refresh(self, only_if_changed: bool = False) -> None:
         """Re-quantize the master weight into the rollout copy in place (same buffers): the per-step sync.
 
         Quantizes the master values as rounded to the compute dtype (BRIEF §7: both sides must see the same
-        bf16-rounded values). No-op without a rollout format and for a frozen (qlora) base.
+        bf16-rounded values). No-op without a rollout format and for a frozen (qlora) base. only_if_changed (the
+        trainer's sync): also a no-op for a weight that gets no gradient (a base frozen under LoRA) and has not
+        changed in place since its last quantization (torch's version counter); a trained weight is always
+        re-quantized. A write through `.data` is invisible to the counter: call refresh() without the flag then.
         """
+        w = self.weight
+        if only_if_changed and w is not None and not w.requires_grad and self._rollout_version == w._version:
+            return
         self._frozen_codes_key = None  # a write through .data bypasses the version counter: refresh sees it
         if self.qweight_data is None or self.frozen_base:
             return

@@ -165,7 +165,7 @@ class Trainer:
     def sync(self, step: int) -> float:
         """Re-quantize master weights into the rollout copy (in place) and draw this step's AQN noise."""
         t0 = time.perf_counter()
-        refresh_rollout_weights(self.model)
+        refresh_rollout_weights(self.model, only_if_changed=True)  # a LoRA-frozen base is quantized once
         a = self.cfg.aqn
         sigma = aqn_sigma(step, self.cfg.train.steps, a.sigma_start, a.sigma_end, a.stages)
         if a.sigma_start > 0:
