@@ -524,3 +524,29 @@ def test_sync_requantizes_a_frozen_base_only_when_it_changed(monkeypatch):
     assert len(calls) == 2
     frozen.refresh()
     assert len(calls) == 3
+
+
+def test_rollout_uses_a_cast_copy_of_the_adapter_refreshed_in_place():
+    """In rollout mode (no autograd) add_lora reads (A, B * scaling) cast when the rollout began: the same
+    output bit for bit as casting on every call; the copy never aliases the parameters, and the next rollout
+    rewrites it in place (same storage, new values) so captured CUDA graphs see the trained adapter."""
+    layer = make_layer(rollout_format="int8", lora_rank=4, lora_alpha=8.0)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(6, 300)
+    layer.set_rollout(True)
+    a_copy, b_copy = layer._rollout_adapter
+    assert a_copy.data_ptr() != layer.lora_A.data_ptr()
+    with torch.no_grad():
+        y = layer(x)
+        uncached = layer._rollout_forward(x, layer.bias)
+        uncached = torch.addmm(uncached, x @ layer.lora_A.T, (layer.lora_B * layer.scaling).T)
+    assert torch.equal(y, uncached)
+    layer.set_rollout(False)
+    with torch.no_grad():
+        layer.lora_B.add_(1.0)  # a training step changes the adapter
+    layer.set_rollout(True)
+    assert layer._rollout_adapter[1].data_ptr() == b_copy.data_ptr()
+    torch.testing.assert_close(layer._rollout_adapter[1], layer.lora_B * layer.scaling, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not torch.equal(layer(x), y)

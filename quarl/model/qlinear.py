@@ -128,6 +128,8 @@ class QuantLinear(nn.Module):
         self._rollout_version: int | None = None
         self._frozen_codes: FrozenWeightCodes | None = None
         self._frozen_codes_key: tuple | None = None
+        # The adapter as rollouts use it, (A [r, in], B * scaling [out, r]) in the compute dtype (set_rollout).
+        self._rollout_adapter: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------- configuration
     def configure(
@@ -224,6 +226,7 @@ class QuantLinear(nn.Module):
         """Drop the adapters and undo the freezing they caused."""
         self.lora_A = None
         self.lora_B = None
+        self._rollout_adapter = None
         self.lora_rank, self.lora_alpha, self.scaling, self.lora_dropout = 0, 0.0, 0.0, 0.0
         if self._frozen_by_lora:
             for p in (self.weight, self.bias):
@@ -294,8 +297,27 @@ class QuantLinear(nn.Module):
         )
 
     def set_rollout(self, on: bool) -> None:
-        """Rollout forward (quantized rollout copy) when on, training forward when off."""
+        """Rollout forward (quantized rollout copy) when on, training forward when off. Turning it on also
+        refreshes the rollout's copy of the LoRA adapter (`add_lora`)."""
         self.rollout = bool(on)
+        if self.rollout and self.lora_rank:
+            self._refresh_rollout_adapter()
+
+    @torch.no_grad()
+    def _refresh_rollout_adapter(self) -> None:
+        """(A, B * scaling) in the compute dtype for the rollout: cast once per rollout instead of in every decode
+        step (two to three small kernels per linear per token); rewritten in place, so CUDA graphs captured in an
+        earlier rollout read the current adapter."""
+        dtype = self.compute_dtype
+        a = self.lora_A.detach().to(dtype, copy=True)  # a copy even when the dtypes agree: never the parameter
+        b = (self.lora_B.detach() * self.scaling).to(dtype)
+        old = self._rollout_adapter
+        if old is not None and all(o.shape == n.shape and o.dtype == n.dtype and o.device == n.device
+                                   for o, n in zip(old, (a, b))):
+            old[0].copy_(a)
+            old[1].copy_(b)
+        else:
+            self._rollout_adapter = (a, b)
 
     @torch.no_grad()
     def refresh(self, only_if_changed: bool = False) -> None:
@@ -433,8 +455,13 @@ class QuantLinear(nn.Module):
         in training (never in rollout: the behaviour policy must be the deterministic adapter)."""
         p = self.lora_dropout if (self.training and not self.rollout) else 0.0
         h = F.dropout(x, p, training=True) if p > 0 else x
-        xa = F.linear(h.reshape(-1, self.in_features), self.lora_A.to(x.dtype))  # [M, r]
-        b = (self.lora_B * self.scaling).to(x.dtype)  # [out, r]
+        cached = self._rollout_adapter if self.rollout else None
+        if cached is not None and cached[0].dtype == x.dtype and cached[0].device == x.device and \
+                not torch.is_grad_enabled():
+            a, b = cached  # the same values as below, cast when the rollout began
+        else:
+            a, b = self.lora_A.to(x.dtype), (self.lora_B * self.scaling).to(x.dtype)  # [r, in], [out, r]
+        xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
         if in_place:
             return y.addmm_(xa, b.t())
         return torch.addmm(y.reshape(-1, self.out_features), xa, b.t()).reshape(y.shape)
