@@ -398,7 +398,7 @@ def _run_in_interpreter(script: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
                          timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-500:] + res.stderr[-3000:]
 
 
 _TRITON_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""

@@ -248,7 +248,7 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
     xc = x.clone().requires_grad_(True)
     y_frozen = FP8BlockLinear.apply(xc, w, None, codes)
     y_frozen.backward(g)
-    assert calls[-1]["qweight"] is codes.forward and not calls[-1]["keep_x_codes"]
+    assert calls[-1]["qweight"] is codes.padded("forward") and not calls[-1]["keep_x_codes"]
     assert torch.equal(xc.grad, dx) and torch.equal(y_frozen, FP8BlockLinear.apply(x, w, None))
 
 
@@ -370,10 +370,11 @@ def _frozen_lora_layer(k: int = 300, n: int = 200) -> QuantLinear:
 def _reference_frozen_lora(layer: QuantLinear, x: torch.Tensor, g: torch.Tensor):
     """(y, dx, dA, dB) of the same layer with the base quantized on every call (FP8BlockLinear, frozen=None)."""
     xr = x.clone().requires_grad_(True)
-    a, b = layer.lora_A.detach().clone().requires_grad_(True), layer.lora_B.detach().clone().requires_grad_(True)
-    y = FP8BlockLinear.apply(xr, layer.weight, layer.bias) + (xr @ a.T @ b.T) * layer.scaling
+    a, b = layer.lora_A, layer.lora_B
+    a.grad = b.grad = None
+    y = layer.add_lora(FP8BlockLinear.apply(xr, layer.weight, layer.bias), xr)  # the layer's own LoRA term
     y.backward(g)
-    return y.detach(), xr.grad, a.grad, b.grad
+    return y.detach(), xr.grad, a.grad.clone(), b.grad.clone()
 
 
 def test_frozen_lora_base_is_quantized_once_with_the_same_values(monkeypatch):
@@ -393,7 +394,7 @@ def test_frozen_lora_base_is_quantized_once_with_the_same_values(monkeypatch):
         layer.lora_A.grad = layer.lora_B.grad = None
         y = layer(xc)
         y.backward(g)
-        got = (y.detach(), xc.grad, layer.lora_A.grad, layer.lora_B.grad)
+        got = (y.detach(), xc.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone())
         calls = len(quantized)
         for a, b in zip(got, _reference_frozen_lora(layer, x.reshape(-1, 300), g.reshape(-1, 200))):
             assert torch.equal(a.reshape(b.shape), b)
@@ -420,3 +421,63 @@ def test_frozen_codes_for_a_trained_weight_are_refused():
     codes = FrozenWeightCodes(quantized_weight(w, torch.float32), quantized_weight(w, torch.float32, transpose=True))
     with pytest.raises(ValueError, match="frozen=None for a trained weight"):
         FP8BlockLinear.apply(torch.randn(4, 300), w, None, codes)
+
+
+def test_a_replaced_frozen_weight_gets_fresh_codes_and_sync():
+    """A weight replaced by another tensor (load_state_dict(assign=True): a new tensor whose version counter may
+    equal the old one's) is neither served from the old FP8 codes nor skipped by the sync."""
+    layer = _frozen_lora_layer()
+    x = torch.randn(4, 300)
+    y_old = layer(x)
+    new_weight = layer.weight.detach() * 3
+    while new_weight._version < layer.weight._version:  # the same version number as the old tensor
+        new_weight.add_(0.0)
+    assert new_weight._version == layer.weight._version
+    layer.load_state_dict({**layer.state_dict(), "weight": new_weight}, assign=True)
+    layer.weight.requires_grad_(False)
+    ref = FP8BlockLinear.apply(x, layer.weight, layer.bias) + layer.add_lora(torch.zeros(4, 200), x)
+    y_new = layer(x)
+    assert not torch.equal(y_new, y_old) and torch.equal(y_new, ref)
+    layer.refresh(only_if_changed=True)  # the sync must re-quantize the new weight into the rollout copy
+    expected = quantized_weight(layer.weight, torch.float32)
+    assert torch.equal(layer.qweight.data.view(torch.uint8), expected.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("k", [768, 512])
+def test_fused_path_takes_frozen_codes_padded_once(monkeypatch, k):
+    """FP8BlockLinear's fused path (on the reference pieces of `_reference_training_kernels`, so it runs on a CPU)
+    with FrozenWeightCodes: the padded codes are built once and reused by later calls, and y and dx equal the
+    fused path that quantizes W itself (K = 768 needs padding to 8 groups, 512 none)."""
+    pytest.importorskip("triton")
+    _reference_training_kernels(monkeypatch)
+    from quarl.formats import fp8 as fp8_format
+    from quarl.model import fp8_training
+    from quarl.model.fp8_training import FrozenWeightCodes
+
+    monkeypatch.setattr(fp8_training, "training_gemm_ok", lambda x, n: True)
+    m, n = 256, 384
+    x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    g = torch.randn(m, n).to(torch.bfloat16)
+    codes = FrozenWeightCodes(quantized_weight(w, torch.bfloat16), quantized_weight(w, torch.bfloat16, True))
+    copies = []  # (source, padded copy) of every call that had to copy
+
+    def counting_pad(q, mult, real_pad=fp8_format.pad_block_groups):
+        out = real_pad(q, mult)
+        if out is not q:
+            copies.append(q)
+        return out
+
+    monkeypatch.setattr(fp8_format, "pad_block_groups", counting_pad)
+    results = []
+    for frozen in (None, codes, codes):
+        xc = x.clone().requires_grad_(True)
+        y = FP8BlockLinear.apply(xc, w, None, frozen)
+        y.backward(g)
+        results.append((y, xc.grad))
+    # Each of the frozen operands is copied at most once (only where its group count needs padding), not again in
+    # the third call; the per-call path (frozen=None) pads its own fresh codes.
+    frozen_copies = [q for q in copies if q is codes.forward or q is codes.transposed]
+    assert len(frozen_copies) == len({id(q) for q in frozen_copies}) == (2 if k == 768 else 1)
+    for y, dx in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(dx, results[0][1])

@@ -229,7 +229,8 @@ def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
     from quarl.model.qlinear import QuantLinear
     from quarl.rollout.fused_decode import FusedProjection
 
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
     parts = []
     for n in (512, 128, 128):
         p = QuantLinear(256, n, bias=True).cuda().to(torch.bfloat16)
@@ -245,9 +246,13 @@ def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
     with torch.no_grad():
         got = fused(x)
         want = torch.cat([p(x) for p in parts], dim=-1)
+        base = torch.cat([p._rollout_forward(x, p.bias) for p in parts], dim=-1)
+        lora_only = torch.cat([p.add_lora(torch.zeros_like(b), x)
+                               for p, b in zip(parts, base.split((512, 128, 128), 1))], dim=-1)
     assert fused.fused_qweight is not None  # the stacked path ran
-    err = (got.float() - want.float()).abs()
-    assert bool((err <= 2.0**-7 * want.float().abs() + 2.0**-7).all()), float(err.max())
-    lora_only = torch.cat([p.add_lora(torch.zeros_like(w), x) for p, w in zip(parts, want.split((512, 128, 128), 1))],
-                          dim=-1)
     assert float(lora_only.abs().max()) > 1.0  # the adapters contribute visibly
+    # The stacked and the per-part GEMMs may round the base differently, and the adapter can cancel the base: the
+    # tolerance is relative to both terms' magnitudes (two bf16 roundings).
+    err = (got.float() - want.float()).abs()
+    tol = 2.0**-7 * (base.float().abs() + lora_only.float().abs()) + 2.0**-7
+    assert bool((err <= tol).all()), (seed, float((err / tol).max()))

@@ -39,7 +39,9 @@ _CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     sys.path.insert(0, "tests")
     from test_silu_mul import check_against_torch_and_float64
     from quarl.kernels.silu_mul_train import silu_mul
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    print("seed", seed)  # shown with the traceback when a check fails
     # fp16 only: the interpreter converts float32 to bf16 by truncation, not rounding (the GPU test covers bf16)
     for shape, dtype in [((3, 5, 200), torch.float16), ((4100,), torch.float16), ((1, 2048), torch.float16)]:
         gate = (torch.randn(shape) * 4).to(dtype)
@@ -60,7 +62,7 @@ def test_silu_mul_refuses_mismatched_inputs():
     pytest.importorskip("triton")
     from quarl.kernels.silu_mul_train import silu_mul
 
-    with pytest.raises(ValueError, match="contiguous gate and up of one shape"):
+    with pytest.raises(ValueError, match="contiguous gate and up of one shape, dtype and device"):
         silu_mul(torch.randn(4, 6), torch.randn(6, 4).t())
 
 

@@ -4,8 +4,9 @@ PyTorch's `F.silu(gate) * up` runs two kernels forward (silu, then the product: 
 backward, and autograd keeps three [M, N] tensors (gate, silu(gate), up). Here the forward reads gate and up
 and writes h, the backward reads gate, up and dh and writes dgate and dup, and the saved tensors are gate and up.
 Each value is rounded where PyTorch rounds it (bf16/fp16 after silu, after the product; backward after dh * up,
-dh * silu(gate) and the silu gradient), the arithmetic in float32 as PyTorch's opmath: the result equals
-PyTorch's up to the float32 exp (a last-bit difference there can move a value by one rounding).
+dh * silu(gate) and the silu gradient), the arithmetic in float32 as PyTorch's opmath. The float32 exp and the
+order of the silu gradient's products may differ from PyTorch's in the last float32 bit, which can round a value
+one spacing apart and a product computed from it up to two: within two spacings of the dtype (tests/test_silu_mul.py).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class SiluMul(torch.autograd.Function):
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up through `SiluMul`; gate and up [..., N], same shape, dtype and device, contiguous."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError(f"silu_mul needs contiguous gate and up of one shape and dtype, got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device or \
+            not (gate.is_contiguous() and up.is_contiguous()):
+        raise ValueError(f"silu_mul needs contiguous gate and up of one shape, dtype and device, got "
+                         f"{tuple(gate.shape)} {gate.dtype} {gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
     return SiluMul.apply(gate, up)

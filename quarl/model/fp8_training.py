@@ -25,7 +25,7 @@ tensor cores. On a CPU all three GEMMs multiply dequantized operands (the refere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ def block_matmul(a: torch.Tensor, qb: QuantizedTensor, bias: torch.Tensor | None
     return y
 
 
-@dataclass(frozen=True)
+@dataclass
 class FrozenWeightCodes:
     """The two FP8-block operands of a weight W [N, K] that gets no gradient (a base frozen under LoRA), quantized
     once and reused by every forward and backward: forward = Q(W) (`quantized_weight(w, dtype)`), transposed =
@@ -99,6 +99,17 @@ class FrozenWeightCodes:
 
     forward: QuantizedTensor
     transposed: QuantizedTensor
+    _padded: dict = field(default_factory=dict, repr=False)
+
+    def padded(self, name: str) -> QuantizedTensor:
+        """`forward` or `transposed` with its 128-wide groups padded to a multiple of 4, as cuBLAS blockwise takes
+        them (`quarl.formats.fp8.pad_block_groups`): padded once (a copy only where the count is not a multiple
+        of 4), not in every call."""
+        if name not in self._padded:
+            from quarl.formats.fp8 import pad_block_groups
+
+            self._padded[name] = pad_block_groups(getattr(self, name), 4)
+        return self._padded[name]
 
 
 class FP8BlockLinear(torch.autograd.Function):
@@ -125,9 +136,9 @@ class FP8BlockLinear(torch.autograd.Function):
 
             keep = ctx.needs_input_grad[1]
             y, x_codes = linear_forward(x, weight, bias, keep_x_codes=keep,
-                                        qweight=None if frozen is None else frozen.forward)
+                                        qweight=None if frozen is None else frozen.padded("forward"))
             # x's transposed codes (the weight gradient's operand) and the master weight (Q(W^T) for the input
-            # gradient is quantized in the backward): the backward needs no x.
+            # gradient is quantized in the backward, or taken from `frozen`): the backward needs no x.
             ctx.fused = True
             ctx.save_for_backward(weight, *(x_codes if keep else ()))
             return y
@@ -146,7 +157,7 @@ class FP8BlockLinear(torch.autograd.Function):
             weight, *x_codes = ctx.saved_tensors
             g = grad_out.contiguous()
             grad_x, grad_w = linear_backward(g, weight, x_codes, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                             qweight_t=None if ctx.frozen is None else ctx.frozen.transposed)
+                                             qweight_t=None if ctx.frozen is None else ctx.frozen.padded("transposed"))
             if grad_w is not None:
                 grad_w = grad_w.to(ctx.weight_dtype)  # from the GEMM's bf16 output, rounded once more at most
             if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
             # torch's fused CUDA kernel (forward and backward): the same float32 math in one pass over x instead
             # of six elementwise passes through a float32 copy (a training step spent ~5 % of its time there).
             return F.rms_norm(x, (x.shape[-1],), self.effective_weight().to(x.dtype), self.eps)

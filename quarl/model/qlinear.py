@@ -20,6 +20,7 @@ memory. Its float buffers are stored under integer views (float32 scales as int3
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -123,9 +124,10 @@ class QuantLinear(nn.Module):
         self._base_dtype = dtype if dtype is not None else self.weight.dtype
         self._frozen_by_lora = False
         self._settings: dict | None = None
-        # The master weight's version (torch's in-place counter) that the rollout copy was quantized from, and
-        # the FP8-block codes of a weight that gets no gradient (quantized_backward under LoRA), with their key.
-        self._rollout_version: int | None = None
+        # Which master weight the rollout copy was quantized from: (a weak reference to the tensor, its version
+        # (torch's in-place counter) then); a replaced tensor or an in-place change makes it stale. And the
+        # FP8-block codes of a weight that gets no gradient (quantized_backward under LoRA), with their key.
+        self._rollout_source: tuple | None = None
         self._frozen_codes: FrozenWeightCodes | None = None
         self._frozen_codes_key: tuple | None = None
         # The adapter as rollouts use it, (A [r, in], B * scaling [out, r]) in the compute dtype (set_rollout).
@@ -219,7 +221,7 @@ class QuantLinear(nn.Module):
         for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
             setattr(self, name, None)
         self._qdtypes = None
-        self._rollout_version = None
+        self._rollout_source = None
         self._frozen_codes = self._frozen_codes_key = None
 
     def _reset_lora(self) -> None:
@@ -238,7 +240,7 @@ class QuantLinear(nn.Module):
     def _allocate_rollout_copy(self) -> None:
         qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight")
         self._qdtypes = (qt.data.dtype, qt.scale.dtype)
-        self._rollout_version = self.weight._version
+        self._rollout_source = self._weight_state()
         # The rollout copy is derived from the master weight (refresh() rebuilds it), so it is not saved in the
         # state dict — except with a frozen base, where it IS the weight.
         persistent = self.frozen_base
@@ -299,9 +301,14 @@ class QuantLinear(nn.Module):
     def set_rollout(self, on: bool) -> None:
         """Rollout forward (quantized rollout copy) when on, training forward when off. Turning it on also
         refreshes the rollout's copy of the LoRA adapter (`add_lora`)."""
+        starting = bool(on) and not self.rollout  # the model's set_rollout and rollout_mode both call this
         self.rollout = bool(on)
-        if self.rollout and self.lora_rank:
+        if starting and self.lora_rank:
             self._refresh_rollout_adapter()
+
+    def _scaled_lora_B(self, dtype: torch.dtype) -> torch.Tensor:
+        """B * scaling [out, r] in dtype (the cached rollout copy and the training forward round it alike)."""
+        return (self.lora_B * self.scaling).to(dtype)
 
     @torch.no_grad()
     def _refresh_rollout_adapter(self) -> None:
@@ -310,7 +317,7 @@ class QuantLinear(nn.Module):
         earlier rollout read the current adapter."""
         dtype = self.compute_dtype
         a = self.lora_A.detach().to(dtype, copy=True)  # a copy even when the dtypes agree: never the parameter
-        b = (self.lora_B.detach() * self.scaling).to(dtype)
+        b = self._scaled_lora_B(dtype).detach()
         old = self._rollout_adapter
         if old is not None and all(o.shape == n.shape and o.dtype == n.dtype and o.device == n.device
                                    for o, n in zip(old, (a, b))):
@@ -330,13 +337,13 @@ class QuantLinear(nn.Module):
         re-quantized. A write through `.data` is invisible to the counter: call refresh() without the flag then.
         """
         w = self.weight
-        if only_if_changed and w is not None and not w.requires_grad and self._rollout_version == w._version:
+        if only_if_changed and w is not None and not w.requires_grad and self._rollout_copy_current():
             return
         self._frozen_codes_key = None  # a write through .data bypasses the version counter: refresh sees it
         if self.qweight_data is None or self.frozen_base:
             return
         qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight", out=self.qweight)
-        self._rollout_version = self.weight._version
+        self._rollout_source = self._weight_state()
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
 
@@ -424,19 +431,42 @@ class QuantLinear(nn.Module):
         Q(W) [N, K] and Q(W^T) [K, N] from the weight rounded to dtype, quantized once instead of in every forward
         and backward; None when the weight trains or dtype is not the compute dtype. Q(W) is the rollout copy
         itself while that is current (same codes, no second copy); Q(W^T) is kept on the module (N*K bytes, not
-        in the state dict). Both are rebuilt when the weight changes in place (torch's version counter) or moves, and
-        after `refresh()` (which also covers writes through `.data`, invisible to the version counter)."""
+        in the state dict, dropped when the module moves or converts). Both are rebuilt when the weight is replaced,
+        changes in place (torch's version counter) or moves, and after `refresh()` (which also covers writes
+        through `.data`, invisible to the version counter)."""
         w = self.weight
         if w.requires_grad or dtype != self.compute_dtype:
+            self._frozen_codes = self._frozen_codes_key = None  # e.g. unfrozen since: free the N*K bytes
             return None
-        key = (w.data_ptr(), w._version, dtype)
-        if self._frozen_codes_key != key:
+        if not self._same_state(self._frozen_codes_key, w.data_ptr(), dtype):
             rollout_current = (self.qweight_data is not None and self.rollout_format == fp8_training.FORMAT
-                               and self._rollout_version == w._version and self.qweight_data.device == w.device)
+                               and self._rollout_copy_current() and self.qweight_data.device == w.device)
             forward = self.qweight if rollout_current else fp8_training.quantized_weight(w, dtype)
             self._frozen_codes = FrozenWeightCodes(forward, fp8_training.quantized_weight(w, dtype, transpose=True))
-            self._frozen_codes_key = key
+            self._frozen_codes_key = self._weight_state(w.data_ptr(), dtype)
         return self._frozen_codes
+
+    def _weight_state(self, *extra) -> tuple:
+        """(weak reference to the master weight tensor, its version, *extra); compare with `_same_state`.
+        (Versions alone are per tensor: a replacement weight, e.g. load_state_dict(assign=True), starts at the
+        version the old one may have had.)"""
+        return (weakref.ref(self.weight), self.weight._version, *extra)
+
+    def _same_state(self, saved: tuple | None, *extra) -> bool:
+        """Whether `saved` (from `_weight_state(*extra)`) describes the master weight as it is now: the same
+        tensor object (compared by identity: == on tensors is elementwise), unchanged in place, same extras."""
+        now = self._weight_state(*extra)
+        return saved is not None and saved[0]() is self.weight and saved[1:] == now[1:]
+
+    def _rollout_copy_current(self) -> bool:
+        """Whether the rollout copy was quantized from the master weight as it is now."""
+        return self.weight is not None and self._same_state(self._rollout_source)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .cuda() / .half(): drop the frozen-weight FP8 codes (a plain attribute, not a buffer, so they
+        # would stay behind on the old device); the next training forward rebuilds them.
+        self._frozen_codes = self._frozen_codes_key = None
+        return super()._apply(fn, recurse)
 
     def _frozen_base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ deq(base)^T + b; under autograd without keeping deq(base) alive until backward."""
@@ -447,7 +477,8 @@ class QuantLinear(nn.Module):
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """y + dropout(x) @ A^T @ B^T * scaling for y [..., out_features] and x [..., in_features] (x.dtype);
-        in_place (no autograd; y 2-D, e.g. a column slice of a stacked output): accumulated into y itself.
+        in_place (y 2-D, e.g. a column slice of a stacked output; meant for the rollout, though autograd records
+        it too): accumulated into y itself.
 
         The adapter's output is accumulated into y by the second GEMM's epilogue (addmm, beta = 1), with the
         scaling folded into B ([out, r] values, not [M, out]): no elementwise pass over the [M, out] output in the
@@ -460,7 +491,7 @@ class QuantLinear(nn.Module):
                 not torch.is_grad_enabled():
             a, b = cached  # the same values as below, cast when the rollout began
         else:
-            a, b = self.lora_A.to(x.dtype), (self.lora_B * self.scaling).to(x.dtype)  # [r, in], [out, r]
+            a, b = self.lora_A.to(x.dtype), self._scaled_lora_B(x.dtype)  # [r, in], [out, r]
         xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
         if in_place:
             return y.addmm_(xa, b.t())

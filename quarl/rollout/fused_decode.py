@@ -40,6 +40,7 @@ class FusedProjection:
     def __init__(self, parts: list[QuantLinear]):
         self.parts = parts
         self.sizes = [p.out_features for p in parts]
+        self.column_starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]  # of each part in the output
         self._fused: dict[str, torch.Tensor] | None = None
         self._fuse()
 
@@ -185,16 +186,12 @@ class FusedProjection:
         if any(p.lora_rank for p in self.parts):
             if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
                 y = torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
-                               for p, start, n in zip(self.parts, self._offsets(), self.sizes)], dim=-1)
+                               for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
             else:  # rollout: each adapter accumulates into its part's columns of the stacked output
-                for p, start, n in zip(self.parts, self._offsets(), self.sizes):
+                for p, start, n in zip(self.parts, self.column_starts, self.sizes):
                     if p.lora_rank:
                         p.add_lora(y[:, start:start + n], x, in_place=True)
         return y
-
-    def _offsets(self) -> list[int]:
-        """The first output column of each part in the stacked output."""
-        return [sum(self.sizes[:i]) for i in range(len(self.sizes))]
 
 
 def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Tensor:
