@@ -4,9 +4,11 @@ setting, on a random-weight Qwen2.5 architecture cut to a few layers: where the 
     PYTHONPATH=. python3 bench/update_profile.py --model-size 7b --layers 4 --lora-rank 32 --checkpointing
 
 Settings: bf16 (full precision training), unified-qb (unified flow, fp8-block, precision.quantized_backward:
-Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized too); a "+rope" suffix turns on
-the fused training rotary embedding (`quarl.model.layers.FUSED_ROPE`) for that setting. Prints ms per micro-batch
-and, with --top N, the N CUDA kernels with the most total time in one profiled micro-batch.
+Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized too). Suffixes turn on, for that
+setting, kernels that are off by default: "+rope" the fused training rotary embedding
+(`quarl.model.layers.FUSED_ROPE`), "+lp" the fused answer log-probs (`quarl.rl.batch.FUSED_LOGPROBS`), e.g.
+`--settings bf16,bf16+rope+lp`. Prints ms per micro-batch and, with --top N, the N CUDA kernels with the most
+total time in one profiled micro-batch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from quarl.model import layers
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.rl import batch
 from quarl.rl.batch import answer_logprobs
 
 SETTINGS = {
@@ -32,7 +35,7 @@ SETTINGS = {
 
 
 def build(args, setting: str) -> QuarlForCausalLM:
-    """A cut-down random-weight model configured for `setting` (its name without a "+rope" suffix)."""
+    """A cut-down random-weight model configured for `setting` (its name before any "+" suffix)."""
     cfg = dataclasses.replace(model_config(args.model_size), num_layers=args.layers)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -40,7 +43,7 @@ def build(args, setting: str) -> QuarlForCausalLM:
     model = model.to(torch.bfloat16)
     model.materialize(args.device, 0.02, None)
     model.requires_grad_(True)
-    precision = PrecisionConfig(**SETTINGS[setting.removesuffix("+rope")], lora=LoraConfig(rank=args.lora_rank))
+    precision = PrecisionConfig(**SETTINGS[setting.split("+")[0]], lora=LoraConfig(rank=args.lora_rank))
     apply_precision(model, precision)
     model.gradient_checkpointing = args.checkpointing
     return model.train()
@@ -73,7 +76,8 @@ def main() -> None:
           f"checkpointing {args.checkpointing}")
     times = {}
     for setting in args.settings.split(","):
-        layers.FUSED_ROPE = setting.endswith("+rope")
+        suffixes = set(setting.split("+")[1:])
+        layers.FUSED_ROPE, batch.FUSED_LOGPROBS = "rope" in suffixes, "lp" in suffixes
         model = build(args, setting)
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (args.rows, args.prompt_len + args.answer_len), device=args.device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quarl import kernels
 from quarl.rl.mismatch import entropy_from_logits
 
 
@@ -99,6 +100,17 @@ def build_batch(
     )
 
 
+# Off until GPU-tested and measured: the answer log-probs (and entropy) from the model-dtype logits by one Triton
+# pass forward and one backward (`quarl.kernels.token_logprobs`) instead of a float32 copy and log-softmax.
+FUSED_LOGPROBS = False
+
+
+def _fused_logprobs_ok(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
+    """Whether `answer_logprobs` takes `quarl.kernels.token_logprobs` (see FUSED_LOGPROBS)."""
+    return FUSED_LOGPROBS and input_ids.is_cuda and getattr(model, "dtype", None) in (torch.bfloat16, torch.float16) \
+        and kernels.kernels_available(input_ids.device)
+
+
 def answer_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -118,6 +130,13 @@ def answer_logprobs(
     T = input_ids.shape[1]
     width = min(width, T - 1)
     decode_start = None if answer_lengths is None else (T - 1 - answer_lengths).to(input_ids.device)
+    if _fused_logprobs_ok(model, input_ids):
+        from quarl.kernels.token_logprobs import token_logprobs
+
+        h = model.hidden_states(input_ids, attention_mask=attention_mask, decode_start=decode_start)
+        logits = model.lm_head(h[:, -(width + 1):-1])  # [B, width, vocab] in the model dtype, no float32 copy
+        t = temperature if temperature > 0 else 1.0
+        return token_logprobs(logits, input_ids[:, -width:].to(logits.device), t, with_entropy)
     logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=width + 1,
                    decode_start=decode_start)[:, :-1]  # float32 (float64 for a float64 model)
     if temperature > 0 and temperature != 1.0:

@@ -1,0 +1,118 @@
+"""Log-probability of each row's target token (and the row's entropy) straight from bf16/fp16 logits, with its
+backward, one Triton pass each: the training loss's log-softmax without a float32 copy of the logits.
+
+The PyTorch path (`quarl.rl.batch.answer_logprobs`) turns [rows, vocab] logits into float32, divides by the
+temperature, takes logsumexp and gathers the targets: several passes over a float32 tensor twice the logits' size,
+which autograd keeps. Here the forward reads the logits once per row (an online logsumexp in float32, Milakov &
+Gimelshein 2018) and keeps only the row's logsumexp; the backward reads them again and writes
+dlogits = g * (onehot(target) - softmax) / temperature in the logits' dtype.
+
+Per row i with z = logits[i] / temperature (float32): lse = log sum exp z, logprob = z[target] - lse,
+entropy = lse - sum softmax(z) * z. Values agree with the float32 PyTorch path up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # vocabulary entries per loop step of one row
+
+
+@triton.jit
+def _logprob_fwd_kernel(logits_ptr, target_ptr, lp_ptr, lse_ptr, ent_ptr, V, stride_row, inv_t,
+                        BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per-lane running max, sum exp(z - m), sum exp(z - m) z
+    s = tl.zeros((BLOCK,), tl.float32)
+    w = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        mask = start + cols < V
+        z = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, z)
+        # Lanes that have seen only -inf keep m = -inf: scale 0 instead of exp(nan).
+        scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+        e = tl.where(m_new == float("-inf"), 0.0, tl.exp(z - m_new))
+        s = s * scale + e
+        if WITH_ENTROPY:
+            w = w * scale + tl.where(mask & (e > 0), e * z, 0.0)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    lane = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_row))
+    total = tl.sum(s * lane, axis=0)
+    lse = m_row + tl.log(total)
+    target = tl.load(target_ptr + row)
+    z_t = tl.load(base + target).to(tl.float32) * inv_t
+    tl.store(lp_ptr + row, z_t - lse)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        tl.store(ent_ptr + row, lse - tl.sum(w * lane, axis=0) / total)
+
+
+@triton.jit
+def _logprob_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, grad_ptr, V, stride_row, stride_grad, inv_t,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    out = grad_ptr + row * stride_grad
+    cols = tl.arange(0, BLOCK)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row).to(tl.float32)
+    target = tl.load(target_ptr + row)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        x = tl.load(base + idx, mask=mask, other=0.0)
+        p = tl.exp(x.to(tl.float32) * inv_t - lse)
+        d = g * inv_t * (tl.where(idx == target, 1.0, 0.0) - p)
+        tl.store(out + idx, d.to(x.dtype), mask=mask)
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """(logprobs [N] float32, entropy [N] float32 or None) for logits [N, V] (bf16/fp16/float32, rows with unit
+    column stride) on a CUDA device, targets long [N], temperature > 0; the gradient flows to the logits only
+    (entropy is detached, as the trainer uses it)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        n, v = logits.shape
+        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if with_entropy else None
+        if n:
+            _logprob_fwd_kernel[(n,)](logits, targets, lp, lse, lse if ent is None else ent, v, logits.stride(0),
+                                      1.0 / temperature, BLOCK=BLOCK, WITH_ENTROPY=with_entropy, num_warps=8)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.inv_t = 1.0 / temperature
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor, _g_ent):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        n, v = logits.shape
+        if n:
+            _logprob_bwd_kernel[(n,)](logits, targets, lse, g_lp.contiguous(), grad, v, logits.stride(0),
+                                      grad.stride(0), ctx.inv_t, BLOCK=BLOCK, num_warps=8)
+        return grad, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [..., V], targets long [...] (values in [0, V)) -> (logprobs [...] float32, entropy [...] float32
+    or None) under softmax(logits / temperature), through `TokenLogprobs`."""
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")
+    if logits.shape[:-1] != targets.shape or logits.stride(-1) != 1:
+        raise ValueError(f"token_logprobs needs logits [..., V] with unit column stride and targets [...] of the "
+                         f"leading shape; got logits {tuple(logits.shape)} strides {logits.stride()}, targets "
+                         f"{tuple(targets.shape)}")
+    lead = targets.shape
+    lp, ent = TokenLogprobs.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).contiguous(),
+                                  float(temperature), with_entropy)
+    return lp.reshape(lead), (None if ent is None else ent.reshape(lead))
