@@ -103,3 +103,43 @@ def test_token_scaled_roundtrip_is_the_rowwise_fp8_format_and_does_not_saturate(
     assert rel <= 2.0**-4, rel  # E4M3 steps of 1/8 relative to each vector's own amax: half a step at most
     assert torch.equal(got[0, 0, 0], torch.zeros(16))
     assert (fp8_kv_roundtrip(x) - x).abs().amax() > 1e3  # the single-scale cache saturates the 1e4-sized tokens
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8-token"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_prefill_attention_over_the_prefix_equals_the_full_definition(kv, padded):
+    """The FP8-KV training attention runs its unrounded (prefill) part over the first max(decode_start) queries
+    and keys only: its output and the gradients of q, k, v equal the definition (two full attentions, one on
+    rounded K/V, selected per query) in float64 to 1e-12, with each row's own decode start (0, middle, last
+    column) and with left padding."""
+    from quarl.model.decoder import _build_attn_mask
+    from quarl.model.tiny import tiny_config
+
+    cfg = tiny_config("qwen2")
+    attn = Attention(cfg, 0).double()
+    attn.kv_quant = kv
+    B, T, H, Hkv, D = 4, 13, attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q0, k0, v0 = (torch.randn(B, h, T, D, dtype=torch.float64) * 3 for h in (H, Hkv, Hkv))
+    decode_start = torch.tensor([0, 5, 9, T - 1])
+    mask = None
+    if padded:
+        valid = torch.ones(B, T, dtype=torch.bool)
+        valid[1, :3] = False
+        mask = _build_attn_mask(valid, 0, T)
+
+    def run(fn):
+        q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+        out = fn(q, k, v)
+        out.pow(2).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def definition(q, k, v):
+        k_q = k + (fp8_kv_roundtrip(k, kv == "fp8-token") - k).detach()
+        v_q = v + (fp8_kv_roundtrip(v, kv == "fp8-token") - v).detach()
+        decoding = torch.arange(T)[None, :] >= decode_start[:, None]
+        return torch.where(decoding[:, None, :, None], attn._sdpa(q, k_q, v_q, mask), attn._sdpa(q, k, v, mask))
+
+    got = run(lambda q, k, v: attn._fp8_kv_attention(q, k, v, mask, decode_start))
+    want = run(definition)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -198,14 +198,29 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
-        out = self._sdpa(q, k, v, attn_mask)
         if self.kv_quant is not None and decode_start is not None and kv_cache is None:
-            token = self.kv_quant == "fp8-token"
-            k_q = k + (fp8_kv_roundtrip(k, token) - k).detach()
-            v_q = v + (fp8_kv_roundtrip(v, token) - v).detach()
-            decoding = torch.arange(T, device=x.device)[None, :] >= decode_start.to(x.device)[:, None]  # [B, T]
-            out = torch.where(decoding[:, None, :, None], self._sdpa(q, k_q, v_q, attn_mask), out)
+            out = self._fp8_kv_attention(q, k, v, attn_mask, decode_start)
+        else:
+            out = self._sdpa(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _fp8_kv_attention(self, q, k, v, attn_mask, decode_start: torch.Tensor) -> torch.Tensor:
+        """Attention [B, H, T, D] as the engine computes it with an FP8 KV cache: queries from a row's
+        decode_start [B] on read FP8-rounded keys/values (straight-through gradients), earlier (prefill) queries
+        the unrounded ones. Causal attention lets the prefill part stop at p = max(decode_start) queries and keys,
+        so the second attention costs (p / T)^2 of the first. decode_start on the CPU avoids a device sync."""
+        token = self.kv_quant == "fp8-token"
+        k_q = k + (fp8_kv_roundtrip(k, token) - k).detach()
+        v_q = v + (fp8_kv_roundtrip(v, token) - v).detach()
+        out = self._sdpa(q, k_q, v_q, attn_mask)
+        p = min(int(decode_start.max()), q.shape[2])
+        if p <= 0:
+            return out
+        mask = None if attn_mask is None else attn_mask[:, :, :p, :p]
+        prefill = self._sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask)
+        decoding = (torch.arange(p, device=decode_start.device)[None, :] >= decode_start[:, None]).to(q.device)
+        head = torch.where(decoding[:, None, :, None], out[:, :, :p], prefill)  # [B, H, p, D]
+        return torch.cat([head, out[:, :, p:]], dim=2)
 
     def _sdpa(self, q, k, v, attn_mask):
         gqa = self.num_heads != self.num_kv_heads

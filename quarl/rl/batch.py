@@ -129,7 +129,8 @@ def answer_logprobs(
     """
     T = input_ids.shape[1]
     width = min(width, T - 1)
-    decode_start = None if answer_lengths is None else (T - 1 - answer_lengths).to(input_ids.device)
+    # On the CPU: attention layers that mimic an FP8 KV cache read its maximum (no device sync).
+    decode_start = None if answer_lengths is None else (T - 1 - answer_lengths).cpu()
     if _fused_logprobs_ok(model, input_ids):
         from quarl.kernels.token_logprobs import token_logprobs
 
