@@ -6,9 +6,10 @@ setting, on a random-weight Qwen2.5 architecture cut to a few layers: where the 
 Settings: bf16 (full precision training), unified-qb (unified flow, fp8-block, precision.quantized_backward:
 Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized too). Suffixes turn on, for that
 setting, kernels that are off by default: "+rope" the fused training rotary embedding
-(`quarl.model.layers.FUSED_ROPE`), "+lp" the fused answer log-probs (`quarl.rl.batch.FUSED_LOGPROBS`), e.g.
-`--settings bf16,bf16+rope+lp`. Prints ms per micro-batch and, with --top N, the N CUDA kernels with the most
-total time in one profiled micro-batch.
+(`quarl.model.layers.FUSED_ROPE`), "+lp" the fused answer log-probs (`quarl.rl.batch.FUSED_LOGPROBS`); "+kv"
+makes the training attention mimic an FP8 KV cache, as the unified flow does with precision.kv_cache=fp8 (B3's
+FP8 setting). E.g. `--settings bf16,bf16+rope+lp,unified-qb-head+kv`. Prints ms per micro-batch and, with
+--top N, the N CUDA kernels with the most total time in one profiled micro-batch.
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ def build(args, setting: str) -> QuarlForCausalLM:
     model.requires_grad_(True)
     precision = PrecisionConfig(**SETTINGS[setting.split("+")[0]], lora=LoraConfig(rank=args.lora_rank))
     apply_precision(model, precision)
+    if "kv" in setting.split("+")[1:]:
+        for module in model.modules():
+            if isinstance(module, layers.Attention):
+                module.kv_quant = "fp8"  # as the trainer sets it for the unified flow with an FP8 KV cache
     model.gradient_checkpointing = args.checkpointing
     return model.train()
 
 
 def micro_batch(model, ids, mask, width):
-    logprobs, _ = answer_logprobs(model, ids, mask, 1.0, width)
+    """Forward and backward of the answer log-probs of ids [rows, T] (every answer `width` tokens long)."""
+    lengths = torch.full((ids.shape[0],), width, dtype=torch.long)
+    logprobs, _ = answer_logprobs(model, ids, mask, 1.0, width, answer_lengths=lengths)
     logprobs.mean().backward()
 
 
@@ -105,6 +112,7 @@ def main() -> None:
                 print(table)
         del model
         torch.cuda.empty_cache()
+    layers.FUSED_ROPE = batch.FUSED_LOGPROBS = False
     base = times.get("bf16")
     if base:
         for s, t in times.items():

@@ -18,9 +18,9 @@ def check_rope_against_torch(B, Bc, T, H, D, dtype, device="cpu"):
     from quarl.model.layers import apply_rope
 
     x = (torch.randn(B, T, H, D, device=device) * 3).to(dtype)
-    freqs = torch.rand(Bc, T, D // 2, device=device) * 50
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [Bc, 1, T, D], as RotaryEmbedding
+    # Independent random values in each half (RotaryEmbedding repeats one half; distinct halves catch a kernel that
+    # reads cos/sin from the wrong half), [Bc, 1, T, D] as RotaryEmbedding returns them.
+    cos, sin = ((torch.rand(Bc, 1, T, D, device=device) * 2 - 1).to(dtype) for _ in range(2))
     g = torch.randn(B, T, H, D, device=device).to(dtype)
     x1 = x.clone().requires_grad_(True)
     y = rope(x1, cos, sin)

@@ -26,30 +26,30 @@ def _logprob_fwd_kernel(logits_ptr, target_ptr, lp_ptr, lse_ptr, ent_ptr, V, str
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per-lane running max, sum exp(z - m), sum exp(z - m) z
-    s = tl.zeros((BLOCK,), tl.float32)
-    w = tl.zeros((BLOCK,), tl.float32)
+    # Running max m, sum exp(z - m) and sum exp(z - m) z over the blocks so far: rescaled once per block, so
+    # each logit costs one exp.
+    m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
+    w = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
     for start in range(0, V, BLOCK):
-        mask = start + cols < V
-        z = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, z)
-        # Lanes that have seen only -inf keep m = -inf: scale 0 instead of exp(nan).
-        scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-        e = tl.where(m_new == float("-inf"), 0.0, tl.exp(z - m_new))
-        s = s * scale + e
+        z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        finite = m_new > float("-inf")  # else every logit so far is -inf: nothing to add (and no exp(nan))
+        scale = tl.where(finite, tl.exp(m - m_new), 0.0)
+        e = tl.where(finite, tl.exp(z - m_new), 0.0)
+        s = s * scale + tl.sum(e, axis=0)
         if WITH_ENTROPY:
-            w = w * scale + tl.where(mask & (e > 0), e * z, 0.0)
+            w = w * scale + tl.sum(tl.where(e > 0, e * z, 0.0), axis=0)
         m = m_new
-    m_row = tl.max(m, axis=0)
-    lane = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_row))
-    total = tl.sum(s * lane, axis=0)
-    lse = m_row + tl.log(total)
+    lse = m + tl.log(s)
     target = tl.load(target_ptr + row)
+    tl.device_assert((target >= 0) & (target < V), "token_logprobs: a target id is outside the vocabulary")
     z_t = tl.load(base + target).to(tl.float32) * inv_t
     tl.store(lp_ptr + row, z_t - lse)
     tl.store(lse_ptr + row, lse)
     if WITH_ENTROPY:
-        tl.store(ent_ptr + row, lse - tl.sum(w * lane, axis=0) / total)
+        # lse - E[z] >= 0 exactly; float32 round-off can take a one-hot row a hair below zero
+        tl.store(ent_ptr + row, tl.maximum(lse - w / s, 0.0))
 
 
 @triton.jit

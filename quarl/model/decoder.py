@@ -201,7 +201,8 @@ class QuarlForCausalLM(nn.Module):
             kv_cache: a `quarl.rollout.kv_cache.KVCache` (or None for a full-sequence forward).
             logits_to_keep: keep only the last k positions (None or 0 = all).
             decode_start: long [B], the first column of each row that the rollout engine decoded (rather than
-                prefilled); used only by attention layers with `kv_quant` set (FP8 KV cache in the unified flow).
+                prefilled), or a `quarl.model.layers.DecodeStart` carrying its maximum too (saves a device sync
+                per layer); used only by attention layers with `kv_quant` set (FP8 KV cache in the unified flow).
         Returns:
             float32 logits [B, T or k, vocab_size] (float64 for a float64 model).
         """

@@ -7,6 +7,7 @@ Every linear is a `QuantLinear`: the precision flow decides what it computes (se
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -148,6 +149,22 @@ def _fused_rope_ok(x: torch.Tensor) -> bool:
         d & (d - 1) == 0 and kernels.kernels_available(x.device)
 
 
+@dataclass(frozen=True)
+class DecodeStart:
+    """Where each row's decoding began, for attention layers that mimic an FP8 KV cache: columns long [B] on the
+    model's device, and prefill = max(columns) as a Python int (read once per forward, so no layer needs a device
+    sync to slice by it)."""
+
+    columns: torch.Tensor
+    prefill: int
+
+    @classmethod
+    def of(cls, columns: torch.Tensor, device) -> "DecodeStart":
+        """From columns long [B] on the CPU (one small host-to-device copy)."""
+        columns = columns.cpu()
+        return cls(columns.to(device), int(columns.max()) if columns.numel() else 0)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embeddings and an optional KV cache.
 
@@ -204,21 +221,25 @@ class Attention(nn.Module):
             out = self._sdpa(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
-    def _fp8_kv_attention(self, q, k, v, attn_mask, decode_start: torch.Tensor) -> torch.Tensor:
+    def _fp8_kv_attention(self, q, k, v, attn_mask, decode_start) -> torch.Tensor:
         """Attention [B, H, T, D] as the engine computes it with an FP8 KV cache: queries from a row's
-        decode_start [B] on read FP8-rounded keys/values (straight-through gradients), earlier (prefill) queries
-        the unrounded ones. Causal attention lets the prefill part stop at p = max(decode_start) queries and keys,
-        so the second attention costs (p / T)^2 of the first. decode_start on the CPU avoids a device sync."""
+        decode start (a `DecodeStart`, or long [B]: then its maximum costs a device sync here) on read FP8-rounded
+        keys/values (straight-through gradients), earlier (prefill) queries the unrounded ones. Causal attention
+        lets the prefill part stop at p = max(decode start) queries and keys, so the second attention costs
+        (p / T)^2 of the first (less when every answer is long)."""
         token = self.kv_quant == "fp8-token"
         k_q = k + (fp8_kv_roundtrip(k, token) - k).detach()
         v_q = v + (fp8_kv_roundtrip(v, token) - v).detach()
         out = self._sdpa(q, k_q, v_q, attn_mask)
-        p = min(int(decode_start.max()), q.shape[2])
+        if not isinstance(decode_start, DecodeStart):
+            decode_start = DecodeStart(decode_start, int(decode_start.max()) if decode_start.numel() else 0)
+        p = min(decode_start.prefill, q.shape[2])
         if p <= 0:
             return out
         mask = None if attn_mask is None else attn_mask[:, :, :p, :p]
         prefill = self._sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask)
-        decoding = (torch.arange(p, device=decode_start.device)[None, :] >= decode_start[:, None]).to(q.device)
+        columns = decode_start.columns.to(q.device)  # a no-op when built by DecodeStart.of for this device
+        decoding = torch.arange(p, device=q.device)[None, :] >= columns[:, None]
         head = torch.where(decoding[:, None, :, None], out[:, :, :p], prefill)  # [B, H, p, D]
         return torch.cat([head, out[:, :, p:]], dim=2)
 

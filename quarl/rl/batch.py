@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quarl import kernels
+from quarl.model.layers import DecodeStart
 from quarl.rl.mismatch import entropy_from_logits
 
 
@@ -129,8 +130,8 @@ def answer_logprobs(
     """
     T = input_ids.shape[1]
     width = min(width, T - 1)
-    # On the CPU: attention layers that mimic an FP8 KV cache read its maximum (no device sync).
-    decode_start = None if answer_lengths is None else (T - 1 - answer_lengths).cpu()
+    # With its maximum read here once: attention layers that mimic an FP8 KV cache slice by it without a sync.
+    decode_start = None if answer_lengths is None else DecodeStart.of(T - 1 - answer_lengths, input_ids.device)
     if _fused_logprobs_ok(model, input_ids):
         from quarl.kernels.token_logprobs import token_logprobs
 
