@@ -298,6 +298,33 @@ def _seeded_randn(device: torch.device, dtype: torch.dtype):
     return lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype)
 
 
+_TRAINING_KERNEL_OK: dict[tuple[str, str, torch.dtype], bool] = {}
+# The training-forward kernels and their modules (each has `self_check(device, dtype) -> bool`).
+TRAINING_KERNELS = {"silu_mul": "quarl.kernels.silu_mul_train", "rope": "quarl.kernels.rope_train",
+                    "token_logprobs": "quarl.kernels.token_logprobs"}
+
+
+def training_kernel_ok(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the training kernel `name` (a key of TRAINING_KERNELS) may run on `device` in `dtype`: kernels
+    available and, on first use there, its forward and backward agree with the PyTorch definition on a small
+    probe (`kernel_passes_check`: a failure, e.g. a Triton that cannot compile it, warns and keeps torch)."""
+    key = (name, str(device), dtype)
+    if key not in _TRAINING_KERNEL_OK:
+        ok = kernels_available(device)
+        if ok:
+            import importlib
+
+            module = importlib.import_module(TRAINING_KERNELS[name])
+
+            def check():
+                with torch.inference_mode(False), torch.enable_grad():  # the probe runs a backward
+                    return module.self_check(device, dtype)
+
+            ok = kernel_passes_check(f"the training kernel {name}", check)
+        _TRAINING_KERNEL_OK[key] = ok
+    return _TRAINING_KERNEL_OK[key]
+
+
 def _one_rounding_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Within one bf16 rounding: |a - b| <= 2^-7 |b| plus a tiny absolute slack."""
     return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-6).all())

@@ -95,3 +95,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                          f"[B or 1, T, D] of x's dtype with equal strides; got x {tuple(x.shape)} {x.dtype} "
                          f"strides {x.stride()}, cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)}")
     return Rope.apply(x, cos, sin)
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> bool:
+    """`rope` against `quarl.model.layers.apply_rope` on a small probe on `device` in `dtype` (bf16/fp16: equal
+    bit for bit, forward and backward; float32 within 2^-20)."""
+    from quarl.model.layers import apply_rope
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, g = ((torch.randn(2, 5, 3, 64, device=device, generator=gen) * 3).to(dtype) for _ in range(2))
+    cos, sin = ((torch.rand(2, 1, 5, 64, device=device, generator=gen) * 2 - 1).to(dtype) for _ in range(2))
+    results = []
+    for fn in (lambda t: rope(t, cos, sin), lambda t: apply_rope(t.transpose(1, 2), cos, sin).transpose(1, 2)):
+        t = x.clone().requires_grad_(True)
+        y = fn(t)
+        y.backward(g)
+        results.append((y.detach(), t.grad))
+    if dtype == torch.float32:
+        return all(torch.allclose(a, b, rtol=2**-20, atol=1e-6) for a, b in zip(*results))
+    return all(torch.equal(a, b) for a, b in zip(*results))

@@ -146,7 +146,7 @@ def _fused_rope_ok(x: torch.Tensor) -> bool:
     """Whether `quarl.kernels.rope_train` serves x [B, T, H, D] (see FUSED_ROPE)."""
     d = x.shape[-1]
     return FUSED_ROPE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and d % 2 == 0 and \
-        d & (d - 1) == 0 and kernels.kernels_available(x.device)
+        d & (d - 1) == 0 and kernels.training_kernel_ok("rope", x.device, x.dtype)
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and kernels.kernels_available(gate.device):
+        if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and \
+                kernels.training_kernel_ok("silu_mul", gate.device, gate.dtype):
             # One Triton pass forward and one backward, PyTorch's roundings (`kernels.silu_mul_train`).
             from quarl.kernels.silu_mul_train import silu_mul
 

@@ -108,8 +108,9 @@ FUSED_LOGPROBS = False
 
 def _fused_logprobs_ok(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
     """Whether `answer_logprobs` takes `quarl.kernels.token_logprobs` (see FUSED_LOGPROBS)."""
-    return FUSED_LOGPROBS and input_ids.is_cuda and getattr(model, "dtype", None) in (torch.bfloat16, torch.float16) \
-        and kernels.kernels_available(input_ids.device)
+    dtype = getattr(model, "dtype", None)
+    return FUSED_LOGPROBS and input_ids.is_cuda and dtype in (torch.bfloat16, torch.float16) \
+        and kernels.training_kernel_ok("token_logprobs", input_ids.device, dtype)
 
 
 def answer_logprobs(

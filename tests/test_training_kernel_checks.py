@@ -1,0 +1,53 @@
+"""First-use self-checks of the training kernels (`quarl.kernels.training_kernel_ok`): each kernel's probe passes
+against its PyTorch definition (in the Triton interpreter, fp16: it truncates bf16), fails for a wrong kernel, and
+a failing or crashing probe makes the gate warn and keep the PyTorch path."""
+
+import textwrap
+
+import pytest
+import torch
+
+import quarl.kernels as kernels
+from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+
+_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+    import importlib
+    from quarl.kernels import TRAINING_KERNELS
+    for name, module in TRAINING_KERNELS.items():
+        mod = importlib.import_module(module)
+        assert mod.self_check(torch.device("cpu"), torch.float16), name
+    # A wrong kernel fails its probe: the SiLU·mul backward without the silu derivative's second term.
+    import quarl.kernels.silu_mul_train as sm
+    real = sm.SiluMul.backward
+    def wrong(ctx, dh):
+        dgate, dup = real(ctx, dh)
+        return dgate * 1.01, dup
+    sm.SiluMul.backward = staticmethod(wrong)
+    assert not sm.self_check(torch.device("cpu"), torch.float16)
+    print("ok")
+""")
+
+
+def test_training_kernel_probes_pass_and_catch_a_wrong_kernel():
+    _run_in_interpreter(_CHECK)
+
+
+def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):
+    pytest.importorskip("triton")
+    import quarl.kernels.silu_mul_train
+
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "_TRAINING_KERNEL_OK", {})
+
+    def crash(device, dtype):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(quarl.kernels.silu_mul_train, "self_check", crash)
+    with pytest.warns(UserWarning, match="training kernel silu_mul failed its check"):
+        assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
+    # cached: no second probe, no second warning
+    assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
+
+
+def test_training_kernels_are_not_used_without_a_gpu():
+    assert not kernels.training_kernel_ok("rope", torch.device("cpu"), torch.bfloat16)
