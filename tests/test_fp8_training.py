@@ -481,3 +481,62 @@ def test_fused_path_takes_frozen_codes_padded_once(monkeypatch, k):
     assert len(frozen_copies) == len({id(q) for q in frozen_copies}) == (2 if k == 768 else 1)
     for y, dx in results[1:]:
         assert torch.equal(y, results[0][0]) and torch.equal(dx, results[0][1])
+
+
+def test_stacked_codes_are_the_codes_of_the_stacked_weight():
+    """stack_frozen_codes of per-weight codes equals quantizing the concatenated weight, bit for bit, both ways
+    (every N a multiple of 128, so the 128x128 tiles are the same), and refuses other N."""
+    from quarl.model.fp8_training import FrozenWeightCodes, stack_frozen_codes
+
+    ws = [torch.randn(n, 300) * s for n, s in [(256, 0.1), (128, 3.0), (128, 0.01)]]
+    stacked = stack_frozen_codes([FrozenWeightCodes(quantized_weight(w, torch.float32),
+                                                    quantized_weight(w, torch.float32, transpose=True)) for w in ws])
+    whole = torch.cat(ws)
+    for got, want in [(stacked.forward, quantized_weight(whole, torch.float32)),
+                      (stacked.transposed, quantized_weight(whole, torch.float32, transpose=True))]:
+        assert got.shape == want.shape
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    odd = FrozenWeightCodes(quantized_weight(torch.randn(64, 300), torch.float32),
+                            quantized_weight(torch.randn(64, 300), torch.float32, transpose=True))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        stack_frozen_codes([odd, odd])
+
+
+def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
+    """A LoRA model in the Jet-RL setting whose q/k/v and gate/up qualify (N multiples of 128): the training
+    forward runs each group as one stacked FP8-block GEMM, with logits and every LoRA gradient equal to the
+    linears run one by one (float32, same codes: up to summation order, 1e-5 relative)."""
+    from quarl.model import shared_input
+    from quarl.model.decoder import QuarlForCausalLM
+    from quarl.model.precision_apply import apply_precision
+    from quarl.model.tiny import tiny_config
+    from quarl.precision import LoraConfig
+
+    cfg = tiny_config("qwen2", hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=384,
+                      num_layers=2)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = QuarlForCausalLM(cfg)
+    apply_precision(model, PrecisionConfig(flow="unified", format="fp8-block", quantized_backward=True,
+                                           lora=LoraConfig(rank=4)))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            with torch.no_grad():
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    from quarl.model import fp8_training
+
+    stacked_calls = []  # shared_input calls fp8_training.fp8_block_linear (weight None); QuantLinear its own import
+    real_linear = fp8_training.fp8_block_linear
+    monkeypatch.setattr(fp8_training, "fp8_block_linear",
+                        lambda x, w, b, frozen=None: stacked_calls.append(w is None) or real_linear(x, w, b, frozen))
+    out = {}
+    for stack in (True, False):
+        monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", stack)
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        out[stack] = [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters() if "lora_" in n]
+    assert stacked_calls.count(True) == 2 * cfg.num_layers  # q/k/v and gate/up of each layer, stacked run only
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))

@@ -115,9 +115,10 @@ class FrozenWeightCodes:
 class FP8BlockLinear(torch.autograd.Function):
     """y = Q(x) @ Q(W)^T + b with FP8-block input- and weight-gradient GEMMs (see the module docstring).
 
-    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype), bias [N] or None,
-    frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to quantize it here) -> y [M, N]
-    in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
+    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype; may be None with
+    frozen), bias [N] or None, frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to
+    quantize it here) -> y [M, N] in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their
+    parameters' dtypes.
     """
 
     @staticmethod
@@ -127,11 +128,14 @@ class FP8BlockLinear(torch.autograd.Function):
         if frozen is not None and ctx.needs_input_grad[1]:
             raise ValueError("FP8BlockLinear got FrozenWeightCodes for a weight that requires a gradient; pass "
                              "frozen=None for a trained weight (its codes change every optimizer step)")
+        if frozen is None and weight is None:
+            raise ValueError("FP8BlockLinear needs the weight, or its FrozenWeightCodes")
         ctx.has_bias = bias is not None
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.frozen = frozen
         bias = None if bias is None else bias.detach().to(x.dtype)
-        if FUSED_CUBLAS_PATH and training_gemm_ok(x, weight.shape[0]):
+        n = frozen.forward.shape[0] if frozen is not None else weight.shape[0]
+        if FUSED_CUBLAS_PATH and training_gemm_ok(x, n):
             from quarl.kernels.training_gemm import linear_forward
 
             keep = ctx.needs_input_grad[1]
@@ -186,6 +190,28 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
         return fp8_block_weight_grad(g.contiguous(), x.contiguous())
     return kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)
+
+
+def stack_frozen_codes(parts: list[FrozenWeightCodes]) -> FrozenWeightCodes:
+    """The codes of weights W_i [N_i, K] stacked along N, as if quantized from cat(W_i) [sum N_i, K]: forward
+    [sum N, K] (rows of 128x128 tiles one after another) and transposed [K, sum N]. Every N_i must be a multiple of
+    128 (whole tiles both ways, so stacking regroups nothing)."""
+    fwd, tr = [p.forward for p in parts], [p.transposed for p in parts]
+    if any(q.shape[0] % 128 for q in fwd) or len({q.shape[1] for q in fwd}) != 1:
+        raise ValueError(f"stack_frozen_codes needs weights [N_i, K] with one K and every N_i a multiple of 128, got "
+                         f"{[tuple(q.shape) for q in fwd]}")
+    n, k = sum(q.shape[0] for q in fwd), fwd[0].shape[1]
+
+    def cat(tensors, dim):  # float8 through a byte view (cat of float8 is not implemented everywhere)
+        if tensors[0].dtype == torch.float8_e4m3fn:
+            return torch.cat([t.view(torch.uint8) for t in tensors], dim).view(torch.float8_e4m3fn)
+        return torch.cat(tensors, dim)
+
+    forward = QuantizedTensor(FORMAT, "weight", cat([q.data for q in fwd], 0), cat([q.scale for q in fwd], 0), None,
+                              torch.Size((n, k)))
+    transposed = QuantizedTensor(FORMAT, "weight", cat([q.data for q in tr], 1), cat([q.scale for q in tr], 1), None,
+                                 torch.Size((k, n)))
+    return FrozenWeightCodes(forward, transposed)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from quarl import kernels
 from quarl.model.config import ModelConfig
 from quarl.model.qlinear import QuantLinear
+from quarl.model.shared_input import SharedInputLinears
 
 
 class RMSNorm(nn.Module):
@@ -185,6 +186,7 @@ class Attention(nn.Module):
         self.k_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = QuantLinear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias)
+        self.qkv = SharedInputLinears([self.q_proj, self.k_proj, self.v_proj])  # one FP8 GEMM where they qualify
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -200,9 +202,10 @@ class Attention(nn.Module):
         runs over all S = cache_start + T columns. Returns [B, T, hidden].
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if _fused_rope_ok(q):
@@ -259,10 +262,11 @@ class MLP(nn.Module):
         self.gate_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = QuantLinear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up = SharedInputLinears([self.gate_proj, self.up_proj])  # one FP8 GEMM where they qualify
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and \
                 kernels.training_kernel_ok("silu_mul", gate.device, gate.dtype):
             # One Triton pass forward and one backward, PyTorch's roundings (`kernels.silu_mul_train`).
