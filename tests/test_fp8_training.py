@@ -540,3 +540,37 @@ def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
     assert stacked_calls.count(True) == 2 * cfg.num_layers  # q/k/v and gate/up of each layer, stacked run only
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+@pytest.mark.gpu
+def test_cuda_sibling_linears_stacked_equal_one_by_one(monkeypatch):
+    """On the GPU (bf16, the all-cuBLAS path: 16 x 64 tokens, N and K multiples of 128), the stacked q/k/v and
+    gate/up GEMMs give the logits and LoRA gradients of the linears run one by one, within bf16 rounding of the
+    outputs (cuBLAS may sum in another order for another N)."""
+    from quarl.model import shared_input
+    from quarl.model.decoder import QuarlForCausalLM
+    from quarl.model.precision_apply import apply_precision
+    from quarl.model.tiny import tiny_config
+    from quarl.precision import LoraConfig
+
+    cfg = tiny_config("qwen2", hidden_size=512, num_heads=4, num_kv_heads=1, head_dim=128, intermediate_size=1024,
+                      num_layers=2)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = QuarlForCausalLM(cfg).cuda().to(torch.bfloat16)
+    apply_precision(model, PrecisionConfig(flow="unified", format="fp8-block", quantized_backward=True,
+                                           lora=LoraConfig(rank=8)))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            with torch.no_grad():
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, cfg.vocab_size, (16, 64), device="cuda")
+    out = {}
+    for stack in (True, False):
+        monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", stack)
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        out[stack] = [logits.detach()] + [p.grad.float().clone() for n, p in model.named_parameters() if "lora_" in n]
+    assert model.model.layers[0].self_attn.qkv._codes is not None  # the stacked run built its codes
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-6 * float(b.abs().max()))
