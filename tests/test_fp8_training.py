@@ -515,14 +515,16 @@ def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
 
     cfg = tiny_config("qwen2", hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=384,
                       num_layers=2)
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
     model = QuarlForCausalLM(cfg)
     apply_precision(model, PrecisionConfig(flow="unified", format="fp8-block", quantized_backward=True,
                                            lora=LoraConfig(rank=4)))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            with torch.no_grad():
-                p.normal_(0, 0.1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or name.endswith("proj.bias"):
+                p.normal_(0, 0.1)  # adapters that act, and q/k/v biases that differ per column
+    model.model.layers[0].self_attn.k_proj.bias.requires_grad_(True)  # a trained bias among frozen weights
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     from quarl.model import fp8_training
 
@@ -536,10 +538,11 @@ def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
         model.zero_grad()
         logits = model(ids)
         logits.square().mean().backward()
-        out[stack] = [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters() if "lora_" in n]
+        out[stack] = [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
     assert stacked_calls.count(True) == 2 * cfg.num_layers  # q/k/v and gate/up of each layer, stacked run only
+    assert len(out[True]) == 1 + 2 * 7 * cfg.num_layers + 1  # logits, every A and B, the trained bias
     for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()), msg=lambda m: f"seed {seed}: {m}")
 
 
 @pytest.mark.gpu
@@ -574,3 +577,37 @@ def test_cuda_sibling_linears_stacked_equal_one_by_one(monkeypatch):
     assert model.model.layers[0].self_attn.qkv._codes is not None  # the stacked run built its codes
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-6 * float(b.abs().max()))
+
+
+def test_stacked_codes_follow_refresh_moves_and_replaced_modules(monkeypatch):
+    """The stacked-codes cache is rebuilt after refresh() (which covers a write through .data), dropped by .to(),
+    and built from the modules passed in, so a replaced linear is never served from the old stack."""
+    from quarl.model import shared_input
+    from quarl.model.shared_input import SharedInputLinears
+
+    monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", True)
+    linears = [_frozen_lora_layer(300, n) for n in (256, 128)]
+    group = SharedInputLinears()
+    x = torch.randn(5, 300)
+
+    def one_by_one():
+        return [linear(x) for linear in linears]
+
+    def check():
+        for a, b in zip(group(linears, x), one_by_one()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    check()
+    first = group._codes
+    check()
+    assert group._codes is first  # unchanged weights: the same stack
+    linears[0].weight.data.mul_(2.0)  # invisible to the version counter ...
+    linears[0].refresh()  # ... until the sync
+    check()
+    assert group._codes is not first
+    replaced = _frozen_lora_layer(300, 128)
+    linears[1] = replaced
+    check()
+    assert group._linears[1]() is replaced
+    group.clear()
+    assert group._codes is None

@@ -38,16 +38,19 @@ def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):
 
     monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
     monkeypatch.setattr(kernels, "_TRAINING_KERNEL_OK", {})
+    probes = []
 
     def crash(device, dtype):
+        probes.append(1)
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(quarl.kernels.silu_mul_train, "self_check", crash)
     with pytest.warns(UserWarning, match="training kernel silu_mul failed its check"):
         assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
-    # cached: no second probe, no second warning
     assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
+    assert probes == [1]  # the verdict is cached: one probe per kernel, device and dtype
 
 
-def test_training_kernels_are_not_used_without_a_gpu():
+def test_training_kernels_are_not_used_off_the_gpu(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRAINING_KERNEL_OK", {})
     assert not kernels.training_kernel_ok("rope", torch.device("cpu"), torch.bfloat16)

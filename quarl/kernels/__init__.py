@@ -44,6 +44,8 @@ def kernels_available(device: torch.device | None = None) -> bool:
         return False
     if not torch.cuda.is_available() or not _triton_importable():
         return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 

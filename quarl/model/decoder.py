@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from quarl.model.config import ModelConfig
-from quarl.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from quarl.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, prepare_training_kernels
 from quarl.model.qlinear import QuantLinear
 
 
@@ -177,6 +177,7 @@ class QuarlForCausalLM(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
 
         x = self.model.embed_tokens(input_ids)
+        prepare_training_kernels(x.device, x.dtype)  # outside any checkpointed layer (see there)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         recompute = self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:

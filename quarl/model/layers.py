@@ -143,6 +143,16 @@ def fp8_kv_roundtrip(x: torch.Tensor, token_scales: bool = False) -> torch.Tenso
 FUSED_ROPE = False
 
 
+def prepare_training_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """Run the first-use checks of the training kernels the layers may take (`kernels.training_kernel_ok`) now,
+    before any layer runs: a check inside a checkpointed layer would run again in its recompute and change what
+    the layer saves for backward."""
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        kernels.training_kernel_ok("silu_mul", device, dtype)
+        if FUSED_ROPE:
+            kernels.training_kernel_ok("rope", device, dtype)
+
+
 def _fused_rope_ok(x: torch.Tensor) -> bool:
     """Whether `quarl.kernels.rope_train` serves x [B, T, H, D] (see FUSED_ROPE)."""
     d = x.shape[-1]
@@ -186,7 +196,7 @@ class Attention(nn.Module):
         self.k_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = QuantLinear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias)
-        self.qkv = SharedInputLinears([self.q_proj, self.k_proj, self.v_proj])  # one FP8 GEMM where they qualify
+        self.qkv = SharedInputLinears()  # q/k/v as one FP8 GEMM where they qualify
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -202,7 +212,7 @@ class Attention(nn.Module):
         runs over all S = cache_start + T columns. Returns [B, T, hidden].
         """
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv((self.q_proj, self.k_proj, self.v_proj), x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -246,6 +256,10 @@ class Attention(nn.Module):
         head = torch.where(decoding[:, None, :, None], out[:, :, :p], prefill)  # [B, H, p, D]
         return torch.cat([head, out[:, :, p:]], dim=2)
 
+    def _apply(self, fn, recurse: bool = True):
+        self.qkv.clear()  # .to() / .cuda() / conversions: the stacked codes would stay on the old device
+        return super()._apply(fn, recurse)
+
     def _sdpa(self, q, k, v, attn_mask):
         gqa = self.num_heads != self.num_kv_heads
         if attn_mask is None:
@@ -262,11 +276,15 @@ class MLP(nn.Module):
         self.gate_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = QuantLinear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-        self.gate_up = SharedInputLinears([self.gate_proj, self.up_proj])  # one FP8 GEMM where they qualify
+        self.gate_up = SharedInputLinears()  # gate/up as one FP8 GEMM where they qualify
+
+    def _apply(self, fn, recurse: bool = True):
+        self.gate_up.clear()  # as Attention._apply
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
-        gate, up = self.gate_up(x)
+        gate, up = self.gate_up((self.gate_proj, self.up_proj), x)
         if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and \
                 kernels.training_kernel_ok("silu_mul", gate.device, gate.dtype):
             # One Triton pass forward and one backward, PyTorch's roundings (`kernels.silu_mul_train`).

@@ -5,10 +5,12 @@ codes of its siblings can be stacked once (`fp8_training.stack_frozen_codes`): t
 instead of once per linear, one GEMM runs over [sum N, K] instead of three narrower ones (the rollout's fused
 decode stacks them the same way), and the backward runs one input-gradient GEMM with no sum of per-linear input
 gradients. Each linear's bias and LoRA term are applied to its own columns. Anywhere else (a trained base, rollout
-mode, other formats, N not a multiple of 128) the linears run one by one, unchanged.
+mode, other formats or modules, N not a multiple of 128) the linears run one by one, unchanged.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -21,42 +23,50 @@ STACK_SHARED_INPUTS = False
 
 
 class SharedInputLinears:
-    """Callable over x [..., K] -> [y_i [..., N_i] for each linear], the linears' own outputs (module
-    docstring). Holds the stacked codes (about K * sum N bytes twice) while the weights are unchanged."""
+    """The stacked-codes cache of one group of sibling linears; call it with the group's current modules:
+    (linears, x [..., K]) -> [y_i [..., N_i]], each linear's own output. The stacked codes (about K * sum N bytes
+    twice) are kept between forwards, also through rollouts, until a linear's weight changes, is refreshed or moves
+    (`QuantLinear.codes_epoch`), or `clear()`."""
 
-    def __init__(self, linears: list[QuantLinear]):
-        self.linears = list(linears)
+    def __init__(self):
         self._codes: fp8_training.FrozenWeightCodes | None = None
-        self._keys: list[tuple] | None = None  # each linear's weight state the codes were built from
+        self._linears: list[weakref.ref] = []  # the modules the codes were built from
+        self._keys: list[tuple] = []  # and their weight states then
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        codes = self._stacked_codes(x) if STACK_SHARED_INPUTS else None
+    def clear(self) -> None:
+        self._codes, self._linears, self._keys = None, [], []
+
+    def __call__(self, linears, x: torch.Tensor) -> list[torch.Tensor]:
+        linears = list(linears)
+        codes = self._stacked_codes(linears, x) if STACK_SHARED_INPUTS and _qualify(linears, x) else None
         if codes is None:
-            return [linear(x) for linear in self.linears]
-        n = [linear.out_features for linear in self.linears]
-        biases = [linear.bias for linear in self.linears]
+            return [linear(x) for linear in linears]
+        n = [linear.out_features for linear in linears]
+        biases = [linear.bias for linear in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.to(x.dtype) if b is not None else x.new_zeros(size) for b, size in zip(biases, n)])
         y = fp8_training.fp8_block_linear(x, None, bias, codes)
         outs = y.split(n, dim=-1)  # one concatenation of the gradients in the backward
-        return [linear.add_lora(out, x) if linear.lora_rank else out for linear, out in zip(self.linears, outs)]
+        return [linear.add_lora(out, x) if linear.lora_rank else out for linear, out in zip(linears, outs)]
 
-    def _qualifies(self, x: torch.Tensor) -> bool:
-        linears = self.linears
-        return len(linears) > 1 and len({linear.in_features for linear in linears}) == 1 and all(
+    def _stacked_codes(self, linears: list[QuantLinear], x: torch.Tensor) -> fp8_training.FrozenWeightCodes:
+        extra = [(linear.weight.data_ptr(), x.dtype, linear.codes_epoch) for linear in linears]
+        current = len(self._linears) == len(linears) and all(
+            ref() is linear and linear._same_state(key, *e)
+            for ref, linear, key, e in zip(self._linears, linears, self._keys, extra))
+        if not current:
+            self.clear()  # free the old stack before building the new one
+            self._codes = fp8_training.stack_frozen_codes([linear.fp8_codes(x.dtype) for linear in linears])
+            self._linears = [weakref.ref(linear) for linear in linears]
+            self._keys = [linear._weight_state(*e) for linear, e in zip(linears, extra)]
+        return self._codes
+
+
+def _qualify(linears: list, x: torch.Tensor) -> bool:
+    """Whether the group can run stacked on x (see the module docstring)."""
+    return len(linears) > 1 and all(isinstance(linear, QuantLinear) for linear in linears) and \
+        len({linear.in_features for linear in linears}) == 1 and all(
             linear.quantized_backward and linear.train_format == fp8_training.FORMAT and not linear.rollout
             and linear.weight is not None and not linear.weight.requires_grad and linear.out_features % 128 == 0
             and x.dtype == linear.compute_dtype for linear in linears)
-
-    def _stacked_codes(self, x: torch.Tensor) -> fp8_training.FrozenWeightCodes | None:
-        if not self._qualifies(x):
-            self._codes = self._keys = None
-            return None
-        extra = [(linear.weight.data_ptr(), x.dtype) for linear in self.linears]
-        if self._keys is None or not all(linear._same_state(key, *e)
-                                         for linear, key, e in zip(self.linears, self._keys, extra)):
-            self._codes = None  # free the old stack before building the new one
-            self._codes = fp8_training.stack_frozen_codes([linear.fp8_codes(x.dtype) for linear in self.linears])
-            self._keys = [linear._weight_state(*e) for linear, e in zip(self.linears, extra)]
-        return self._codes
