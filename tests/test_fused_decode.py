@@ -450,3 +450,60 @@ def test_group_codes_of_the_fused_kernels_in_the_interpreter():
     from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
 
     _run_in_interpreter(_INTERPRETER_PATCH + _GROUP_CODES_CHECK)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, deferred):
+    """LORA_CODES_HANDOFF: with adapters on every linear, the fused decoder still hands FP8 codes to each base
+    GEMM (as on a GPU; here the torch pieces) and adds each adapter from the bf16 activations written alongside;
+    the unit-scale (deferred) path is skipped for linears with adapters. Float32 logits equal the module path's
+    to 1e-5 of the largest logit, and every GEMM took the handed codes."""
+    from quarl import kernels
+    from quarl.precision import LoraConfig
+    from quarl.rollout import fused_decode
+
+    monkeypatch.setattr(fused_decode, "LORA_CODES_HANDOFF", True)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = make_model("qwen2", dtype=torch.float32)
+    apply_precision(model, PrecisionConfig(flow="split", format="fp8", lora=LoraConfig(rank=4)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    engine = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=True)
+    engine.generate(rand_prompts([5, 3, 8]), n=1, max_new_tokens=6, temperature=0.0)  # fill the cache
+    decoder = FusedDecoder.for_model(model)
+    decoder.prepare()
+    monkeypatch.setattr(fused_decode, "_handoff", lambda qweight, linear, m: True)
+    handed = []
+
+    def codes_matmul_f32(codes, scales, qweight, bias, out_dtype):
+        handed.append(tuple(qweight.shape))
+        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(kernels, "fp8_matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: pytest.fail("a unit-scale GEMM with LoRA"))
+    want, got = _step_logits(model, engine, decoder, deferred)
+    cfg = model.config
+    assert len(handed) == 3 * cfg.num_layers  # q/k/v, gate/up and down of every layer took the codes
+    lora_free = _step_logits_without_lora(model, engine, decoder)
+    assert (got - lora_free).abs().max() > 1e-3  # the adapters act
+    close(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _step_logits_without_lora(model, engine, decoder):
+    """The fused logits with every adapter's B zeroed for the call (restored after)."""
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in saved:
+                p.zero_()
+    try:
+        return _step_logits(model, engine, decoder, False)[1]
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])

@@ -23,6 +23,10 @@ from quarl import kernels
 from quarl.model.layers import apply_rope
 from quarl.model.qlinear import QuantLinear
 
+# Off until measured on a GPU: with LoRA adapters, the fused norm / SiLU·mul kernels still hand FP8 codes to the
+# base GEMM and also write the bf16 activations for the adapters (else adapters turn the handoff off).
+LORA_CODES_HANDOFF = False
+
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
 
@@ -155,9 +159,14 @@ class FusedProjection:
         """"fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take FP8
         activation codes directly (see `kernels.fp8_codes_handoff`), else None (it wants the bf16 activations)."""
         qw = self.fused_qweight
-        if qw is None or any(p.lora_rank for p in self.parts):
+        if qw is None or (self.has_lora and not LORA_CODES_HANDOFF):
             return None
         return qw.fmt if _handoff(qw, self.parts[0], m) else None
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether any part has a LoRA adapter (which reads the bf16 activations, not the codes)."""
+        return any(p.lora_rank for p in self.parts)
 
     def __call__(self, x: torch.Tensor | None, codes: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> torch.Tensor:
@@ -171,7 +180,12 @@ class FusedProjection:
         dtype = x.dtype if x is not None else self.parts[0].compute_dtype
         bias = self._bias(dtype, ref.device)
         if codes is not None:
-            return kernels.fp8_matmul_from_codes(codes[0], codes[1], qw, bias, dtype)
+            y = kernels.fp8_matmul_from_codes(codes[0], codes[1], qw, bias, dtype)
+            if self.has_lora:
+                if x is None:
+                    raise ValueError("FusedProjection with LoRA adapters needs the activations x along with the codes")
+                y = self._add_lora(y, x)
+            return y
         p0 = self.parts[0]
         # as QuantLinear._rollout_forward: a frozen (qlora) base takes the quantized kernel even where bf16 won
         matmul = kernels.quantized_matmul if p0.frozen_base else kernels.try_quantized_matmul
@@ -183,14 +197,18 @@ class FusedProjection:
                 self._build_dequant_cache(dtype)  # no kernel serves the stacked shape: keep bf16 GEMM speed
             xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
             y = F.linear(xq, self._fused["weight_dequant"].to(dtype), bias)
-        if any(p.lora_rank for p in self.parts):
-            if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
-                y = torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
-                               for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
-            else:  # rollout: each adapter accumulates into its part's columns of the stacked output
-                for p, start, n in zip(self.parts, self.column_starts, self.sizes):
-                    if p.lora_rank:
-                        p.add_lora(y[:, start:start + n], x, in_place=True)
+        if self.has_lora:
+            y = self._add_lora(y, x)
+        return y
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y [M, sum N] with each part's adapter term (of x [M, K]) added to its columns."""
+        if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+            return torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
+                              for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
+        for p, start, n in zip(self.parts, self.column_starts, self.sizes):  # rollout: into its columns, in place
+            if p.lora_rank:
+                p.add_lora(y[:, start:start + n], x, in_place=True)
         return y
 
 
@@ -199,7 +217,12 @@ def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Ten
     if codes is None:
         return linear(x)
     bias = None if linear.bias is None else linear.bias.to(linear.compute_dtype)
-    return kernels.fp8_matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
+    y = kernels.fp8_matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
+    if linear.lora_rank:  # the adapter reads the activations the codes came from (LORA_CODES_HANDOFF)
+        if x is None:
+            raise ValueError("a linear with a LoRA adapter needs the activations x along with the codes")
+        y = linear.add_lora(y, x)
+    return y
 
 
 def unit_scale_matmul(codes: torch.Tensor, qweight, unit: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -221,8 +244,8 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
     """As `FusedProjection.codes_handoff` for a single linear in rollout mode."""
-    if not linear.rollout or linear.rollout_format not in ("fp8", "fp8-block") or linear.lora_rank or \
-            linear.qweight_data is None:
+    if not linear.rollout or linear.rollout_format not in ("fp8", "fp8-block") or \
+            (linear.lora_rank and not LORA_CODES_HANDOFF) or linear.qweight_data is None:
         return None
     return linear.rollout_format if _handoff(linear.qweight, linear, m) else None
 
@@ -235,7 +258,8 @@ def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ elementwise pieces
-def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None, delta_scales=None):
+def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None, delta_scales=None,
+             keep_h: bool = False):
     """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (FP8 codes [M, H],
     scales [M, 1]) of the normed values when quant == "fp8", (codes, 1x128-group scales [M, H/128] column-major)
     when quant == "fp8-block" (then the normed values themselves are None).
@@ -245,7 +269,7 @@ def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | Non
     if x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype):
         from quarl.kernels.decode_fused import rms_norm_rows
 
-        r, h, c, s = rms_norm_rows(x, delta, norm.weight, noise, norm.eps, quant, write_h=quant is None,
+        r, h, c, s = rms_norm_rows(x, delta, norm.weight, noise, norm.eps, quant, write_h=quant is None or keep_h,
                                    delta_scales=delta_scales)
         return r, h, (None if quant is None else (c, s))
     if delta_scales is not None:
@@ -255,14 +279,14 @@ def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | Non
     return r, h, reference_codes(h, quant)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None):
-    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned). in_scales:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None, keep_h: bool = False):
+    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned, unless keep_h). in_scales:
     (per-token [M, 1], per-channel [2N] for gate then up) float32 when gate and up are halves of a unit-scale FP8
     product: each is scaled and rounded to up's dtype first."""
     if up.is_cuda and kernels.decode_fused_ok(up.device, up.dtype):
         from quarl.kernels.decode_fused import silu_mul_rows
 
-        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None, in_scales=in_scales)
+        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None or keep_h, in_scales=in_scales)
         return h, (None if quant is None else (c, s))
     if in_scales is not None:
         rows, cols = in_scales
@@ -405,8 +429,8 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             handoff = qkv_proj.codes_handoff(B)
-            x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending)
-            if "qkv" in deferred and handoff == "fp8":  # unit scales: per-token codes only
+            x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending, keep_h=qkv_proj.has_lora)
+            if "qkv" in deferred and handoff == "fp8" and not qkv_proj.has_lora:  # unit scales: codes only
                 y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
                 q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
             else:
@@ -418,14 +442,14 @@ class FusedDecoder:
             out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
             o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B)
             handoff = gate_up.codes_handoff(B)
-            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales)
-            if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias:
+            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora)
+            if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora:
                 gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
             else:
                 gu, gu_scales = gate_up(h, codes), None
             inter = mlp.down_proj.in_features
             quant = linear_codes_handoff(mlp.down_proj, B)
-            a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales)
+            a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales, keep_h=bool(mlp.down_proj.lora_rank))
             delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B)
         _, h, _ = add_norm(model.model.norm, x, delta, None, pending)
         return model.lm_head(h)
@@ -439,9 +463,9 @@ def _unit_product(codes, qweight, unit: torch.Tensor, dtype: torch.dtype) -> tup
 
 def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tensor | None, batch: int) -> tuple:
     """(output, None) of one linear on x or on handed-over codes; with deferred scales (unit given), where the
-    linear runs as cuBLAS FP8 rowwise without a bias, (unit-scale product, its scales) instead. Handed codes
+    linear runs as cuBLAS FP8 rowwise without a bias or adapter, (unit-scale product, its scales) instead. Handed codes
     already mean the FP8 GEMM runs; without them the handoff test decides, and x is quantized here."""
-    if unit is None or linear.bias is not None or linear.rollout_format != "fp8" or \
+    if unit is None or linear.bias is not None or linear.rollout_format != "fp8" or linear.lora_rank or \
             (codes is None and linear_codes_handoff(linear, batch) is None):
         return linear_from(linear, x, codes), None
     return _unit_product(codes if codes is not None else _activation_codes(x), linear.qweight, unit,
