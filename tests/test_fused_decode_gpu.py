@@ -256,3 +256,35 @@ def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
     err = (got.float() - want.float()).abs()
     tol = 2.0**-7 * (base.float().abs() + lora_only.float().abs()) + 2.0**-7
     assert bool((err <= tol).all()), (seed, float((err / tol).max()))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
+def test_lora_codes_handoff_matches_the_module_path(monkeypatch, fmt):
+    """LORA_CODES_HANDOFF on the GPU: with adapters on every linear, at 512 rows the norm / SiLU·mul kernels write
+    codes and activations, the base GEMMs take the codes (counted) and the adapters the activations; logits as in
+    `test_fused_decoder_logits_match_the_module_path` (3e-2 of the largest, argmaxes agree)."""
+    from quarl import kernels
+    from quarl.precision import LoraConfig
+    from quarl.rollout import fused_decode
+
+    monkeypatch.setattr(fused_decode, "LORA_CODES_HANDOFF", True)
+    torch.manual_seed(0)
+    model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
+    apply_precision(model, PrecisionConfig(flow="split", format=fmt, lora=LoraConfig(rank=8)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    fused_decode.FusedDecoder.for_model(model).deferred_scales = False
+    engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype="fp8")
+    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
+    handed = []
+    real = kernels.fp8_matmul_from_codes
+    monkeypatch.setattr(kernels, "fp8_matmul_from_codes", lambda *a: handed.append(1) or real(*a))
+    tokens = torch.randint(0, 4096, (512,), device=DEV)
+    positions = torch.randint(0, 60, (512,), device=DEV)
+    want, got = both_decode_logits(model, engine, tokens, positions)
+    assert len(handed) >= 2 * 3  # at least q/k/v and gate/up of each of the 3 layers took handed codes
+    scale = float(want.float().abs().max())
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
