@@ -165,3 +165,21 @@ def test_a_setting_kv_overrides_the_kv_cache_option():
     own = run_config(args, Setting("split", "fp8", "fp8"), "/tmp/unused", torch.device("cpu"))
     default = run_config(args, Setting("split", "fp8"), "/tmp/unused", torch.device("cpu"))
     assert (own.precision.kv_cache, default.precision.kv_cache) == ("fp8", "auto")
+
+
+def test_experimental_paths_are_turned_on_by_name(monkeypatch):
+    """`quarl bench step --experimental` sets the named off-by-default flags and refuses unknown names."""
+    from quarl.bench.step import EXPERIMENTAL, enable_experimental
+    from quarl.model import layers, shared_input
+    from quarl.rl import batch
+    from quarl.rollout import fused_decode
+
+    for module, flag in [(layers, "FUSED_ROPE"), (batch, "FUSED_LOGPROBS"), (shared_input, "STACK_SHARED_INPUTS"),
+                         (fused_decode, "LORA_CODES_HANDOFF")]:
+        monkeypatch.setattr(module, flag, False)  # restored after the test
+    assert enable_experimental("rope, stack") == ["rope", "stack"]
+    assert layers.FUSED_ROPE and shared_input.STACK_SHARED_INPUTS
+    assert not batch.FUSED_LOGPROBS and not fused_decode.LORA_CODES_HANDOFF
+    assert set(EXPERIMENTAL) == {"rope", "logprobs", "stack", "lora-handoff"}
+    with pytest.raises(ValueError, match="unknown; choose from"):
+        enable_experimental("rope,turbo")

@@ -108,7 +108,33 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--experimental", default="",
+                        help="comma list of paths that are off by default to turn on for every setting: "
+                             + ", ".join(EXPERIMENTAL))
     add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
+
+
+# Paths that are off by default until measured (name -> module, flag), for --experimental.
+EXPERIMENTAL = {
+    "rope": ("quarl.model.layers", "FUSED_ROPE"),
+    "logprobs": ("quarl.rl.batch", "FUSED_LOGPROBS"),
+    "stack": ("quarl.model.shared_input", "STACK_SHARED_INPUTS"),
+    "lora-handoff": ("quarl.rollout.fused_decode", "LORA_CODES_HANDOFF"),
+}
+
+
+def enable_experimental(names: str) -> list[str]:
+    """Turn on the EXPERIMENTAL paths named in the comma list `names` (for this process); returns the names."""
+    import importlib
+
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in EXPERIMENTAL]
+    if unknown:
+        raise ValueError(f"--experimental {','.join(unknown)}: unknown; choose from {', '.join(EXPERIMENTAL)}")
+    for name in chosen:
+        module, flag = EXPERIMENTAL[name]
+        setattr(importlib.import_module(module), flag, True)
+    return chosen
 
 
 # ---------------------------------------------------------------- model, task, trainer
@@ -281,6 +307,7 @@ def bench_step(args) -> tuple[list[dict], str, str]:
     if args.warmup < 0 or args.lora_rank < 0:
         raise ValueError("--warmup and --lora-rank must be >= 0")
     settings = parse_settings(args.settings)
+    enable_experimental(args.experimental)
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory() as scratch:  # bad overrides or flow/LoRA combinations fail before any run
         for s in settings:
@@ -388,6 +415,8 @@ def run_bench_step(args) -> int:
         ]
         if args.overrides:
             facts.append("overrides: " + " ".join(args.overrides))
+        if args.experimental:
+            facts.append("experimental paths on: " + args.experimental)
         append_entry(args.out, "B3 — RL step (`quarl bench step`)",
                      "Appended by `quarl bench step`; newest last. One step of quarl.rl.trainer.Trainer on a "
                      "random-weight Qwen2.5 architecture, split into sync / rollout / prox / update / other.",
