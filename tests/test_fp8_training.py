@@ -503,42 +503,61 @@ def test_stacked_codes_are_the_codes_of_the_stacked_weight():
         stack_frozen_codes([odd, odd])
 
 
-def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
-    """A LoRA model in the Jet-RL setting whose q/k/v and gate/up qualify (N multiples of 128): the training
-    forward runs each group as one stacked FP8-block GEMM, with logits and every LoRA gradient equal to the
-    linears run one by one (float32, same codes: up to summation order, 1e-5 relative)."""
-    from quarl.model import shared_input
+def _jet_rl_lora_model(cfg, rank: int, device: str = "cpu", dtype=torch.float32):
+    """A random-weight model of cfg in the Jet-RL setting (unified fp8-block, quantized_backward) with LoRA of
+    `rank` whose B matrices are nonzero, so the adapters act."""
     from quarl.model.decoder import QuarlForCausalLM
     from quarl.model.precision_apply import apply_precision
-    from quarl.model.tiny import tiny_config
     from quarl.precision import LoraConfig
 
-    cfg = tiny_config("qwen2", hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=384,
-                      num_layers=2)
-    seed = int(torch.randint(0, 2**31, (1,)))
-    torch.manual_seed(seed)
-    model = QuarlForCausalLM(cfg)
+    model = QuarlForCausalLM(cfg).to(device, dtype)
     apply_precision(model, PrecisionConfig(flow="unified", format="fp8-block", quantized_backward=True,
-                                           lora=LoraConfig(rank=4)))
+                                           lora=LoraConfig(rank=rank)))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name or name.endswith("proj.bias"):
-                p.normal_(0, 0.1)  # adapters that act, and q/k/v biases that differ per column
-    model.model.layers[0].self_attn.k_proj.bias.requires_grad_(True)  # a trained bias among frozen weights
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
-    from quarl.model import fp8_training
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
 
-    stacked_calls = []  # shared_input calls fp8_training.fp8_block_linear (weight None); QuantLinear its own import
-    real_linear = fp8_training.fp8_block_linear
-    monkeypatch.setattr(fp8_training, "fp8_block_linear",
-                        lambda x, w, b, frozen=None: stacked_calls.append(w is None) or real_linear(x, w, b, frozen))
+
+def _stacked_and_one_by_one(monkeypatch, model, ids, grads) -> dict:
+    """{True: stacked, False: one by one} -> [logits, the gradients of `grads(model)`] after a backward of
+    mean(logits^2), with STACK_SHARED_INPUTS set accordingly."""
+    from quarl.model import shared_input
+
     out = {}
     for stack in (True, False):
         monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", stack)
         model.zero_grad()
         logits = model(ids)
         logits.square().mean().backward()
-        out[stack] = [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
+        out[stack] = [logits.detach()] + [p.grad.float().clone() for p in grads(model)]
+    return out
+
+
+def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
+    """A LoRA model in the Jet-RL setting whose q/k/v and gate/up qualify (N multiples of 128): the training
+    forward runs each group as one stacked FP8-block GEMM, with logits and every LoRA gradient equal to the
+    linears run one by one (float32, same codes: up to summation order, 1e-5 relative)."""
+    from quarl.model import fp8_training
+    from quarl.model.tiny import tiny_config
+
+    cfg = tiny_config("qwen2", hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=384,
+                      num_layers=2)
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    model = _jet_rl_lora_model(cfg, rank=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(0, 0.1)  # q/k/v biases that differ per column
+    model.model.layers[0].self_attn.k_proj.bias.requires_grad_(True)  # a trained bias among frozen weights
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    stacked_calls = []  # shared_input calls fp8_training.fp8_block_linear (weight None); QuantLinear its own import
+    real_linear = fp8_training.fp8_block_linear
+    monkeypatch.setattr(fp8_training, "fp8_block_linear",
+                        lambda x, w, b, frozen=None: stacked_calls.append(w is None) or real_linear(x, w, b, frozen))
+    out = _stacked_and_one_by_one(monkeypatch, model, ids, lambda m: [p for p in m.parameters() if p.requires_grad])
     assert stacked_calls.count(True) == 2 * cfg.num_layers  # q/k/v and gate/up of each layer, stacked run only
     assert len(out[True]) == 1 + 2 * 7 * cfg.num_layers + 1  # logits, every A and B, the trained bias
     for a, b in zip(out[True], out[False]):
@@ -550,34 +569,18 @@ def test_cuda_sibling_linears_stacked_equal_one_by_one(monkeypatch):
     """On the GPU (bf16, the all-cuBLAS path: 16 x 64 tokens, N and K multiples of 128), the stacked q/k/v and
     gate/up GEMMs give the logits and LoRA gradients of the linears run one by one, within bf16 rounding of the
     outputs (cuBLAS may sum in another order for another N)."""
-    from quarl.model import shared_input
-    from quarl.model.decoder import QuarlForCausalLM
-    from quarl.model.precision_apply import apply_precision
     from quarl.model.tiny import tiny_config
-    from quarl.precision import LoraConfig
 
     cfg = tiny_config("qwen2", hidden_size=512, num_heads=4, num_kv_heads=1, head_dim=128, intermediate_size=1024,
                       num_layers=2)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
-    model = QuarlForCausalLM(cfg).cuda().to(torch.bfloat16)
-    apply_precision(model, PrecisionConfig(flow="unified", format="fp8-block", quantized_backward=True,
-                                           lora=LoraConfig(rank=8)))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            with torch.no_grad():
-                p.normal_(0, 0.1)
+    model = _jet_rl_lora_model(cfg, rank=8, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (16, 64), device="cuda")
-    out = {}
-    for stack in (True, False):
-        monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", stack)
-        model.zero_grad()
-        logits = model(ids)
-        logits.square().mean().backward()
-        out[stack] = [logits.detach()] + [p.grad.float().clone() for n, p in model.named_parameters() if "lora_" in n]
+    out = _stacked_and_one_by_one(monkeypatch, model, ids,
+                                  lambda m: [p for n, p in m.named_parameters() if "lora_" in n])
     assert model.model.layers[0].self_attn.qkv._codes is not None  # the stacked run built its codes
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-6 * float(b.abs().max()))
-
 
 def test_stacked_codes_follow_refresh_moves_and_replaced_modules(monkeypatch):
     """The stacked-codes cache is rebuilt after refresh() (which covers a write through .data), dropped by .to(),

@@ -218,13 +218,13 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if _fused_rope_ok(q):
+        fused_rope = _fused_rope_ok(q)
+        if fused_rope:
             from quarl.kernels.rope_train import rope
 
             q, k = rope(q.contiguous(), cos, sin), rope(k.contiguous(), cos, sin)  # in [B, T, H, D]
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if not fused_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
