@@ -4,8 +4,8 @@
 products, a negation, a concatenation, a sum), more backward, each a pass over q or k. Here one pass reads x (or
 its gradient) and cos/sin and writes the result, for x in the projection's own layout [B, T, H, D] (before the
 transpose to [B, H, T, D] that attention takes). Values are rounded where PyTorch rounds them (each product, then
-the sum), so in bf16/fp16 the result is PyTorch's bit for bit (no product can be fused into the sum: each is
-rounded to the dtype first).
+the sum), so in bf16/fp16 the result is PyTorch's bit for bit. The launch turns off floating-point contraction:
+otherwise the compiler fuses each rounded product and the sum into one bf16/fp16 fma, which rounds once.
 
 With half = D / 2, x = (x1, x2) and cos = (c1, c2), sin = (s1, s2) split at half:
     forward:   out1 = x1 c1 - x2 s1,        out2 = x2 c2 + x1 s2
@@ -62,7 +62,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool)
     block_h = min(triton.next_power_of_2(H), max(1, 4096 // D))
     grid = (B * T, triton.cdiv(H, block_h))
     _rope_kernel[grid](x, cos, sin, out, T, H, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1),
-                       HALF=D // 2, BLOCK_H=block_h, BACKWARD=backward, num_warps=4)
+                       HALF=D // 2, BLOCK_H=block_h, BACKWARD=backward, num_warps=4,
+                       # Without this, ptxas turns "round the product, then add" into one bf16 fma (one rounding
+                       # instead of PyTorch's two): results then differ from PyTorch by an ulp.
+                       enable_fp_fusion=False)
     return out
 
 
