@@ -167,19 +167,20 @@ def test_a_setting_kv_overrides_the_kv_cache_option():
     assert (own.precision.kv_cache, default.precision.kv_cache) == ("fp8", "auto")
 
 
-def test_experimental_paths_are_turned_on_by_name(monkeypatch):
-    """`quarl bench step --experimental` sets the named off-by-default flags and refuses unknown names."""
-    from quarl.bench.step import EXPERIMENTAL, enable_experimental
-    from quarl.model import layers, shared_input
+def test_optional_paths_are_turned_off_by_name(monkeypatch):
+    """`quarl bench step --without` clears the named flags, leaves the others and refuses unknown names."""
+    from quarl.bench.step import PATHS, disable_paths
+    from quarl.model import fp8_training, layers
     from quarl.rl import batch
     from quarl.rollout import fused_decode
 
-    for module, flag in [(layers, "FUSED_ROPE"), (batch, "FUSED_LOGPROBS"), (shared_input, "STACK_SHARED_INPUTS"),
-                         (fused_decode, "LORA_CODES_HANDOFF")]:
-        monkeypatch.setattr(module, flag, False)  # restored after the test
-    assert enable_experimental("rope, stack") == ["rope", "stack"]
-    assert layers.FUSED_ROPE and shared_input.STACK_SHARED_INPUTS
-    assert not batch.FUSED_LOGPROBS and not fused_decode.LORA_CODES_HANDOFF
-    assert set(EXPERIMENTAL) == {"rope", "logprobs", "stack", "lora-handoff"}
-    with pytest.raises(ValueError, match="unknown; choose from"):
-        enable_experimental("rope,turbo")
+    flags = [(layers, "FUSED_ROPE"), (batch, "FUSED_LOGPROBS"), (fp8_training, "SHARE_INPUT_CODES"),
+             (fused_decode, "LORA_CODES_HANDOFF")]
+    for module, flag in flags:
+        monkeypatch.setattr(module, flag, True)  # restored after the test
+    assert disable_paths("rope, share-codes") == ["rope", "share-codes"]
+    assert [getattr(m, f) for m, f in flags] == [False, True, False, True]
+    assert set(PATHS) == {"rope", "logprobs", "share-codes", "lora-handoff"}
+    with pytest.raises(ValueError, match="--without turbo: unknown; choose from"):
+        disable_paths("rope,turbo")
+    assert disable_paths("") == []

@@ -312,7 +312,8 @@ def _reference_training_kernels(monkeypatch):
         return (y + (0 if bias is None else bias.double())).to(dtype)
 
     monkeypatch.setattr(training_gemm, "quantize_rows_and_columns", lambda x, cp=None: (*rows(x, cp), *cols(x)))
-    monkeypatch.setattr(training_gemm, "quantize_activation", lambda x, fmt, kp, scales_column_major: rows(x, kp))
+    monkeypatch.setattr(training_gemm, "quantize_activation",
+                        lambda x, fmt, kp, scales_column_major, num_warps=4: rows(x, kp))
     monkeypatch.setattr(training_gemm, "quantize_columns_transposed", cols)
     monkeypatch.setattr(training_gemm, "weight_grad_from_codes",
                         lambda gc, gs, xc, xs, dtype: (deq(gc, gs.t()) @ deq(xc, xs.t()).T).to(dtype))
@@ -483,26 +484,6 @@ def test_fused_path_takes_frozen_codes_padded_once(monkeypatch, k):
         assert torch.equal(y, results[0][0]) and torch.equal(dx, results[0][1])
 
 
-def test_stacked_codes_are_the_codes_of_the_stacked_weight():
-    """stack_frozen_codes of per-weight codes equals quantizing the concatenated weight, bit for bit, both ways
-    (every N a multiple of 128, so the 128x128 tiles are the same), and refuses other N."""
-    from quarl.model.fp8_training import FrozenWeightCodes, stack_frozen_codes
-
-    ws = [torch.randn(n, 300) * s for n, s in [(256, 0.1), (128, 3.0), (128, 0.01)]]
-    stacked = stack_frozen_codes([FrozenWeightCodes(quantized_weight(w, torch.float32),
-                                                    quantized_weight(w, torch.float32, transpose=True)) for w in ws])
-    whole = torch.cat(ws)
-    for got, want in [(stacked.forward, quantized_weight(whole, torch.float32)),
-                      (stacked.transposed, quantized_weight(whole, torch.float32, transpose=True))]:
-        assert got.shape == want.shape
-        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
-        assert torch.equal(got.scale, want.scale)
-    odd = FrozenWeightCodes(quantized_weight(torch.randn(64, 300), torch.float32),
-                            quantized_weight(torch.randn(64, 300), torch.float32, transpose=True))
-    with pytest.raises(ValueError, match="multiple of 128"):
-        stack_frozen_codes([odd, odd])
-
-
 def _jet_rl_lora_model(cfg, rank: int, device: str = "cpu", dtype=torch.float32):
     """A random-weight model of cfg in the Jet-RL setting (unified fp8-block, quantized_backward) with LoRA of
     `rank` whose B matrices are nonzero, so the adapters act."""
@@ -520,97 +501,75 @@ def _jet_rl_lora_model(cfg, rank: int, device: str = "cpu", dtype=torch.float32)
     return model
 
 
-def _stacked_and_one_by_one(monkeypatch, model, ids, grads) -> dict:
-    """{True: stacked, False: one by one} -> [logits, the gradients of `grads(model)`] after a backward of
-    mean(logits^2), with STACK_SHARED_INPUTS set accordingly."""
-    from quarl.model import shared_input
-
-    out = {}
-    for stack in (True, False):
-        monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", stack)
-        model.zero_grad()
-        logits = model(ids)
-        logits.square().mean().backward()
-        out[stack] = [logits.detach()] + [p.grad.float().clone() for p in grads(model)]
-    return out
-
-
-def test_sibling_linears_run_as_one_fp8_gemm_with_the_same_values(monkeypatch):
-    """A LoRA model in the Jet-RL setting whose q/k/v and gate/up qualify (N multiples of 128): the training
-    forward runs each group as one stacked FP8-block GEMM, with logits and every LoRA gradient equal to the
-    linears run one by one (float32, same codes: up to summation order, 1e-5 relative)."""
+def test_sibling_linears_quantize_their_shared_input_once(monkeypatch):
+    """q/k/v and gate/up read one input: on the fused FP8 path (its reference pieces, so it runs on a CPU) that
+    input is quantized once per group instead of once per linear (3 quantizations fewer per layer forward), and
+    the logits and every LoRA gradient are bit for bit those of the linears quantizing it one by one."""
+    pytest.importorskip("triton")
+    _reference_training_kernels(monkeypatch)
     from quarl.model import fp8_training
     from quarl.model.tiny import tiny_config
 
+    monkeypatch.setattr(fp8_training, "training_gemm_ok", lambda x, n: True)
     cfg = tiny_config("qwen2", hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=384,
                       num_layers=2)
-    seed = int(torch.randint(0, 2**31, (1,)))
-    torch.manual_seed(seed)
-    model = _jet_rl_lora_model(cfg, rank=4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.bias"):
-                p.normal_(0, 0.1)  # q/k/v biases that differ per column
-    model.model.layers[0].self_attn.k_proj.bias.requires_grad_(True)  # a trained bias among frozen weights
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
-    stacked_calls = []  # shared_input calls fp8_training.fp8_block_linear (weight None); QuantLinear its own import
-    real_linear = fp8_training.fp8_block_linear
-    monkeypatch.setattr(fp8_training, "fp8_block_linear",
-                        lambda x, w, b, frozen=None: stacked_calls.append(w is None) or real_linear(x, w, b, frozen))
-    out = _stacked_and_one_by_one(monkeypatch, model, ids, lambda m: [p for p in m.parameters() if p.requires_grad])
-    assert stacked_calls.count(True) == 2 * cfg.num_layers  # q/k/v and gate/up of each layer, stacked run only
-    assert len(out[True]) == 1 + 2 * 7 * cfg.num_layers + 1  # logits, every A and B, the trained bias
-    for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()), msg=lambda m: f"seed {seed}: {m}")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    _check_shared_input_codes(monkeypatch, _jet_rl_lora_model(cfg, rank=4), torch.randint(0, cfg.vocab_size, (2, 9)))
 
 
 @pytest.mark.gpu
-def test_cuda_sibling_linears_stacked_equal_one_by_one(monkeypatch):
-    """On the GPU (bf16, the all-cuBLAS path: 16 x 64 tokens, N and K multiples of 128), the stacked q/k/v and
-    gate/up GEMMs give the logits and LoRA gradients of the linears run one by one, within bf16 rounding of the
-    outputs (cuBLAS may sum in another order for another N)."""
+def test_cuda_sibling_linears_quantize_their_shared_input_once(monkeypatch):
+    """As above on the GPU's kernels (bf16, cuBLAS blockwise: 16 x 64 tokens, N and K multiples of 128)."""
     from quarl.model.tiny import tiny_config
 
     cfg = tiny_config("qwen2", hidden_size=512, num_heads=4, num_kv_heads=1, head_dim=128, intermediate_size=1024,
                       num_layers=2)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
     model = _jet_rl_lora_model(cfg, rank=8, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (16, 64), device="cuda")
-    out = _stacked_and_one_by_one(monkeypatch, model, ids,
-                                  lambda m: [p for n, p in m.named_parameters() if "lora_" in n])
-    assert model.model.layers[0].self_attn.qkv._codes is not None  # the stacked run built its codes
-    for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-6 * float(b.abs().max()))
+    _check_shared_input_codes(monkeypatch, model, torch.randint(0, cfg.vocab_size, (16, 64), device="cuda"))
 
-def test_stacked_codes_follow_refresh_moves_and_replaced_modules(monkeypatch):
-    """The stacked-codes cache is rebuilt after refresh() (which covers a write through .data), dropped by .to(),
-    and built from the modules passed in, so a replaced linear is never served from the old stack."""
-    from quarl.model import shared_input
-    from quarl.model.shared_input import SharedInputLinears
 
-    monkeypatch.setattr(shared_input, "STACK_SHARED_INPUTS", True)
-    linears = [_frozen_lora_layer(300, n) for n in (256, 128)]
-    group = SharedInputLinears()
-    x = torch.randn(5, 300)
+def _check_shared_input_codes(monkeypatch, model, ids):
+    """Forward + backward of mean(logits^2) with SHARE_INPUT_CODES on and off: 3 input quantizations fewer per
+    layer with it on, the same logits and LoRA gradients bit for bit."""
+    from quarl.kernels import training_gemm
+    from quarl.model import fp8_training
 
-    def one_by_one():
-        return [linear(x) for linear in linears]
+    num_layers = model.config.num_layers
+    calls = []
+    real_quantize = training_gemm._quantize_input
+    monkeypatch.setattr(training_gemm, "_quantize_input",
+                        lambda x, kp, keep: calls.append(x.shape) or real_quantize(x, kp, keep))
+    out = {}
+    for share in (True, False):
+        monkeypatch.setattr(fp8_training, "SHARE_INPUT_CODES", share)
+        calls.clear()
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        out[share] = len(calls), [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters()
+                                                      if "lora_" in n]
+        assert fp8_training._shared_input is None  # dropped when each block ends
+    assert out[False][0] >= 7 * num_layers and out[True][0] == out[False][0] - 3 * num_layers
+    assert len(out[True][1]) == 1 + 14 * num_layers
+    for a, b in zip(out[True][1], out[False][1]):
+        assert torch.equal(a, b)
 
-    def check():
-        for a, b in zip(group(linears, x), one_by_one()):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-    check()
-    first = group._codes
-    check()
-    assert group._codes is first  # unchanged weights: the same stack
-    linears[0].weight.data.mul_(2.0)  # invisible to the version counter ...
-    linears[0].refresh()  # ... until the sync
-    check()
-    assert group._codes is not first
-    replaced = _frozen_lora_layer(300, 128)
-    linears[1] = replaced
-    check()
-    assert group._linears[1]() is replaced
-    group.clear()
-    assert group._codes is None
+def test_shared_input_codes_block_is_scoped(monkeypatch):
+    """The sharing dict exists only inside the outermost block (a nested block reuses it), is dropped when the
+    block ends, also by an exception, and is never opened with SHARE_INPUT_CODES off."""
+    from quarl.model import fp8_training
+
+    with fp8_training.shared_input_codes():
+        outer = fp8_training._shared_input
+        with fp8_training.shared_input_codes():
+            assert fp8_training._shared_input is outer == {}
+        assert fp8_training._shared_input is outer
+    assert fp8_training._shared_input is None
+    with pytest.raises(RuntimeError, match="boom"), fp8_training.shared_input_codes():
+        raise RuntimeError("boom")
+    assert fp8_training._shared_input is None
+    monkeypatch.setattr(fp8_training, "SHARE_INPUT_CODES", False)
+    with fp8_training.shared_input_codes():
+        assert fp8_training._shared_input is None

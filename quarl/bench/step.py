@@ -108,32 +108,32 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    parser.add_argument("--experimental", default="",
-                        help="comma list of paths that are off by default to turn on for every setting: "
-                             + ", ".join(EXPERIMENTAL))
+    parser.add_argument("--without", default="",
+                        help="comma list of optional fast paths to turn off for every setting, to measure what each "
+                             "is worth: " + ", ".join(PATHS))
     add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
-# Paths that are off by default until measured (name -> module, flag), for --experimental.
-EXPERIMENTAL = {
+# Optional fast paths, all on by default, that a run can turn off (--without): name -> (module, flag).
+PATHS = {
     "rope": ("quarl.model.layers", "FUSED_ROPE"),
     "logprobs": ("quarl.rl.batch", "FUSED_LOGPROBS"),
-    "stack": ("quarl.model.shared_input", "STACK_SHARED_INPUTS"),
+    "share-codes": ("quarl.model.fp8_training", "SHARE_INPUT_CODES"),
     "lora-handoff": ("quarl.rollout.fused_decode", "LORA_CODES_HANDOFF"),
 }
 
 
-def enable_experimental(names: str) -> list[str]:
-    """Turn on the EXPERIMENTAL paths named in the comma list `names` (for this process); returns the names."""
+def disable_paths(names: str) -> list[str]:
+    """Turn off the PATHS flags named in the comma list `names` (for this process); returns the names."""
     import importlib
 
     chosen = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in chosen if n not in EXPERIMENTAL]
+    unknown = [n for n in chosen if n not in PATHS]
     if unknown:
-        raise ValueError(f"--experimental {','.join(unknown)}: unknown; choose from {', '.join(EXPERIMENTAL)}")
+        raise ValueError(f"--without {','.join(unknown)}: unknown; choose from {', '.join(PATHS)}")
     for name in chosen:
-        module, flag = EXPERIMENTAL[name]
-        setattr(importlib.import_module(module), flag, True)
+        module, flag = PATHS[name]
+        setattr(importlib.import_module(module), flag, False)
     return chosen
 
 
@@ -307,7 +307,7 @@ def bench_step(args) -> tuple[list[dict], str, str]:
     if args.warmup < 0 or args.lora_rank < 0:
         raise ValueError("--warmup and --lora-rank must be >= 0")
     settings = parse_settings(args.settings)
-    enable_experimental(args.experimental)
+    disable_paths(args.without)
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory() as scratch:  # bad overrides or flow/LoRA combinations fail before any run
         for s in settings:
@@ -415,8 +415,8 @@ def run_bench_step(args) -> int:
         ]
         if args.overrides:
             facts.append("overrides: " + " ".join(args.overrides))
-        if args.experimental:
-            facts.append("experimental paths on: " + args.experimental)
+        if args.without:
+            facts.append("optional paths turned off: " + args.without)
         append_entry(args.out, "B3 — RL step (`quarl bench step`)",
                      "Appended by `quarl bench step`; newest last. One step of quarl.rl.trainer.Trainer on a "
                      "random-weight Qwen2.5 architecture, split into sync / rollout / prox / update / other.",

@@ -71,13 +71,15 @@ def fused_linear_ok(x: torch.Tensor, n: int) -> bool:
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_x_codes: bool,
-                   qweight=None):
+                   qweight=None, share: dict | None = None):
     """y = Q(x) @ Q(W)^T (+ bias) for x [M, K] and the master weight [N, K] (any float dtype; rounded to x.dtype
     first, as the rollout copy) where `fused_linear_ok` -> (y [M, N] in x.dtype, x_codes): the rollout
     forward's codes on cuBLAS blockwise. qweight: Q(W) already quantized (fp8-block [N, K], e.g. a frozen
     weight's), else W is quantized here. keep_x_codes (the weight needs a gradient): x is quantized both ways in
     one pass and x_codes = (x's transposed codes [K, MP], scales [MP/128, K]) for `linear_backward`, which then
-    needs no x; else x_codes is None."""
+    needs no x; else x_codes is None. share: a dict of x's quantizations by (x, kp, keep_x_codes), read and filled
+    here (`fp8_training.shared_input_codes`), so sibling linears quantize one input once; the caller keeps x
+    alive while the dict lives, which makes its address and version a safe key."""
     from quarl.formats.fp8 import pad_block_groups
     from quarl.kernels.dispatch import scaled_mm_codes
     from quarl.kernels.weight_quant import quantize_fp8_block_weight
@@ -86,12 +88,30 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         qweight = quantize_fp8_block_weight(weight.detach().to(x.dtype))
     qw = pad_block_groups(qweight, 4)
     kp = qw.data.shape[1]
+    key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version, kp, keep_x_codes)
+    quantized = None if share is None else share.get(key)
+    if quantized is None:
+        quantized = _quantize_input(x, kp, keep_x_codes)
+        if share is not None:
+            share[key] = quantized
+    x_rows, x_row_scales, x_codes = quantized
+    return scaled_mm_codes(x_rows, x_row_scales, qw, bias, x.dtype), x_codes
+
+
+def _quantize_input(x: torch.Tensor, kp: int, keep_x_codes: bool):
+    """x [M, K] -> (codes [M, kp], scales column-major [M, kp/128], x_codes: the transposed codes and scales
+    when keep_x_codes, else None); see `linear_forward`."""
     if keep_x_codes:
         x_rows, x_row_scales, x_cols, x_col_scales = quantize_rows_and_columns(x, kp)
-        x_codes = (x_cols, x_col_scales)
-    else:
-        (x_rows, x_row_scales), x_codes = quantize_activation(x, "fp8-block", kp, scales_column_major=True), None
-    return scaled_mm_codes(x_rows, x_row_scales, qw, bias, x.dtype), x_codes
+        return x_rows, x_row_scales, (x_cols, x_col_scales)
+    return *_quantize_rows(x, kp), None
+
+
+def _quantize_rows(t: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [M, K] -> fp8-block codes [M, kp] and column-major scales, as torch._scaled_mm takes them. Two warps per
+    row: at 20k training rows (K = 512 / 3584 / 18944) that runs at 51 / 86 / 96 % of copy bandwidth against
+    35 / 73 / 86 % with four (bench/results/gemm.md, bench/act_quant_sweep.py)."""
+    return quantize_activation(t, "fp8-block", kp, scales_column_major=True, num_warps=2)
 
 
 def linear_backward(g: torch.Tensor, weight: torch.Tensor, x_codes, need_input_grad: bool, need_weight_grad: bool,
@@ -114,7 +134,7 @@ def linear_backward(g: torch.Tensor, weight: torch.Tensor, x_codes, need_input_g
         if need_weight_grad:
             g_rows, g_row_scales, g_cols, g_col_scales = quantize_rows_and_columns(g, np_)
         else:
-            g_rows, g_row_scales = quantize_activation(g, "fp8-block", np_, scales_column_major=True)
+            g_rows, g_row_scales = _quantize_rows(g, np_)
         dx = scaled_mm_codes(g_rows, g_row_scales, qwt, None, g.dtype)
     if need_weight_grad:
         if g_cols is None:

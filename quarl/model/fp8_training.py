@@ -25,6 +25,7 @@ tensor cores. On a CPU all three GEMMs multiply dequantized operands (the refere
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,29 @@ FP8_WEIGHT_GRAD_KERNEL = False
 # On a Hopper GPU, where the rollout forward's plan is cuBLAS blockwise for the shape (large M), all three GEMMs
 # run on cuBLAS, x and g each quantized both ways in one pass (`kernels.training_gemm`).
 FUSED_CUBLAS_PATH = True
+
+# Sibling linears that read one input (q/k/v; gate/up) quantize it once for their FP8 GEMMs on that path instead
+# of once per linear, inside `shared_input_codes()` (H200, a 7B layer at 16 x 1280 tokens: three of the seven
+# forward quantizations, about 0.2 ms each). Set False to quantize per linear.
+SHARE_INPUT_CODES = True
+_shared_input: dict | None = None  # the open `shared_input_codes` block's codes, by input
+
+
+@contextlib.contextmanager
+def shared_input_codes():
+    """Inside this block, FP8-block training linears on `FUSED_CUBLAS_PATH` quantize a given input (the same
+    tensor: storage, shape, strides and version) once and reuse its codes; they are dropped when the block ends
+    (the caller holds the input for the whole block, so its memory cannot be reused for another tensor inside).
+    Same codes, same results: only fewer quantizing passes. Nested blocks share the outer one's codes."""
+    global _shared_input
+    if not SHARE_INPUT_CODES or _shared_input is not None:
+        yield
+        return
+    _shared_input = {}
+    try:
+        yield
+    finally:
+        _shared_input = None
 
 
 def training_gemm_ok(x: torch.Tensor, n: int) -> bool:
@@ -140,7 +164,8 @@ class FP8BlockLinear(torch.autograd.Function):
 
             keep = ctx.needs_input_grad[1]
             y, x_codes = linear_forward(x, weight, bias, keep_x_codes=keep,
-                                        qweight=None if frozen is None else frozen.padded("forward"))
+                                        qweight=None if frozen is None else frozen.padded("forward"),
+                                        share=_shared_input)
             # x's transposed codes (the weight gradient's operand) and the master weight (Q(W^T) for the input
             # gradient is quantized in the backward, or taken from `frozen`): the backward needs no x.
             ctx.fused = True
@@ -190,28 +215,6 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
         return fp8_block_weight_grad(g.contiguous(), x.contiguous())
     return kernels.fake_quantize_columns(g).t() @ kernels.fake_quantize_columns(x)
-
-
-def stack_frozen_codes(parts: list[FrozenWeightCodes]) -> FrozenWeightCodes:
-    """The codes of weights W_i [N_i, K] stacked along N, as if quantized from cat(W_i) [sum N_i, K]: forward
-    [sum N, K] (rows of 128x128 tiles one after another) and transposed [K, sum N]. Every N_i must be a multiple of
-    128 (whole tiles both ways, so stacking regroups nothing)."""
-    fwd, tr = [p.forward for p in parts], [p.transposed for p in parts]
-    if any(q.shape[0] % 128 for q in fwd) or len({q.shape[1] for q in fwd}) != 1:
-        raise ValueError(f"stack_frozen_codes needs weights [N_i, K] with one K and every N_i a multiple of 128, got "
-                         f"{[tuple(q.shape) for q in fwd]}")
-    n, k = sum(q.shape[0] for q in fwd), fwd[0].shape[1]
-
-    def cat(tensors, dim):  # float8 through a byte view (cat of float8 is not implemented everywhere)
-        if tensors[0].dtype == torch.float8_e4m3fn:
-            return torch.cat([t.view(torch.uint8) for t in tensors], dim).view(torch.float8_e4m3fn)
-        return torch.cat(tensors, dim)
-
-    forward = QuantizedTensor(FORMAT, "weight", cat([q.data for q in fwd], 0), cat([q.scale for q in fwd], 0), None,
-                              torch.Size((n, k)))
-    transposed = QuantizedTensor(FORMAT, "weight", cat([q.data for q in tr], 1), cat([q.scale for q in tr], 1), None,
-                                 torch.Size((k, n)))
-    return FrozenWeightCodes(forward, transposed)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -130,9 +130,6 @@ class QuantLinear(nn.Module):
         self._rollout_source: tuple | None = None
         self._frozen_codes: FrozenWeightCodes | None = None
         self._frozen_codes_key: tuple | None = None
-        # Bumped whenever FP8 codes derived from the weight must be rebuilt although its version may not show it
-        # (refresh(), which covers writes through .data; moves and conversions): part of every codes cache key.
-        self.codes_epoch = 0
         # The adapter as rollouts use it, (A [r, in], B * scaling [out, r]) in the compute dtype (set_rollout).
         self._rollout_adapter: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -343,7 +340,6 @@ class QuantLinear(nn.Module):
         if only_if_changed and w is not None and not w.requires_grad and self._rollout_copy_current():
             return
         self._frozen_codes_key = None  # a write through .data bypasses the version counter: refresh sees it
-        self.codes_epoch += 1
         if self.qweight_data is None or self.frozen_base:
             return
         qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight", out=self.qweight)
@@ -477,7 +473,6 @@ class QuantLinear(nn.Module):
         # .to() / .cuda() / .half(): drop the frozen-weight FP8 codes (a plain attribute, not a buffer, so they
         # would stay behind on the old device); the next training forward rebuilds them.
         self._frozen_codes = self._frozen_codes_key = None
-        self.codes_epoch += 1
         return super()._apply(fn, recurse)
 
     def _frozen_base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -23,9 +23,9 @@ from quarl import kernels
 from quarl.model.layers import apply_rope
 from quarl.model.qlinear import QuantLinear
 
-# Off until measured on a GPU: with LoRA adapters, the fused norm / SiLU·mul kernels still hand FP8 codes to the
-# base GEMM and also write the bf16 activations for the adapters (else adapters turn the handoff off).
-LORA_CODES_HANDOFF = False
+# With LoRA adapters, the fused norm / SiLU·mul kernels still hand FP8 codes to the base GEMM and also write the
+# bf16 activations for the adapters. Set False to turn the handoff off for linears with adapters.
+LORA_CODES_HANDOFF = True
 
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
