@@ -1,7 +1,8 @@
 """Activation quantization at training shapes: the row kernel (`_act_quant_kernel`, one program per row) at each
-block / warps against the tile kernel (`_group_tiles_kernel`, one program per BLOCK_M rows x one 128-wide group),
-fp8-block codes with column-major scales as the FP8 training linear takes them. Microseconds (CUDA-graph
-replays) and % of the measured copy bandwidth (bytes read + codes written). Codes and scales must be identical.
+block / warps, fp8-block codes with column-major scales as the FP8 training linear takes them. Microseconds
+(CUDA-graph replays) and % of the measured copy bandwidth (bytes read + codes written). Codes and scales must be
+identical to the default launch's. (A tile kernel, one program per 16-64 rows x one 128-wide group, was tried
+and dropped: it won only at K = 512, 10 us against 15; bench/results/gemm.md.)
 
     PYTHONPATH=. python3 bench/act_quant_sweep.py [--m 20480]
 """
@@ -11,21 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
-
 from quarl.bench.gemm import measure_ceilings
 from quarl.bench.rollout_breakdown import _graph_ms
-from quarl.kernels.act_quant import _group_tiles_kernel, quantize_activation
-
-
-def tiles(x, kp, block_m, warps):
-    M, K = x.shape
-    codes = torch.empty((M, kp), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((kp // 128, M), dtype=torch.float32, device=x.device).t()
-    _group_tiles_kernel[(triton.cdiv(M, block_m), kp // 128)](
-        x, codes, scales, M, K, x.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
-        IS_INT8=False, BLOCK_M=block_m, num_warps=warps)
-    return codes.view(torch.float8_e4m3fn), scales
+from quarl.kernels.act_quant import quantize_activation
 
 
 def main() -> None:
@@ -42,8 +31,6 @@ def main() -> None:
         variants = {f"row block {b} warps {w}": (lambda b=b, w=w: quantize_activation(
             x, "fp8-block", k, scales_column_major=True, block=b, num_warps=w)) for b in (512, 1024, 2048)
             for w in (2, 4, 8)}
-        variants.update({f"tiles {bm} rows warps {w}": (lambda bm=bm, w=w: tiles(x, k, bm, w))
-                         for bm in (16, 32, 64) for w in (2, 4, 8)})
         for name, fn in variants.items():
             codes, scales = fn()
             if not (torch.equal(codes.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(scales, ref[1])):

@@ -72,28 +72,6 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_s
 
 
 @triton.jit
-def _group_tiles_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                        IS_INT8: tl.constexpr, BLOCK_M: tl.constexpr):
-    """fp8-block / int8 1x128-group codes by tiles: program (i, g) quantizes rows [i*BLOCK_M, +BLOCK_M) of the
-    128-column group g. x [M, K] -> q [M, KP] (codes; fp8 as uint8 bytes; columns past K written as 0),
-    s [M, KP/128] float32 at strides (stride_sm, stride_sg). With column-major scales (stride_sm = 1) each program
-    writes BLOCK_M consecutive scales: one coalesced store instead of a strided one per row. Same values as
-    `_act_quant_kernel` in MODE 1."""
-    QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
-    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g = tl.program_id(1)
-    rk = g * 128 + tl.arange(0, 128)
-    row_ok = rm < M
-    v = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K),
-                other=0.0).to(tl.float32)
-    s = safe_scale(tl.max(tl.abs(v), axis=1), QMAX)
-    q = quantize_tile(v, s[:, None], IS_INT8)
-    q = q.to(tl.int8) if IS_INT8 else q.to(tl.uint8, bitcast=True)
-    tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], q, mask=row_ok[:, None])
-    tl.store(s_ptr + rm * stride_sm + g * stride_sg, s, mask=row_ok)
-
-
-@triton.jit
 def _column_groups_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_om, BLOCK_N: tl.constexpr):
     """x [M, N] -> out [M, N] (x's dtype): every column's 128-row group (pid 0) rounded to FP8 E4M3 with its own
     scale and dequantized; pid 1 picks BLOCK_N columns. Rows past M load as 0 (they do not change the amax)."""
