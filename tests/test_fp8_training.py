@@ -229,7 +229,7 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
         y = FP8BlockLinear.apply(xc, wc, bc)
         y.backward(g)
         out[fused] = (y, xc.grad, wc.grad, bc.grad)
-    assert calls == [{"keep_x_codes": True, "qweight": None}]
+    assert calls == [{"keep_x_codes": True, "qweight": None, "share": None}]
     (y, dx, dw, db), (y0, dx0, _, db0) = out[True], out[False]
     w_c = w.to(dtype).cpu()
     assert_product_close(y.cpu(), q_rows(x.cpu()), q_tiles(w_c), torch.bfloat16, bias=b.cpu().to(dtype))
@@ -241,7 +241,7 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
     monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", True)
     xc = x.clone().requires_grad_(True)
     FP8BlockLinear.apply(xc, w, None).backward(g)  # frozen weight: input gradient only
-    assert calls[-1] == {"keep_x_codes": False, "qweight": None} and torch.equal(xc.grad, dx)
+    assert calls[-1] == {"keep_x_codes": False, "qweight": None, "share": None} and torch.equal(xc.grad, dx)
     # ... and with its codes quantized once (FrozenWeightCodes, as a LoRA-frozen base passes them): the same
     # cuBLAS calls on the same codes, so the same values bit for bit.
     codes = fp8_training.FrozenWeightCodes(quantized_weight(w, dtype), quantized_weight(w, dtype, transpose=True))

@@ -255,7 +255,9 @@ class Attention(nn.Module):
         columns = decode_start.columns.to(q.device)  # a no-op when built by DecodeStart.of for this device
         decoding = torch.arange(p, device=q.device)[None, :] >= columns[:, None]
         head = torch.where(decoding[:, None, :, None], out[:, :, :p], prefill)  # [B, H, p, D]
-        return torch.cat([head, out[:, :, p:]], dim=2)
+        # Joined in [B, T, H, D] memory (returned as its [B, H, T, D] view): the layout SDPA's output has and
+        # o_proj's input needs, so the join is one coalesced copy and the caller's reshape copies nothing.
+        return torch.cat([head.transpose(1, 2), out[:, :, p:].transpose(1, 2)], dim=1).transpose(1, 2)
 
     def _sdpa(self, q, k, v, attn_mask):
         gqa = self.num_heads != self.num_kv_heads
