@@ -89,6 +89,55 @@ def test_fused_projection_adds_each_parts_lora():
     close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
+def test_fused_projection_stacks_the_rollout_adapters():
+    """prepare() stacks the parts' rollout adapters (ranks 4 and 2, the middle part without one) into one A and a
+    block-diagonal B whose blocks are the parts' own copies: the group's output equals the parts one by one. A new
+    rollout rewrites the copies in place (no re-stacking, same buffers: captured graphs stay valid) and the output
+    follows the trained adapter; a new rank un-stacks until the next prepare()."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    parts = _parts("fp8")
+    for p, rank in zip(parts, (4, 0, 2)):
+        p.set_rollout(False)
+        if rank:
+            p.configure(rollout_format="fp8", lora_rank=rank)
+            with torch.no_grad():
+                p.lora_B.normal_()
+        p.set_rollout(True)
+    fused = FusedProjection(parts)
+    x = torch.randn(5, 48)
+
+    def one_by_one():
+        return torch.cat([p(x) for p in parts], dim=-1)
+
+    assert fused.prepare() and fused._adapters_current()
+    a, b = fused._adapter
+    assert a.shape == (6, 48) and b.shape == (128, 6)
+    assert torch.equal(b[64:96], torch.zeros(32, 6)) and torch.equal(b[:64, 4:], torch.zeros(64, 2))
+    with torch.no_grad():
+        close(fused(x), one_by_one())
+        lora_free = torch.cat([p._rollout_forward(x, p.bias) for p in parts], dim=-1)
+    assert (fused(x) - lora_free).abs().max() > 1e-2  # the adapters act
+    for p in parts:  # a training step changes an adapter, then the next rollout starts
+        p.set_rollout(False)
+    with torch.no_grad():
+        parts[2].lora_B.mul_(-3.0)
+        parts[0].lora_A.add_(0.5)
+    for p in parts:
+        p.set_rollout(True)
+    assert not fused.prepare() and fused._adapter[0] is a  # rewritten in place, nothing moved
+    with torch.no_grad():
+        close(fused(x), one_by_one())
+    parts[2].set_rollout(False)
+    parts[2].configure(rollout_format="fp8", lora_rank=3)
+    parts[2].set_rollout(True)
+    assert not fused._adapters_current()
+    with torch.no_grad():
+        close(fused(x), one_by_one())  # per part meanwhile
+    assert fused.prepare() and fused._adapter[0].shape == (7, 48)
+    with torch.no_grad():
+        close(fused(x), one_by_one())
+
+
 def test_elementwise_pieces_match_the_modules():
     """The torch definitions of the fused pieces are the modules' math (the GPU kernels are tested against them)."""
     torch.manual_seed(0)

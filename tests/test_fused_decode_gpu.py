@@ -224,8 +224,9 @@ def test_captured_graphs_follow_the_weight_sync(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
 def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
-    """Rollout with LoRA on CUDA: the stacked projection adds each part's adapter into its own columns (addmm into
-    a column slice); equal to the parts run one by one within one bf16 rounding of the output."""
+    """Rollout with LoRA on CUDA: the stacked projection adds the parts' adapters as one stacked pair (x @ A^T,
+    then addmm with the block-diagonal B into the whole output); equal to the parts run one by one (each adding
+    its adapter into its own columns) within one bf16 rounding of the output."""
     from quarl.model.qlinear import QuantLinear
     from quarl.rollout.fused_decode import FusedProjection
 
@@ -249,7 +250,7 @@ def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
         base = torch.cat([p._rollout_forward(x, p.bias) for p in parts], dim=-1)
         lora_only = torch.cat([p.add_lora(torch.zeros_like(b), x)
                                for p, b in zip(parts, base.split((512, 128, 128), 1))], dim=-1)
-    assert fused.fused_qweight is not None  # the stacked path ran
+    assert fused.fused_qweight is not None and fused._adapters_current()  # the stacked paths ran
     assert float(lora_only.abs().max()) > 1.0  # the adapters contribute visibly
     # The stacked and the per-part GEMMs may round the base differently, and the adapter can cancel the base: the
     # tolerance is relative to both terms' magnitudes (two bf16 roundings).

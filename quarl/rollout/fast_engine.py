@@ -176,8 +176,8 @@ class FastRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ setup
     def _prepare(self, needed_columns: int) -> None:
         """Allocate (or grow) the slot cache and state; drop captured graphs if the model's tensors changed."""
-        if self._decoder is not None:
-            self._decoder.prepare()  # re-stack fused weights a reconfiguration replaced (moves buffers)
+        if self._decoder is not None and self._decoder.prepare():  # re-stack what a reconfiguration replaced
+            self._graphs.clear()  # moved weights or adapter copies (the latter are not in the fingerprint)
         if self._fingerprint is not None and self._fingerprint != self._model_fingerprint():
             self._graphs.clear()  # re-configured weights live in new buffers: the old graphs read stale memory
         if self.cache is not None and self.cache.capacity >= needed_columns:
@@ -279,10 +279,10 @@ class FastRolloutEngine(RolloutEngine):
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(self.state.counters(), saved):
             t.copy_(s)
-        if self._decoder is not None:
-            self._decoder.prepare()  # re-stack what the warm-up's fallbacks replaced, before capturing
+        # Re-stack what the warm-up's fallbacks replaced, before capturing.
+        moved = self._decoder is not None and self._decoder.prepare()
         fingerprint = self._model_fingerprint()
-        if fingerprint != self._graph_fingerprint:
+        if moved or fingerprint != self._graph_fingerprint:
             self._graphs.clear()  # graphs captured earlier read buffers that have moved since
             self._graph_fingerprint = fingerprint
         if self._pool is None:

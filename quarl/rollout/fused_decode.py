@@ -39,6 +39,12 @@ class FusedProjection:
     place. Otherwise (full-precision parts, nvfp4's per-tensor global scale) the parts run one after another.
     Stacking happens at construction and in `prepare()` (after a reconfiguration replaced the parts' buffers),
     never inside a forward, so a captured CUDA graph never contains it.
+
+    LoRA adapters in rollout are stacked the same way by `prepare()`: A = [A_1; A_2; ...] [R, K] and a
+    block-diagonal B [sum N, R] (zeros off each part's block; R = the summed ranks), whose blocks become the
+    parts' rollout adapter copies. `QuantLinear.set_rollout` rewrites those copies in place at each rollout start,
+    so the stacked pair is current without re-stacking, and the adapters of the whole group cost two GEMMs
+    (x @ A^T, then y += (x A^T) @ B^T) instead of two per part.
     """
 
     def __init__(self, parts: list[QuantLinear]):
@@ -46,6 +52,7 @@ class FusedProjection:
         self.sizes = [p.out_features for p in parts]
         self.column_starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]  # of each part in the output
         self._fused: dict[str, torch.Tensor] | None = None
+        self._adapter: tuple[torch.Tensor, torch.Tensor] | None = None  # stacked (A [R, K], block-diagonal B)
         self._fuse()
 
     @property
@@ -119,8 +126,9 @@ class FusedProjection:
         """Re-stack the parts if a reconfiguration (or a part's own fallback cache) replaced their buffers since;
         drops the old stacked buffers first. Not during CUDA-graph capture. Returns whether it re-stacked (moved
         the parts' buffers); parts that cannot be stacked keep their own buffers and give False."""
+        moved = self._stack_adapters()
         if self._views_current() or (self._fused is None and not self._stackable()):
-            return False
+            return moved
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
         was_stacked = self._fused is not None
@@ -206,10 +214,61 @@ class FusedProjection:
         if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
             return torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
                               for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
+        if self._adapters_current() and self._adapter[0].dtype == x.dtype and self._adapter[0].device == x.device:
+            a, b = self._adapter  # every part's adapter in two GEMMs, B's zero blocks adding nothing
+            return y.addmm_(F.linear(x, a), b.t())
         for p, start, n in zip(self.parts, self.column_starts, self.sizes):  # rollout: into its columns, in place
             if p.lora_rank:
                 p.add_lora(y[:, start:start + n], x, in_place=True)
         return y
+
+    def _adapter_blocks(self):
+        """[(part, row offset in A, column start in y)] of the parts with an adapter."""
+        blocks, row = [], 0
+        for p, start in zip(self.parts, self.column_starts):
+            if p.lora_rank:
+                blocks.append((p, row, start))
+                row += p.lora_rank
+        return blocks
+
+    def _adapters_current(self) -> bool:
+        """Whether the stacked adapter pair is current: built, and every part in rollout mode with its rollout
+        adapter copy still the block view `_stack_adapters` gave it (a new adapter or rank replaces it)."""
+        blocks = self._adapter_blocks()
+        if self._adapter is None or not blocks:
+            return False
+        a, b = self._adapter
+        if a.shape[0] != sum(p.lora_rank for p, _, _ in blocks):
+            return False
+        for p, row, start in blocks:
+            own = p._rollout_adapter
+            if not p.rollout or own is None or own[0].data_ptr() != a[row:].data_ptr() or \
+                    own[1].data_ptr() != b[start:, row:].data_ptr():
+                return False
+        return True
+
+    @torch.no_grad()
+    def _stack_adapters(self) -> bool:
+        """Stack the parts' rollout adapter copies (see the class docstring) unless current; returns whether it
+        re-stacked (moved the parts' adapter copies). Needs every part with an adapter in rollout mode (its copy
+        made); otherwise the parts keep their own copies and add one by one."""
+        blocks = self._adapter_blocks()
+        if self._adapters_current() or not blocks or any(not p.rollout or p._rollout_adapter is None
+                                                         for p, _, _ in blocks):
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
+        a0 = blocks[0][0]._rollout_adapter[0]
+        rank = sum(p.lora_rank for p, _, _ in blocks)
+        a = a0.new_empty((rank, self.in_features))
+        b = a0.new_zeros((sum(self.sizes), rank))
+        for p, row, start in blocks:
+            own_a, own_b = p._rollout_adapter
+            a[row:row + p.lora_rank].copy_(own_a)
+            b[start:start + p.out_features, row:row + p.lora_rank].copy_(own_b)
+            p._rollout_adapter = (a[row:row + p.lora_rank], b[start:start + p.out_features, row:row + p.lora_rank])
+        self._adapter = (a, b)
+        return True
 
 
 def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Tensor:
