@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quarl import kernels
-from quarl.model import fp8_training
 from quarl.model.config import ModelConfig
 from quarl.model.qlinear import QuantLinear
+from quarl.model.shared_input import shared_input_linears
 
 
 class RMSNorm(nn.Module):
@@ -212,8 +212,7 @@ class Attention(nn.Module):
         runs over all S = cache_start + T columns. Returns [B, T, hidden].
         """
         B, T, _ = x.shape
-        with fp8_training.shared_input_codes():  # FP8 training: x quantized once for the three GEMMs
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = shared_input_linears((self.q_proj, self.k_proj, self.v_proj), x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -278,8 +277,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
-        with fp8_training.shared_input_codes():  # as in Attention.forward
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = shared_input_linears((self.gate_proj, self.up_proj), x)
         if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and \
                 kernels.training_kernel_ok("silu_mul", gate.device, gate.dtype):
             # One Triton pass forward and one backward, PyTorch's roundings (`kernels.silu_mul_train`).

@@ -377,20 +377,23 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] in x.dtype (see the module docstring for the modes)."""
+        y = self.base_forward(x)
+        if self.lora_rank:
+            y = self.add_lora(y, x)
+        return y
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` without the LoRA term: x [..., in_features] -> [..., out_features] in x.dtype."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects inputs [..., {self.in_features}], got shape {tuple(x.shape)}")
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         if self.rollout and self.rollout_format is not None:
-            y = self._rollout_forward(x, bias)
-        elif self.train_format is not None:
-            y = self._quantized_training_forward(x, bias)
-        elif self.frozen_base:
-            y = self._frozen_base_linear(x, bias)
-        else:
-            y = F.linear(x, self.weight, bias)
-        if self.lora_rank:
-            y = self.add_lora(y, x)
-        return y
+            return self._rollout_forward(x, bias)
+        if self.train_format is not None:
+            return self._quantized_training_forward(x, bias)
+        if self.frozen_base:
+            return self._frozen_base_linear(x, bias)
+        return F.linear(x, self.weight, bias)
 
     def _rollout_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Q_act(x) @ deq(qweight)^T + b: a GPU kernel when one applies, else the reference (dequant + matmul).
