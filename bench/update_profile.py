@@ -7,7 +7,8 @@ Settings: bf16 (full precision training), unified-qb (unified flow, fp8-block, p
 Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized too). The optional paths below are
 off in a setting unless a suffix turns them on (whatever their defaults): "+rope" the fused training rotary
 embedding (`quarl.model.layers.FUSED_ROPE`), "+lp" the fused answer log-probs (`quarl.rl.batch.FUSED_LOGPROBS`),
-"+share" one quantization of the input shared by q/k/v and by gate/up (`quarl.model.fp8_training.SHARE_INPUT_CODES`);
+"+share" one quantization of the input shared by q/k/v and by gate/up (`quarl.model.fp8_training.SHARE_INPUT_CODES`),
+"+lorastack" one stacked first LoRA GEMM per group (`quarl.model.shared_input.STACK_LORA`);
 "+kv" makes the training attention mimic an FP8 KV cache, as the unified flow does with precision.kv_cache=fp8 (B3's
 FP8 setting). E.g. `--settings bf16+rope+lp,unified-qb-head+kv+rope+lp+share`. Prints ms per micro-batch and, with
 --top N, the N CUDA kernels with the most total time in one profiled micro-batch.
@@ -22,7 +23,7 @@ import time
 import torch
 
 from quarl.bench.rollout import model_config
-from quarl.model import fp8_training, layers
+from quarl.model import fp8_training, layers, shared_input
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import LoraConfig, PrecisionConfig
@@ -87,6 +88,7 @@ def main() -> None:
         suffixes = set(setting.split("+")[1:])
         layers.FUSED_ROPE, batch.FUSED_LOGPROBS = "rope" in suffixes, "lp" in suffixes
         fp8_training.SHARE_INPUT_CODES = "share" in suffixes
+        shared_input.STACK_LORA = "lorastack" in suffixes
         model = build(args, setting)
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (args.rows, args.prompt_len + args.answer_len), device=args.device)
@@ -114,7 +116,7 @@ def main() -> None:
                 print(table)
         del model
         torch.cuda.empty_cache()
-    layers.FUSED_ROPE = batch.FUSED_LOGPROBS = fp8_training.SHARE_INPUT_CODES = True  # the defaults again
+    layers.FUSED_ROPE = batch.FUSED_LOGPROBS = fp8_training.SHARE_INPUT_CODES = shared_input.STACK_LORA = True
     base = times.get("bf16")
     if base:
         for s, t in times.items():

@@ -180,7 +180,7 @@ def test_optional_paths_are_turned_off_by_name(monkeypatch):
         monkeypatch.setattr(module, flag, True)  # restored after the test
     assert disable_paths("rope, share-codes") == ["rope", "share-codes"]
     assert [getattr(m, f) for m, f in flags] == [False, True, False, True]
-    assert set(PATHS) == {"rope", "logprobs", "share-codes", "lora-handoff"}
+    assert set(PATHS) == {"rope", "logprobs", "share-codes", "lora-handoff", "lora-stack", "rollout-lora-stack"}
     with pytest.raises(ValueError, match="--without turbo: unknown; choose from"):
         disable_paths("rope,turbo")
     assert disable_paths("") == []

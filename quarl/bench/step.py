@@ -120,6 +120,8 @@ PATHS = {
     "logprobs": ("quarl.rl.batch", "FUSED_LOGPROBS"),
     "share-codes": ("quarl.model.fp8_training", "SHARE_INPUT_CODES"),
     "lora-handoff": ("quarl.rollout.fused_decode", "LORA_CODES_HANDOFF"),
+    "lora-stack": ("quarl.model.shared_input", "STACK_LORA"),
+    "rollout-lora-stack": ("quarl.rollout.fused_decode", "STACK_ROLLOUT_LORA"),
 }
 
 

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from quarl.model import fp8_training
 from quarl.model.qlinear import QuantLinear
 
+# Stack the group's adapters in training (see the module docstring). Set False to run them per linear.
+STACK_LORA = True
+
 
 def shared_input_linears(linears: list[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
     """x [..., K] -> [y_i [..., N_i]], each linear's forward of x (see the module docstring)."""
@@ -42,7 +45,7 @@ def shared_input_linears(linears: list[QuantLinear], x: torch.Tensor) -> list[to
 def _stack_adapters(linears: list) -> bool:
     """Whether the group's adapters run stacked: training-mode QuantLinears with one input size, at least two of
     them with an adapter, and no adapter dropout (each linear draws its own mask)."""
-    if not all(isinstance(linear, QuantLinear) for linear in linears):
+    if not STACK_LORA or not all(isinstance(linear, QuantLinear) for linear in linears):
         return False
     adapted = [linear for linear in linears if linear.lora_rank]
     return len(adapted) >= 2 and len({linear.in_features for linear in linears}) == 1 and not any(

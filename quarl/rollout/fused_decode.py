@@ -27,6 +27,10 @@ from quarl.model.qlinear import QuantLinear
 # bf16 activations for the adapters. Set False to turn the handoff off for linears with adapters.
 LORA_CODES_HANDOFF = True
 
+# q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection). Set False to run them
+# per linear.
+STACK_ROLLOUT_LORA = True
+
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
 
@@ -214,7 +218,8 @@ class FusedProjection:
         if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
             return torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
                               for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
-        if self._adapters_current() and self._adapter[0].dtype == x.dtype and self._adapter[0].device == x.device:
+        if STACK_ROLLOUT_LORA and self._adapters_current() and self._adapter[0].dtype == x.dtype and \
+                self._adapter[0].device == x.device:
             a, b = self._adapter  # every part's adapter in two GEMMs, B's zero blocks adding nothing
             return y.addmm_(F.linear(x, a), b.t())
         for p, start, n in zip(self.parts, self.column_starts, self.sizes):  # rollout: into its columns, in place
@@ -253,8 +258,8 @@ class FusedProjection:
         re-stacked (moved the parts' adapter copies). Needs every part with an adapter in rollout mode (its copy
         made); otherwise the parts keep their own copies and add one by one."""
         blocks = self._adapter_blocks()
-        if self._adapters_current() or not blocks or any(not p.rollout or p._rollout_adapter is None
-                                                         for p, _, _ in blocks):
+        if not STACK_ROLLOUT_LORA or self._adapters_current() or not blocks or \
+                any(not p.rollout or p._rollout_adapter is None for p, _, _ in blocks):
             return False
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
