@@ -486,7 +486,7 @@ def test_fused_path_takes_frozen_codes_padded_once(monkeypatch, k):
 
 def _jet_rl_lora_model(cfg, rank: int, device: str = "cpu", dtype=torch.float32):
     """A random-weight model of cfg in the Jet-RL setting (unified fp8-block, quantized_backward) with LoRA of
-    `rank` whose B matrices are nonzero, so the adapters act."""
+    `rank` whose B matrices are nonzero, so the adapters act (rank 0: no LoRA, the weights trained)."""
     from quarl.model.decoder import QuarlForCausalLM
     from quarl.model.precision_apply import apply_precision
     from quarl.precision import LoraConfig
@@ -501,10 +501,13 @@ def _jet_rl_lora_model(cfg, rank: int, device: str = "cpu", dtype=torch.float32)
     return model
 
 
-def test_sibling_linears_quantize_their_shared_input_once(monkeypatch):
+@pytest.mark.parametrize("rank", [4, 0])
+def test_sibling_linears_quantize_their_shared_input_once(monkeypatch, rank):
     """q/k/v and gate/up read one input: on the fused FP8 path (its reference pieces, so it runs on a CPU) that
     input is quantized once per group instead of once per linear (3 quantizations fewer per layer forward), and
-    the logits and every LoRA gradient are bit for bit those of the linears quantizing it one by one."""
+    the logits and every trained parameter's gradient are bit for bit those of the linears quantizing it one by
+    one: with LoRA (frozen base), and with the weights trained (rank 0; the siblings share x's transposed codes
+    for their weight gradients too)."""
     pytest.importorskip("triton")
     _reference_training_kernels(monkeypatch)
     from quarl.model import fp8_training
@@ -514,24 +517,28 @@ def test_sibling_linears_quantize_their_shared_input_once(monkeypatch):
     cfg = tiny_config("qwen2", hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=384,
                       num_layers=2)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
-    _check_shared_input_codes(monkeypatch, _jet_rl_lora_model(cfg, rank=4), torch.randint(0, cfg.vocab_size, (2, 9)))
+    model = _jet_rl_lora_model(cfg, rank=rank)
+    _check_shared_input_codes(monkeypatch, model, torch.randint(0, cfg.vocab_size, (2, 9)), trained_base=not rank)
 
 
 @pytest.mark.gpu
-def test_cuda_sibling_linears_quantize_their_shared_input_once(monkeypatch):
+@pytest.mark.parametrize("rank", [8, 0])
+def test_cuda_sibling_linears_quantize_their_shared_input_once(monkeypatch, rank):
     """As above on the GPU's kernels (bf16, cuBLAS blockwise: 16 x 64 tokens, N and K multiples of 128)."""
     from quarl.model.tiny import tiny_config
 
     cfg = tiny_config("qwen2", hidden_size=512, num_heads=4, num_kv_heads=1, head_dim=128, intermediate_size=1024,
                       num_layers=2)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
-    model = _jet_rl_lora_model(cfg, rank=8, device="cuda", dtype=torch.bfloat16)
-    _check_shared_input_codes(monkeypatch, model, torch.randint(0, cfg.vocab_size, (16, 64), device="cuda"))
+    model = _jet_rl_lora_model(cfg, rank=rank, device="cuda", dtype=torch.bfloat16)
+    _check_shared_input_codes(monkeypatch, model, torch.randint(0, cfg.vocab_size, (16, 64), device="cuda"),
+                              trained_base=not rank)
 
 
-def _check_shared_input_codes(monkeypatch, model, ids):
+def _check_shared_input_codes(monkeypatch, model, ids, trained_base=False):
     """Forward + backward of mean(logits^2) with SHARE_INPUT_CODES on and off: 3 input quantizations fewer per
-    layer with it on, the same logits and LoRA gradients bit for bit."""
+    layer with it on, the same logits and gradients (LoRA's, or every parameter's with trained_base) bit for
+    bit."""
     from quarl.kernels import training_gemm
     from quarl.model import fp8_training
 
@@ -548,28 +555,64 @@ def _check_shared_input_codes(monkeypatch, model, ids):
         logits = model(ids)
         logits.square().mean().backward()
         out[share] = len(calls), [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters()
-                                                      if "lora_" in n]
-        assert fp8_training._shared_input is None  # dropped when each block ends
+                                                      if p.requires_grad and (trained_base or "lora_" in n)]
+        assert fp8_training.shared_input() is None  # dropped when each block ends
     assert out[False][0] >= 7 * num_layers and out[True][0] == out[False][0] - 3 * num_layers
-    assert len(out[True][1]) == 1 + 14 * num_layers
+    if not trained_base:
+        assert len(out[True][1]) == 1 + 14 * num_layers
+    assert all(g.abs().max() > 0 for g in out[True][1][1:5])  # gradients reach the first parameters
     for a, b in zip(out[True][1], out[False][1]):
         assert torch.equal(a, b)
 
 
 def test_shared_input_codes_block_is_scoped(monkeypatch):
-    """The sharing dict exists only inside the outermost block (a nested block reuses it), is dropped when the
-    block ends, also by an exception, and is never opened with SHARE_INPUT_CODES off."""
+    """The sharing dict exists only inside a block, per thread; a nested block has its own and the outer one's is
+    back after it; every block's dict is dropped when it ends, also by an exception; none opens with
+    SHARE_INPUT_CODES off."""
+    import threading
+
     from quarl.model import fp8_training
 
     with fp8_training.shared_input_codes():
-        outer = fp8_training._shared_input
+        outer = fp8_training.shared_input()
+        assert outer == {}
         with fp8_training.shared_input_codes():
-            assert fp8_training._shared_input is outer == {}
-        assert fp8_training._shared_input is outer
-    assert fp8_training._shared_input is None
+            assert fp8_training.shared_input() == {} and fp8_training.shared_input() is not outer
+        assert fp8_training.shared_input() is outer
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(fp8_training.shared_input()))
+        worker.start()
+        worker.join()
+        assert seen == [None]  # another thread is outside any block
+    assert fp8_training.shared_input() is None
     with pytest.raises(RuntimeError, match="boom"), fp8_training.shared_input_codes():
         raise RuntimeError("boom")
-    assert fp8_training._shared_input is None
+    assert fp8_training.shared_input() is None
     monkeypatch.setattr(fp8_training, "SHARE_INPUT_CODES", False)
     with fp8_training.shared_input_codes():
-        assert fp8_training._shared_input is None
+        assert fp8_training.shared_input() is None
+
+
+def test_shared_codes_are_keyed_by_the_input_and_its_version(monkeypatch):
+    """linear_forward with a share dict (reference pieces, on a CPU): the same x is quantized once for two
+    weights; after an in-place write to x, or for another tensor with x's values, it is quantized again; each
+    entry keeps its input alive."""
+    pytest.importorskip("triton")
+    _reference_training_kernels(monkeypatch)
+    from quarl.kernels import training_gemm
+
+    calls = []
+    real_quantize = training_gemm._quantize_input
+    monkeypatch.setattr(training_gemm, "_quantize_input",
+                        lambda x, kp, keep: calls.append(1) or real_quantize(x, kp, keep))
+    x = torch.randn(32, 256).to(torch.bfloat16)
+    w1, w2 = (torch.randn(n, 256).to(torch.bfloat16) * 0.1 for n in (128, 256))
+    share = {}
+    y1, _ = training_gemm.linear_forward(x, w1, None, False, share=share)
+    training_gemm.linear_forward(x, w2, None, False, share=share)
+    assert len(calls) == 1 and len(share) == 1 and next(iter(share.values()))[0] is x
+    x.mul_(2.0)
+    y1_doubled, _ = training_gemm.linear_forward(x, w1, None, False, share=share)
+    assert len(calls) == 2 and not torch.equal(y1_doubled, y1)
+    training_gemm.linear_forward(x.clone(), w1, None, False, share=share)
+    assert len(calls) == 3

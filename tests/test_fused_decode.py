@@ -93,7 +93,8 @@ def test_fused_projection_stacks_the_rollout_adapters():
     """prepare() stacks the parts' rollout adapters (ranks 4 and 2, the middle part without one) into one A and a
     block-diagonal B whose blocks are the parts' own copies: the group's output equals the parts one by one. A new
     rollout rewrites the copies in place (no re-stacking, same buffers: captured graphs stay valid) and the output
-    follows the trained adapter; a new rank un-stacks until the next prepare()."""
+    follows the trained adapter; a new rank un-stacks until the next prepare(); removing every adapter frees the
+    stack."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
     parts = _parts("fp8")
     for p, rank in zip(parts, (4, 0, 2)):
@@ -134,6 +135,14 @@ def test_fused_projection_stacks_the_rollout_adapters():
     with torch.no_grad():
         close(fused(x), one_by_one())  # per part meanwhile
     assert fused.prepare() and fused._adapter[0].shape == (7, 48)
+    with torch.no_grad():
+        close(fused(x), one_by_one())
+    for p in parts:  # adapters removed: the stack is freed, the base alone remains
+        p.set_rollout(False)
+        p.configure(rollout_format="fp8", lora_rank=0)
+        p.set_rollout(True)
+    fused.prepare()
+    assert fused._adapter is None
     with torch.no_grad():
         close(fused(x), one_by_one())
 

@@ -77,9 +77,10 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     forward's codes on cuBLAS blockwise. qweight: Q(W) already quantized (fp8-block [N, K], e.g. a frozen
     weight's), else W is quantized here. keep_x_codes (the weight needs a gradient): x is quantized both ways in
     one pass and x_codes = (x's transposed codes [K, MP], scales [MP/128, K]) for `linear_backward`, which then
-    needs no x; else x_codes is None. share: a dict of x's quantizations by (x, kp, keep_x_codes), read and filled
-    here (`fp8_training.shared_input_codes`), so sibling linears quantize one input once; the caller keeps x
-    alive while the dict lives, which makes its address and version a safe key."""
+    needs no x; else x_codes is None. share: a dict of x's quantizations by (x's address, layout and version, kp,
+    keep_x_codes), read and filled here (`fp8_training.shared_input_codes`), so sibling linears quantize one
+    input once. Each entry keeps x itself, so its address cannot be reused for another tensor while the dict
+    lives: that makes the key safe."""
     from quarl.formats.fp8 import pad_block_groups
     from quarl.kernels.dispatch import scaled_mm_codes
     from quarl.kernels.weight_quant import quantize_fp8_block_weight
@@ -89,11 +90,12 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     qw = pad_block_groups(qweight, 4)
     kp = qw.data.shape[1]
     key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version, kp, keep_x_codes)
-    quantized = None if share is None else share.get(key)
-    if quantized is None:
-        quantized = _quantize_input(x, kp, keep_x_codes)
+    entry = None if share is None else share.get(key)
+    if entry is None:
+        entry = (x, _quantize_input(x, kp, keep_x_codes))
         if share is not None:
-            share[key] = quantized
+            share[key] = entry
+    quantized = entry[1]
     x_rows, x_row_scales, x_codes = quantized
     return scaled_mm_codes(x_rows, x_row_scales, qw, bias, x.dtype), x_codes
 

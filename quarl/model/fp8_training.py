@@ -26,6 +26,7 @@ tensor cores. On a CPU all three GEMMs multiply dequantized operands (the refere
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -51,24 +52,29 @@ FUSED_CUBLAS_PATH = True
 # of once per linear, inside `shared_input_codes()` (H200, a 7B layer at 16 x 1280 tokens: three of the seven
 # forward quantizations, about 0.2 ms each). Set False to quantize per linear.
 SHARE_INPUT_CODES = True
-_shared_input: dict | None = None  # the open `shared_input_codes` block's codes, by input
+_local = threading.local()  # .shared: this thread's open `shared_input_codes` dict (autograd threads have their own)
+
+
+def shared_input() -> dict | None:
+    """The calling thread's open `shared_input_codes` dict, or None outside a block."""
+    return getattr(_local, "shared", None)
 
 
 @contextlib.contextmanager
 def shared_input_codes():
     """Inside this block, FP8-block training linears on `FUSED_CUBLAS_PATH` quantize a given input (the same
-    tensor: storage, shape, strides and version) once and reuse its codes; they are dropped when the block ends
-    (the caller holds the input for the whole block, so its memory cannot be reused for another tensor inside).
-    Same codes, same results: only fewer quantizing passes. Nested blocks share the outer one's codes."""
-    global _shared_input
-    if not SHARE_INPUT_CODES or _shared_input is not None:
+    tensor: storage, shape, strides and version) once and reuse its codes. Each entry holds its input, so no
+    other tensor can take that memory while the block is open; all are dropped when the block ends. Same codes,
+    same results: only fewer quantizing passes. Per thread; a nested block opens its own dict."""
+    if not SHARE_INPUT_CODES:
         yield
         return
-    _shared_input = {}
+    outer = shared_input()
+    _local.shared = {}
     try:
         yield
     finally:
-        _shared_input = None
+        _local.shared = outer
 
 
 def training_gemm_ok(x: torch.Tensor, n: int) -> bool:
@@ -165,7 +171,7 @@ class FP8BlockLinear(torch.autograd.Function):
             keep = ctx.needs_input_grad[1]
             y, x_codes = linear_forward(x, weight, bias, keep_x_codes=keep,
                                         qweight=None if frozen is None else frozen.padded("forward"),
-                                        share=_shared_input)
+                                        share=shared_input())
             # x's transposed codes (the weight gradient's operand) and the master weight (Q(W^T) for the input
             # gradient is quantized in the backward, or taken from `frozen`): the backward needs no x.
             ctx.fused = True

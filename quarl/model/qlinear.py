@@ -130,7 +130,8 @@ class QuantLinear(nn.Module):
         self._rollout_source: tuple | None = None
         self._frozen_codes: FrozenWeightCodes | None = None
         self._frozen_codes_key: tuple | None = None
-        # The adapter as rollouts use it, (A [r, in], B * scaling [out, r]) in the compute dtype (set_rollout).
+        # The adapter as rollouts use it, (A [r, in], B * scaling [out, r]) in the compute dtype (set_rollout);
+        # may be views into a `FusedProjection`'s stacked adapters, which set_rollout then rewrites in place.
         self._rollout_adapter: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------- configuration

@@ -7,7 +7,9 @@
   (g_xa [M, R] @ [A_1; ...] [R, K]) and one A-gradient GEMM instead of one each per linear, with no sum of
   per-linear input gradients. Each linear then adds its own (x A_i^T) @ (B_i * scaling)^T in its second GEMM's
   epilogue, as `QuantLinear.add_lora` does.
-Rollout mode, dropout, and single adapters take the linears one by one (`QuantLinear.forward`).
+Rollout mode, dropout, and single adapters take the linears one by one (`QuantLinear.forward`). The stacked
+path calls each linear's `base_forward`, not the module itself, so forward hooks on those linears do not run
+there (set `STACK_LORA = False` where hooks must see them).
 """
 
 from __future__ import annotations

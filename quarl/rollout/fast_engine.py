@@ -176,8 +176,7 @@ class FastRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ setup
     def _prepare(self, needed_columns: int) -> None:
         """Allocate (or grow) the slot cache and state; drop captured graphs if the model's tensors changed."""
-        if self._decoder is not None and self._decoder.prepare():  # re-stack what a reconfiguration replaced
-            self._graphs.clear()  # moved weights or adapter copies (the latter are not in the fingerprint)
+        self._restack()  # what a reconfiguration replaced
         if self._fingerprint is not None and self._fingerprint != self._model_fingerprint():
             self._graphs.clear()  # re-configured weights live in new buffers: the old graphs read stale memory
         if self.cache is not None and self.cache.capacity >= needed_columns:
@@ -220,6 +219,12 @@ class FastRolloutEngine(RolloutEngine):
                 f"the KV cache for max_batch_size={self.num_slots} slots x {capacity} columns needs "
                 f"{need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB are free; lower max_batch_size or "
                 "max_seq_len, or use kv_cache_dtype='fp8'")
+
+    def _restack(self) -> None:
+        """Make the fused decoder's stacked weights and adapters current (`FusedDecoder.prepare`); if that moved
+        any (adapter copies are not in the fingerprint), drop the CUDA graphs, which read the old ones."""
+        if self._decoder is not None and self._decoder.prepare():
+            self._graphs.clear()
 
     def _model_fingerprint(self) -> tuple:
         """Addresses of every parameter and buffer: a CUDA graph stays valid while none of them moves."""
@@ -279,10 +284,9 @@ class FastRolloutEngine(RolloutEngine):
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(self.state.counters(), saved):
             t.copy_(s)
-        # Re-stack what the warm-up's fallbacks replaced, before capturing.
-        moved = self._decoder is not None and self._decoder.prepare()
+        self._restack()  # what the warm-up's fallbacks replaced, before capturing
         fingerprint = self._model_fingerprint()
-        if moved or fingerprint != self._graph_fingerprint:
+        if fingerprint != self._graph_fingerprint:
             self._graphs.clear()  # graphs captured earlier read buffers that have moved since
             self._graph_fingerprint = fingerprint
         if self._pool is None:
@@ -315,8 +319,7 @@ class FastRolloutEngine(RolloutEngine):
             model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer)
             # A projection that fell back to bf16 in this forward built its own dequantized cache, which
             # un-stacks its fused weight: stack again, else the decode steps run the parts one by one.
-            if self._decoder is not None and self._decoder.prepare():
-                self._graphs.clear()  # they read the buffers that just moved
+            self._restack()
         flat = [s for group in slots for s in group]
         idx = torch.tensor(flat, device=device)
         st = self.state

@@ -28,10 +28,16 @@ from quarl.model.qlinear import QuantLinear
 LORA_CODES_HANDOFF = True
 
 # q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection). Set False to run them
-# per linear.
+# per linear, before an engine captures its CUDA graphs (graphs captured with it on keep the stacked GEMMs).
 STACK_ROLLOUT_LORA = True
 
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
+
+
+def _refuse_inside_capture(what: str) -> None:
+    """Raise if a CUDA graph is being captured: `what` moves or allocates buffers, which a graph must not see."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what} must run before CUDA-graph capture, not inside it")
 
 
 class FusedProjection:
@@ -127,18 +133,19 @@ class FusedProjection:
 
     # -------------------------------------------------------------------------------------- forward
     def prepare(self) -> bool:
-        """Re-stack the parts if a reconfiguration (or a part's own fallback cache) replaced their buffers since;
-        drops the old stacked buffers first. Not during CUDA-graph capture. Returns whether it re-stacked (moved
-        the parts' buffers); parts that cannot be stacked keep their own buffers and give False."""
+        """Re-stack the parts if a reconfiguration (or a part's own fallback cache) replaced their buffers since,
+        dropping the old stacked buffers first, and stack the rollout adapters unless current (`_stack_adapters`).
+        Not during CUDA-graph capture. Returns whether anything moved: the parts' weight buffers, or their rollout
+        adapter copies (parts whose weights cannot be stacked keep their own buffers, which moves nothing).
+        Run it after the parts entered rollout mode (their adapter copies exist only then)."""
         moved = self._stack_adapters()
         if self._views_current() or (self._fused is None and not self._stackable()):
             return moved
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
+        _refuse_inside_capture("FusedProjection.prepare()")
         was_stacked = self._fused is not None
         self._fused = None
         self._fuse()
-        return was_stacked or self._fused is not None
+        return moved or was_stacked or self._fused is not None
 
     @property
     def fused_qweight(self):
@@ -218,8 +225,8 @@ class FusedProjection:
         if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
             return torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
                               for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
-        if STACK_ROLLOUT_LORA and self._adapters_current() and self._adapter[0].dtype == x.dtype and \
-                self._adapter[0].device == x.device:
+        if STACK_ROLLOUT_LORA and not torch.is_grad_enabled() and self._adapters_current() and \
+                self._adapter[0].dtype == x.dtype and self._adapter[0].device == x.device:  # as add_lora's cache
             a, b = self._adapter  # every part's adapter in two GEMMs, B's zero blocks adding nothing
             return y.addmm_(F.linear(x, a), b.t())
         for p, start, n in zip(self.parts, self.column_starts, self.sizes):  # rollout: into its columns, in place
@@ -258,12 +265,16 @@ class FusedProjection:
         re-stacked (moved the parts' adapter copies). Needs every part with an adapter in rollout mode (its copy
         made); otherwise the parts keep their own copies and add one by one."""
         blocks = self._adapter_blocks()
-        if not STACK_ROLLOUT_LORA or self._adapters_current() or not blocks or \
-                any(not p.rollout or p._rollout_adapter is None for p, _, _ in blocks):
+        if not blocks:
+            self._adapter = None  # no adapter left (removed): free the stack
             return False
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("FusedProjection.prepare() must run before CUDA-graph capture, not inside it")
-        a0 = blocks[0][0]._rollout_adapter[0]
+        copies = [p._rollout_adapter for p, _, _ in blocks]
+        if not STACK_ROLLOUT_LORA or self._adapters_current() or any(not p.rollout for p, _, _ in blocks) or \
+                any(c is None for c in copies) or \
+                len({(t.dtype, t.device) for c in copies for t in c}) != 1:  # one stack needs one dtype, device
+            return False
+        _refuse_inside_capture("FusedProjection.prepare()")
+        a0 = copies[0][0]
         rank = sum(p.lora_rank for p, _, _ in blocks)
         a = a0.new_empty((rank, self.in_features))
         b = a0.new_zeros((sum(self.sizes), rank))
@@ -461,8 +472,9 @@ class FusedDecoder:
         self._deferred = frozenset(names)
 
     def prepare(self) -> bool:
-        """Make every fused weight current (re-stacks after a reconfiguration; no work otherwise). Returns
-        whether any buffer moved (CUDA graphs captured before then read the old buffers)."""
+        """Make every fused weight and stacked adapter current (re-stacks after a reconfiguration or a new
+        adapter; no work otherwise). Returns whether any buffer or adapter copy moved (CUDA graphs captured
+        before then read the old ones)."""
         self._unit_scale()  # made outside any CUDA-graph capture
         return any([proj.prepare() for proj in self.qkv + self.gate_up])  # a list: prepare every one
 
@@ -470,8 +482,7 @@ class FusedDecoder:
         """The float32 0-dim 1 of `unit_scale_matmul`, on the model's device (one tensor, no fill per GEMM)."""
         device = self.model.model.embed_tokens.weight.device
         if self._unit is None or self._unit.device != device:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("FusedDecoder.prepare() must run before CUDA-graph capture")
+            _refuse_inside_capture("FusedDecoder.prepare()")
             self._unit = torch.ones((), dtype=torch.float32, device=device)
         return self._unit
 
