@@ -148,10 +148,12 @@ def test_activation_quantization_is_exact(fmt):
         if m > 1:
             x[1] = 0  # an all-zero row: scale 1
         ref = quantize(x, fmt, "activation")
-        codes, scales = quantize_activation(x, fmt, ref.data.shape[-1])
-        assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape
-        assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), f"{fmt} scales differ (M={m} K={k})"
-        assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), f"{fmt} codes differ (M={m} K={k})"
+        for warps in (4, 2):  # 2: the training linear's launch (`training_gemm._quantize_rows`)
+            codes, scales = quantize_activation(x, fmt, ref.data.shape[-1], num_warps=warps)
+            assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape
+            assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), f"{fmt} scales differ (M={m} K={k})"
+            assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), \
+                f"{fmt} codes differ (M={m} K={k}, {warps} warps)"
 
 
 @gpu
