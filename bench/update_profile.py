@@ -8,7 +8,7 @@ Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized 
 off in a setting unless a suffix turns them on (whatever their defaults): "+rope" the fused training rotary
 embedding (`quarl.model.layers.FUSED_ROPE`), "+lp" the fused answer log-probs (`quarl.rl.batch.FUSED_LOGPROBS`),
 "+share" one quantization of the input shared by q/k/v and by gate/up (`quarl.model.fp8_training.SHARE_INPUT_CODES`),
-"+lorastack" one stacked first LoRA GEMM per group (`quarl.model.shared_input.STACK_LORA`);
+"+lorastack" one stacked first LoRA GEMM per group (`quarl.model.shared_input.STACK_LORA`, off by default);
 "+kv" makes the training attention mimic an FP8 KV cache, as the unified flow does with precision.kv_cache=fp8 (B3's
 FP8 setting). E.g. `--settings bf16+rope+lp,unified-qb-head+kv+rope+lp+share`. Prints ms per micro-batch and, with
 --top N, the N CUDA kernels with the most total time in one profiled micro-batch.
@@ -116,7 +116,8 @@ def main() -> None:
                 print(table)
         del model
         torch.cuda.empty_cache()
-    layers.FUSED_ROPE = batch.FUSED_LOGPROBS = fp8_training.SHARE_INPUT_CODES = shared_input.STACK_LORA = True
+    layers.FUSED_ROPE = batch.FUSED_LOGPROBS = fp8_training.SHARE_INPUT_CODES = True  # the defaults again
+    shared_input.STACK_LORA = False
     base = times.get("bf16")
     if base:
         for s, t in times.items():

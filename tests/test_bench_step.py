@@ -167,20 +167,25 @@ def test_a_setting_kv_overrides_the_kv_cache_option():
     assert (own.precision.kv_cache, default.precision.kv_cache) == ("fp8", "auto")
 
 
-def test_optional_paths_are_turned_off_by_name(monkeypatch):
-    """`quarl bench step --without` clears the named flags, leaves the others and refuses unknown names."""
-    from quarl.bench.step import PATHS, disable_paths
-    from quarl.model import fp8_training, layers
-    from quarl.rl import batch
-    from quarl.rollout import fused_decode
+def test_optional_paths_are_turned_on_and_off_by_name(monkeypatch):
+    """`quarl bench step --with` / `--without` set the named flags, leave the others and refuse unknown names;
+    every PATHS entry names a flag that exists."""
+    import importlib
 
-    flags = [(layers, "FUSED_ROPE"), (batch, "FUSED_LOGPROBS"), (fp8_training, "SHARE_INPUT_CODES"),
-             (fused_decode, "LORA_CODES_HANDOFF")]
-    for module, flag in flags:
-        monkeypatch.setattr(module, flag, True)  # restored after the test
-    assert disable_paths("rope, share-codes") == ["rope", "share-codes"]
-    assert [getattr(m, f) for m, f in flags] == [False, True, False, True]
-    assert set(PATHS) == {"rope", "logprobs", "share-codes", "lora-handoff", "lora-stack", "rollout-lora-stack"}
+    from quarl.bench.step import PATHS, set_paths
+    from quarl.model import fp8_training, layers, shared_input
+    from quarl.rl import batch
+
+    for module, flag in PATHS.values():
+        assert hasattr(importlib.import_module(module), flag), (module, flag)
+        monkeypatch.setattr(importlib.import_module(module), flag, True)  # restored after the test
+    assert set_paths("rope, share-codes", False) == ["rope", "share-codes"]
+    assert (layers.FUSED_ROPE, fp8_training.SHARE_INPUT_CODES, batch.FUSED_LOGPROBS) == (False, False, True)
+    monkeypatch.setattr(shared_input, "STACK_LORA", False)
+    set_paths("lora-stack", True)
+    assert shared_input.STACK_LORA
     with pytest.raises(ValueError, match="--without turbo: unknown; choose from"):
-        disable_paths("rope,turbo")
-    assert disable_paths("") == []
+        set_paths("rope,turbo", False)
+    with pytest.raises(ValueError, match="--with turbo: unknown"):
+        set_paths("turbo", True)
+    assert set_paths("", True) == []

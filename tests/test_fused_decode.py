@@ -13,6 +13,7 @@ import torch
 from quarl.model.precision_apply import apply_precision
 from quarl.model.qlinear import QuantLinear
 from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.rollout import fused_decode
 from quarl.rollout.fast_engine import FastRolloutEngine
 from quarl.rollout.fused_decode import (DEFAULT_DEFERRED, FusedDecoder, FusedProjection, add_norm,
                                        both_decode_logits, rope_qk, silu_mul)
@@ -89,7 +90,7 @@ def test_fused_projection_adds_each_parts_lora():
     close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
-def test_fused_projection_stacks_the_rollout_adapters():
+def test_fused_projection_stacks_the_rollout_adapters(monkeypatch):
     """prepare() stacks the parts' rollout adapters (ranks 4 and 2, the middle part without one) into one A and a
     block-diagonal B whose blocks are the parts' own copies: the group's output equals the parts one by one. A new
     rollout rewrites the copies in place (no re-stacking, same buffers: captured graphs stay valid) and the output
@@ -104,11 +105,13 @@ def test_fused_projection_stacks_the_rollout_adapters():
             with torch.no_grad():
                 p.lora_B.normal_()
         p.set_rollout(True)
+    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", True)
     fused = FusedProjection(parts)
     x = torch.randn(5, 48)
 
-    def one_by_one():
-        return torch.cat([p(x) for p in parts], dim=-1)
+    def one_by_one():  # from the parameters themselves, not from the rollout copies the stack holds
+        return torch.cat([p._rollout_forward(x, p.bias) + (x @ p.lora_A.T @ (p.lora_B * p.scaling).T
+                                                           if p.lora_rank else 0) for p in parts], dim=-1)
 
     assert fused.prepare() and fused._adapters_current()
     a, b = fused._adapter

@@ -223,11 +223,15 @@ def test_captured_graphs_follow_the_weight_sync(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
-def test_captured_graphs_follow_the_adapter_update(fmt):
-    """A LoRA model: generate, change every adapter (as an optimizer step would), generate again. The fused
-    engine's CUDA graphs read the stacked adapters that the next rollout start rewrites in place, so its greedy
-    tokens keep agreeing with the module-path engine's, and both change from the first round."""
+def test_captured_graphs_follow_the_adapter_update(monkeypatch, fmt):
+    """A LoRA model with STACK_ROLLOUT_LORA: generate, change every adapter (as an optimizer step would), generate
+    again. The second round replays the graphs captured in the first, which read the stacked adapters that the
+    next rollout start rewrites in place: its greedy tokens keep agreeing with the module-path engine's, and both
+    change from the first round."""
     from quarl.precision import LoraConfig
+    from quarl.rollout import fused_decode
+
+    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", True)
 
     torch.manual_seed(0)
     model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
@@ -246,24 +250,29 @@ def test_captured_graphs_follow_the_adapter_update(fmt):
         b = [c.token_ids for o in plain.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
              for c in o.completions]
         assert sum(x == y for x, y in zip(a, b)) >= 0.75 * len(a), (a, b)
+        assert all(proj._adapters_current() for proj in fused._decoder.qkv + fused._decoder.gate_up)
         rounds.append(a)
+        graphs = {key: id(g) for key, g in fused._graphs.items()}
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.05)
-    assert fused._graphs and fused.use_cuda_graphs  # the second round replayed graphs captured in the first
-    assert any(proj._adapters_current() for proj in fused._decoder.qkv)  # the stacked adapters served them
+    assert fused.use_cuda_graphs and graphs
+    kept = [key for key, g in fused._graphs.items() if graphs.get(key) == id(g)]
+    assert kept, "the second round recaptured every graph instead of replaying the first round's"
     assert sum(x != y for x, y in zip(*rounds)) >= 0.5 * len(rounds[0])  # the new adapters changed the outputs
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
-def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
+def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(monkeypatch, fmt):
     """Rollout with LoRA on CUDA: the stacked projection adds the parts' adapters as one stacked pair (x @ A^T,
     then addmm with the block-diagonal B into the whole output); equal to the parts run one by one (each adding
     its adapter into its own columns) within one bf16 rounding of the output."""
     from quarl.model.qlinear import QuantLinear
+    from quarl.rollout import fused_decode
     from quarl.rollout.fused_decode import FusedProjection
 
+    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", True)
     seed = int(torch.randint(0, 2**31, (1,)))
     torch.manual_seed(seed)
     parts = []

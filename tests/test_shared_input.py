@@ -8,10 +8,12 @@ from quarl.model import shared_input
 from quarl.model.qlinear import QuantLinear
 
 
-def _group(ranks, dropout=0.0, k=40, sizes=(48, 16, 16)):
+def _group(ranks, dropout=0.0, k=40, sizes=(48, 16, 16), dtype=torch.float32):
+    """Linears [n, k] with LoRA of the given ranks (0: none, the linear itself trained), B nonzero; float32 adapters
+    (as `configure` keeps them for 16-bit models) in a model of `dtype`."""
     linears = []
     for n, r in zip(sizes, ranks):
-        linear = QuantLinear(k, n, bias=True)
+        linear = QuantLinear(k, n, bias=True).to(dtype)
         if r:
             linear.configure(lora_rank=r, lora_alpha=2 * r, lora_dropout=dropout)
             with torch.no_grad():
@@ -21,43 +23,100 @@ def _group(ranks, dropout=0.0, k=40, sizes=(48, 16, 16)):
 
 
 def _run(linears, x, stacked, monkeypatch):
-    """Outputs, and gradients of x and of every trainable parameter after a backward of a random projection."""
-    monkeypatch.setattr(shared_input, "_stack_adapters", lambda ls: stacked)
+    """Outputs, and gradients of x and of every trainable parameter after a backward of a fixed random projection,
+    with STACK_LORA set to `stacked`."""
+    monkeypatch.setattr(shared_input, "STACK_LORA", stacked)
     for linear in linears:
         linear.zero_grad()
     xg = x.clone().requires_grad_(True)
     ys = shared_input.shared_input_linears(linears, xg)
-    torch.manual_seed(1)
-    sum((y * torch.randn_like(y)).sum() for y in ys).backward()
+    gen = torch.Generator().manual_seed(1)
+    sum((y * torch.randn(y.shape, generator=gen).to(y.dtype)).sum() for y in ys).backward()
     params = [p for linear in linears for p in linear.parameters() if p.requires_grad]
     return [y.detach() for y in ys] + [xg.grad] + [p.grad.clone() for p in params]
 
 
-@pytest.mark.parametrize("ranks", [(4, 2, 8), (4, 0, 2)])
-def test_stacked_adapters_equal_the_linears_one_by_one(monkeypatch, ranks):
-    """q/k/v-like groups (ranks 4/2/8, or the middle one without an adapter and so trained itself), x [2, 3, K]:
-    outputs and the gradients of x and every trainable parameter equal the linears run one by one (float32, 1e-5
-    relative); the stacked run adds no adapter through `add_lora`."""
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
-    linears = _group(ranks)
-    x = torch.randn(2, 3, 40)
+def _count_stacked_adds(monkeypatch) -> list:
+    """Record, for every `QuantLinear.add_lora` call, whether it got its x @ A^T from the stacked GEMM."""
     calls = []
-    for linear in linears:
-        real = linear.add_lora
-        monkeypatch.setattr(linear, "add_lora",
-                            lambda y, h, *a, real=real, **kw: calls.append(1) or real(y, h, *a, **kw))
+    real = QuantLinear.add_lora
+
+    def counting(self, y, x, *args, **kw):
+        calls.append(kw.get("xa") is not None)
+        return real(self, y, x, *args, **kw)
+
+    monkeypatch.setattr(QuantLinear, "add_lora", counting)
+    return calls
+
+
+@pytest.mark.parametrize("ranks,dtype", [((4, 2, 8), torch.float32), ((4, 0, 2), torch.float32),
+                                         ((4, 2, 8), torch.bfloat16)])
+def test_stacked_adapters_equal_the_linears_one_by_one(monkeypatch, ranks, dtype):
+    """q/k/v-like groups (ranks 4/2/8, or the middle one without an adapter and so trained itself), x [2, 3, K]:
+    outputs and the gradients of x and every trainable parameter equal the linears run one by one (float32: 1e-5
+    relative; a bf16 model with float32 adapters: within two bf16 roundings); every adapter took the stacked
+    GEMM's product."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    linears = _group(ranks, dtype=dtype)
+    x = torch.randn(2, 3, 40).to(dtype)
+    calls = _count_stacked_adds(monkeypatch)
     stacked = _run(linears, x, True, monkeypatch)
-    assert calls == []
+    adapted = sum(1 for r in ranks if r)
+    assert calls == [True] * adapted
     one_by_one = _run(linears, x, False, monkeypatch)
-    assert len(calls) == sum(1 for r in ranks if r)
+    assert calls[adapted:] == [False] * adapted
     # outputs, x, then A and B of each adapted linear (its base frozen), weight and bias of the others
     assert len(stacked) == len(one_by_one) == 3 + 1 + 2 * len(ranks)
+    rel = 1e-5 if dtype == torch.float32 else 2**-7
     for a, b in zip(stacked, one_by_one):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        torch.testing.assert_close(a.float(), b.float(), rtol=rel, atol=rel * float(b.float().abs().max()),
+                                   msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_only_training_groups_without_dropout_stack(monkeypatch):
-    """Stacking needs two adapters or more, no dropout in training, no rollout mode, one input size."""
+def test_a_lora_model_takes_the_stacked_path_with_the_same_values(monkeypatch):
+    """A tiny Qwen2 with LoRA on every linear: with STACK_LORA on, q/k/v's and gate/up's adapters (5 of 7 per
+    layer) take the stacked product, and the logits and LoRA gradients equal the per-linear run (float32, 1e-5
+    relative), with gradient checkpointing too."""
+    from quarl.model.decoder import QuarlForCausalLM
+    from quarl.model.precision_apply import apply_precision
+    from quarl.model.tiny import tiny_config
+    from quarl.precision import LoraConfig, PrecisionConfig
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    cfg = tiny_config("qwen2")
+    model = QuarlForCausalLM(cfg)
+    apply_precision(model, PrecisionConfig(flow="bf16", lora=LoraConfig(rank=4)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    calls = _count_stacked_adds(monkeypatch)
+    out = {}
+    for stacked, checkpointing in [(True, False), (False, False), (True, True)]:
+        monkeypatch.setattr(shared_input, "STACK_LORA", stacked)
+        model.gradient_checkpointing = checkpointing
+        model.train()
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        out[stacked, checkpointing] = [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters()
+                                                           if "lora_" in n]
+        if (stacked, checkpointing) == (True, False):
+            assert calls.count(True) == 5 * cfg.num_layers and calls.count(False) == 2 * cfg.num_layers
+    assert len(out[True, False]) == 1 + 14 * cfg.num_layers
+    for key in [(True, False), (True, True)]:
+        for a, b in zip(out[key], out[False, False]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()),
+                                       msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_only_plain_groups_stack(monkeypatch):
+    """Stacking needs STACK_LORA, two adapters or more, no dropout in training, no rollout mode, QuantLinears of
+    one input size and no forward hooks."""
+    monkeypatch.setattr(shared_input, "STACK_LORA", True)
     assert shared_input._stack_adapters(_group((4, 0, 2)))
     assert not shared_input._stack_adapters(_group((4, 0, 0)))
     dropped = _group((4, 4, 4), dropout=0.1)
@@ -70,3 +129,10 @@ def test_only_training_groups_without_dropout_stack(monkeypatch):
     rolled[1].set_rollout(True)
     assert not shared_input._stack_adapters(rolled)
     assert not shared_input._stack_adapters(_group((4, 4)) + [torch.nn.Linear(40, 8)])
+    wider = _group((4, 4)) + [QuantLinear(41, 8)]
+    assert not shared_input._stack_adapters(wider)
+    hooked = _group((4, 4, 4))
+    hooked[2].register_forward_hook(lambda module, args, out: None)
+    assert not shared_input._stack_adapters(hooked)
+    monkeypatch.setattr(shared_input, "STACK_LORA", False)
+    assert not shared_input._stack_adapters(_group((4, 4, 4)))

@@ -108,13 +108,16 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--with", dest="with_paths", default="",
+                        help="comma list of optional paths to turn on for every setting: " + ", ".join(PATHS))
     parser.add_argument("--without", default="",
-                        help="comma list of optional fast paths to turn off for every setting, to measure what each "
-                             "is worth: " + ", ".join(PATHS))
+                        help="comma list of optional paths to turn off for every setting (same names), to measure "
+                             "what each is worth")
     add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
-# Optional fast paths, all on by default, that a run can turn off (--without): name -> (module, flag).
+# Optional paths a run can turn on (--with) or off (--without): name -> (module, flag). On by default: rope,
+# logprobs, share-codes, lora-handoff; off until timed: lora-stack, rollout-lora-stack.
 PATHS = {
     "rope": ("quarl.model.layers", "FUSED_ROPE"),
     "logprobs": ("quarl.rl.batch", "FUSED_LOGPROBS"),
@@ -125,17 +128,18 @@ PATHS = {
 }
 
 
-def disable_paths(names: str) -> list[str]:
-    """Turn off the PATHS flags named in the comma list `names` (for this process); returns the names."""
+def set_paths(names: str, on: bool) -> list[str]:
+    """Set the PATHS flags named in the comma list `names` to `on` (for this process); returns the names."""
     import importlib
 
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in PATHS]
     if unknown:
-        raise ValueError(f"--without {','.join(unknown)}: unknown; choose from {', '.join(PATHS)}")
+        option = "--with" if on else "--without"
+        raise ValueError(f"{option} {','.join(unknown)}: unknown; choose from {', '.join(PATHS)}")
     for name in chosen:
         module, flag = PATHS[name]
-        setattr(importlib.import_module(module), flag, False)
+        setattr(importlib.import_module(module), flag, on)
     return chosen
 
 
@@ -309,7 +313,8 @@ def bench_step(args) -> tuple[list[dict], str, str]:
     if args.warmup < 0 or args.lora_rank < 0:
         raise ValueError("--warmup and --lora-rank must be >= 0")
     settings = parse_settings(args.settings)
-    disable_paths(args.without)
+    if set(set_paths(args.with_paths, True)) & set(set_paths(args.without, False)):
+        raise ValueError("--with and --without name the same path; name each path in one of them")
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory() as scratch:  # bad overrides or flow/LoRA combinations fail before any run
         for s in settings:
@@ -417,6 +422,8 @@ def run_bench_step(args) -> int:
         ]
         if args.overrides:
             facts.append("overrides: " + " ".join(args.overrides))
+        if args.with_paths:
+            facts.append("optional paths turned on: " + args.with_paths)
         if args.without:
             facts.append("optional paths turned off: " + args.without)
         append_entry(args.out, "B3 — RL step (`quarl bench step`)",

@@ -66,11 +66,8 @@ def shared_input_codes():
     tensor: storage, shape, strides and version) once and reuse its codes. Each entry holds its input, so no
     other tensor can take that memory while the block is open; all are dropped when the block ends. Same codes,
     same results: only fewer quantizing passes. Per thread; a nested block opens its own dict."""
-    if not SHARE_INPUT_CODES:
-        yield
-        return
     outer = shared_input()
-    _local.shared = {}
+    _local.shared = {} if SHARE_INPUT_CODES else None
     try:
         yield
     finally:

@@ -486,27 +486,35 @@ class QuantLinear(nn.Module):
             return F.linear(x, self._dequantized_base(x.dtype), bias)
         return _FrozenBaseLinear.apply(x, bias, self)
 
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False,
+                 xa: torch.Tensor | None = None) -> torch.Tensor:
         """y + dropout(x) @ A^T @ B^T * scaling for y [..., out_features] and x [..., in_features] (x.dtype);
         in_place (y 2-D, e.g. a column slice of a stacked output; meant for the rollout, though autograd records
-        it too): accumulated into y itself.
+        it too): accumulated into y itself. xa: x @ A^T [M, r] computed already (by a stacked GEMM over sibling
+        adapters, `quarl.model.shared_input`; no dropout), else computed here.
 
         The adapter's output is accumulated into y by the second GEMM's epilogue (addmm, beta = 1), with the
         scaling folded into B ([out, r] values, not [M, out]): no elementwise pass over the [M, out] output in the
         forward or the backward, where `y + lora(x) * scaling` takes two forward and one backward. Dropout only
         in training (never in rollout: the behaviour policy must be the deterministic adapter)."""
-        p = self.lora_dropout if (self.training and not self.rollout) else 0.0
-        h = F.dropout(x, p, training=True) if p > 0 else x
         cached = self._rollout_adapter if self.rollout else None
-        if cached is not None and cached[0].dtype == x.dtype and cached[0].device == x.device and \
-                not torch.is_grad_enabled():
-            a, b = cached  # the same values as below, cast when the rollout began
-        else:
-            a, b = self.lora_A.to(x.dtype), self._scaled_lora_B(x.dtype)  # [r, in], [out, r]
-        xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
+        # The rollout's copies hold the same values as the casts below, made when the rollout began.
+        use_cached = cached is not None and cached[0].dtype == x.dtype and cached[0].device == x.device and \
+            not torch.is_grad_enabled()
+        b = cached[1] if use_cached else self._scaled_lora_B(x.dtype)  # [out, r]
+        if xa is None:
+            a = cached[0] if use_cached else self.lora_A.to(x.dtype)  # [r, in]
+            p = self.lora_dropout_p()
+            h = F.dropout(x, p, training=True) if p > 0 else x
+            xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
         if in_place:
             return y.addmm_(xa, b.t())
         return torch.addmm(y.reshape(-1, self.out_features), xa, b.t()).reshape(y.shape)
+
+    def lora_dropout_p(self) -> float:
+        """The adapter's dropout probability now: lora_dropout in training, 0 in eval and in rollout (the behaviour
+        policy must be the deterministic adapter)."""
+        return self.lora_dropout if (self.training and not self.rollout) else 0.0
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",

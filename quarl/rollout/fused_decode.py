@@ -27,9 +27,9 @@ from quarl.model.qlinear import QuantLinear
 # bf16 activations for the adapters. Set False to turn the handoff off for linears with adapters.
 LORA_CODES_HANDOFF = True
 
-# q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection). Set False to run them
-# per linear, before an engine captures its CUDA graphs (graphs captured with it on keep the stacked GEMMs).
-STACK_ROLLOUT_LORA = True
+# q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection). Off until timed on a
+# GPU. Set it before an engine captures its CUDA graphs (graphs keep the adapter path they were captured with).
+STACK_ROLLOUT_LORA = False
 
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
@@ -50,11 +50,11 @@ class FusedProjection:
     Stacking happens at construction and in `prepare()` (after a reconfiguration replaced the parts' buffers),
     never inside a forward, so a captured CUDA graph never contains it.
 
-    LoRA adapters in rollout are stacked the same way by `prepare()`: A = [A_1; A_2; ...] [R, K] and a
-    block-diagonal B [sum N, R] (zeros off each part's block; R = the summed ranks), whose blocks become the
-    parts' rollout adapter copies. `QuantLinear.set_rollout` rewrites those copies in place at each rollout start,
-    so the stacked pair is current without re-stacking, and the adapters of the whole group cost two GEMMs
-    (x @ A^T, then y += (x A^T) @ B^T) instead of two per part.
+    With `STACK_ROLLOUT_LORA`, LoRA adapters in rollout are stacked the same way by `prepare()`:
+    A = [A_1; A_2; ...] [R, K] and a block-diagonal B [sum N, R] (zeros off each part's block; R = the summed
+    ranks), whose blocks become the parts' rollout adapter copies. `QuantLinear.set_rollout` rewrites those copies
+    in place at each rollout start, so the stacked pair is current without re-stacking, and the adapters of the
+    whole group cost two GEMMs (x @ A^T, then y += (x A^T) @ B^T) instead of two per part.
     """
 
     def __init__(self, parts: list[QuantLinear]):
