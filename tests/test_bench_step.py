@@ -167,6 +167,19 @@ def test_a_setting_kv_overrides_the_kv_cache_option():
     assert (own.precision.kv_cache, default.precision.kv_cache) == ("fp8", "auto")
 
 
+def test_lowp_overrides_reach_only_the_low_precision_settings():
+    """--set-lowp applies to every setting but bf16 (so a Jet-RL pair runs in one call); --set to all."""
+    from quarl.bench.step import run_config
+
+    args = parse("--no-save", "--set", "train.micro_batch_size=3", "--set-lowp", "precision.quantized_backward=true",
+                 "--set-lowp", "precision.quantize_lm_head=true")
+    low = run_config(args, Setting("unified", "fp8-block"), "/tmp/unused", torch.device("cpu"))
+    full = run_config(args, Setting("bf16"), "/tmp/unused", torch.device("cpu"))
+    assert (low.precision.quantized_backward, low.precision.quantize_lm_head) == (True, True)
+    assert (full.precision.quantized_backward, full.precision.quantize_lm_head) == (False, False)
+    assert low.train.micro_batch_size == full.train.micro_batch_size == 3
+
+
 def test_optional_paths_are_turned_on_and_off_by_name(monkeypatch):
     """`quarl bench step --with` / `--without` set the named flags, leave the others and refuse unknown names;
     every PATHS entry names a flag that exists."""

@@ -107,6 +107,10 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
                              "skipped and reported as skipped")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-config override, repeatable (e.g. --set train.micro_batch_size=16)")
+    parser.add_argument("--set-lowp", dest="lowp_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for the low-precision settings only (not bf16), repeatable: runs a pair such "
+                             "as bf16 against the Jet-RL setting in one call (e.g. --set-lowp "
+                             "precision.quantized_backward=true)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
     parser.add_argument("--with", dest="with_paths", default="",
                         help="comma list of optional paths to turn on for every setting: " + ", ".join(PATHS))
@@ -193,7 +197,8 @@ def synthetic_task(num_examples: int, prompt_len: int, vocab_size: int, seed: in
 
 
 def run_config(args, setting: Setting, run_dir: str, device):
-    """The RunConfig of one setting: the benchmark workload plus the user's --set overrides (validated)."""
+    """The RunConfig of one setting: the benchmark workload plus the user's --set overrides, and --set-lowp's for
+    a setting other than bf16 (validated)."""
     from quarl.config import load_config
 
     overrides = [
@@ -207,7 +212,8 @@ def run_config(args, setting: Setting, run_dir: str, device):
     ]
     if setting.format is not None:
         overrides.append(f"precision.format={setting.format}")
-    return load_config(None, overrides + list(args.overrides))
+    lowp = list(args.lowp_overrides) if setting.flow != "bf16" else []
+    return load_config(None, overrides + list(args.overrides) + lowp)
 
 
 # ---------------------------------------------------------------- measurement
@@ -422,6 +428,8 @@ def run_bench_step(args) -> int:
         ]
         if args.overrides:
             facts.append("overrides: " + " ".join(args.overrides))
+        if args.lowp_overrides:
+            facts.append("low-precision settings only: " + " ".join(args.lowp_overrides))
         if args.with_paths:
             facts.append("optional paths turned on: " + args.with_paths)
         if args.without:
