@@ -188,10 +188,11 @@ def run(args) -> int:
                     wrong.append(f"{s} M={m} {label}: {note}")
                 ok = t == t
                 rows.append(dict(shape=s, n=n, k=k, m=m, kind=kind, variant=label, time_us=t * 1e6 if ok else None,
-                                 speedup=t_bf16 / t if ok else None, roofline=t_roof / t if ok and kind != "bf16" else None,
+                                 speedup=t_bf16 / t if ok else None,
+                                 roofline=t_roof / t if ok and kind != "bf16" else None,
                                  err=err, tol=tol, note=note, cfg=lit))
             print(f"  {s} M={m} done ({time.time() - t_start:.0f} s)", flush=True)
-        del cps, wbs, qw, w, w_ref
+        cps = wbs = qw = w = w_ref = None  # free them (not `del`: the timed closures use the names)
         torch.cuda.empty_cache()
 
     best = best_per_problem(rows)
@@ -256,7 +257,8 @@ def format_best(rows, best) -> str:
 def measured_literal(rows, best) -> str:
     by_shape: dict = {}
     for (s, m), b in best.items():
-        by_shape.setdefault((b["n"], b["k"], s), []).append(f"{m}: (P(\"fp4_decode\", {b['cfg']}), {b['speedup']:.2f}),")
+        entry = f"{m}: (P(\"fp4_decode\", {b['cfg']}), {b['speedup']:.2f}),"
+        by_shape.setdefault((b["n"], b["k"], s), []).append(entry)
     lines = ["{"]
     for (n, k, s), entries in by_shape.items():
         lines.append(f"    ({n}, {k}): {{  # {s}")

@@ -14,7 +14,8 @@ from quarl.model.qlinear import QuantLinear
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and getattr(m, "lora_A", None) is not None}
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, QuantLinear) and getattr(m, "lora_A", None) is not None}
 
 
 def export_peft_adapters(model: torch.nn.Module, lora_cfg, base_model: str, out_dir: str | Path) -> Path:

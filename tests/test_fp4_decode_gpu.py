@@ -153,7 +153,8 @@ def test_input_errors(change, match):
     pytest.importorskip("triton")
     from quarl.kernels.fp4_decode import fp4_decode_matmul
 
-    x, qw, _ = _cpu_inputs(change.get("m", 4), fmt=change.get("fmt", "nvfp4"), dtype=change.get("dtype", torch.bfloat16))
+    x, qw, _ = _cpu_inputs(change.get("m", 4), fmt=change.get("fmt", "nvfp4"),
+                           dtype=change.get("dtype", torch.bfloat16))
     if change.get("noncontig"):
         x = torch.zeros(64, 4, dtype=x.dtype).T
     if change.get("k_mismatch"):

@@ -267,7 +267,8 @@ def test_gemv_matches_reference(fmt, x_mode):
         pytest.skip("fp4 formats are weight-only")
     if fmt == "fp8-tensor" and x_mode == "fused":
         pytest.skip("a per-tensor activation scale needs the whole tensor first: always prequant")
-    for m, n, k, bn, bk in [(1, 300, 1000, 16, 256), (2, 256, 512, 32, 256), (3, 130, 384, 8, 512), (4, 64, 200, 16, 128)]:
+    for m, n, k, bn, bk in [(1, 300, 1000, 16, 256), (2, 256, 512, 32, 256), (3, 130, 384, 8, 512),
+                            (4, 64, 200, 16, 128)]:
         w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
         qw = quantize(w, fmt)
         y = run_plan(Plan("gemv", Cfg(1, bn, bk, warps=4, stages=3), x_mode), x, qw, b)

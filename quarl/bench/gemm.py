@@ -54,8 +54,9 @@ def _sweep_candidates():
                Cfg(16, 32, 256, split_k=4, stages=4), Cfg(16, 64, 128, split_k=4, stages=4),
                Cfg(16, 64, 256, split_k=4, warps=8, stages=3), Cfg(16, 128, 128, split_k=4, warps=8, stages=4),
                Cfg(16, 32, 128, split_k=8, stages=4), Cfg(16, 64, 256, split_k=8, stages=3)),
-        64: fp4(Cfg(64, 64, 128, split_k=2), Cfg(64, 64, 128, split_k=4, warps=8), Cfg(32, 64, 256, split_k=4, stages=4),
-                Cfg(64, 128, 128, split_k=4, warps=8), Cfg(16, 64, 256, split_k=4, stages=4)) + [Plan("deq_mm")],
+        64: fp4(Cfg(64, 64, 128, split_k=2), Cfg(64, 64, 128, split_k=4, warps=8),
+                Cfg(32, 64, 256, split_k=4, stages=4), Cfg(64, 128, 128, split_k=4, warps=8),
+                Cfg(16, 64, 256, split_k=4, stages=4)) + [Plan("deq_mm")],
         256: [Plan("deq_mm"), Plan("fp4", Cfg(128, 128, 128, warps=8))],
         1024: [Plan("deq_mm")],
     }
@@ -85,8 +86,9 @@ def _sweep_candidates():
     w8_[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in g8]
               + [Plan("gemv", Cfg(1, 16, 256, stages=3), "prequant")] + dec[:2] + dec[5:6])
     fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 16 else []) for b, v in w8_.items()}
-    blk_dec = (w8("prequant", Cfg(64, 64, 128, split_k=2, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
-                  Cfg(64, 32, 128, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat))
+    blk_dec = (w8("prequant", Cfg(64, 64, 128, split_k=2, stages=4, **nat),
+                  Cfg(64, 64, 128, split_k=4, stages=4, **nat), Cfg(64, 32, 128, split_k=4, stages=4, **nat),
+                  Cfg(64, 128, 128, split_k=4, stages=4, **nat))
                + w8("fused", Cfg(16, 64, 128, split_k=2, stages=4), Cfg(16, 128, 128, split_k=4, stages=4),
                     Cfg(64, 64, 128, split_k=4, stages=4, **nat)))
     blk = {
@@ -139,7 +141,7 @@ def measure_ceilings(torch) -> tuple[float, float]:
     dst = torch.empty_like(src)
     t_copy = median_time(torch, lambda: dst.copy_(src), 10)
     bw = 2 * src.numel() * src.element_size() / t_copy
-    del src, dst
+    src = dst = None  # free the 1 GiB buffers (not `del`: the timed lambda closes over them)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t_mm = median_time(torch, lambda: torch.matmul(a, b), 10)
@@ -369,7 +371,7 @@ def run_bench_gemm(args) -> int:
             nc = _n_copies(wb)
             ws = [w_bf16] + [w_bf16.clone() for _ in range(nc - 1)]
             t_bf16 = time_graph(torch, lambda i: F.linear(x, ws[i]), nc, args.repeats)
-            del ws
+            ws = None  # free the copies (the timed lambda closes over the name)
             t_roof = max((wb + io_bytes) / bw, flops / rate)
             rows.append(dict(shape=s, n=n, k=k, m=m, fmt="bf16", path="cuBLAS", time_us=t_bf16 * 1e6,
                              speedup=1.0, roof=t_roof / t_bf16, err=0.0, dispatch="-"))
@@ -400,7 +402,7 @@ def run_bench_gemm(args) -> int:
                                      speedup=t_bf16 / t, roof=t_roof / t, err=err,
                                      dispatch="kernel" if dispatched.kind != "bf16" else "bf16", note=note,
                                      plan=_plan_dict(p)))
-                del cps
+                cps = None  # free the copies (the timed lambda closes over the name)
             print(f"  {s} M={m} done ({time.time() - t0:.0f} s)", flush=True)
         del qws, w_bf16
         torch.cuda.empty_cache()
@@ -491,7 +493,8 @@ def _targets_summary(rows: list[dict]) -> str:
     out = [f"targets ({TARGETS}); worst case over shapes:"]
     fmts = sorted({r["fmt"] for r in rows if r["fmt"] != "bf16"})
     for f in fmts:
-        for rng, sel in (("decode", lambda m: m <= 64), ("mid", lambda m: 64 < m < 1024), ("prefill", lambda m: m >= 1024)):
+        for rng, sel in (("decode", lambda m: m <= 64), ("mid", lambda m: 64 < m < 1024),
+                         ("prefill", lambda m: m >= 1024)):
             rs = [r for r in rows if r["fmt"] == f and sel(r["m"]) and r["time_us"] == r["time_us"]]
             if not rs:
                 continue

@@ -111,7 +111,8 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized values [*shape] (padding trimmed), computed in float32 then cast to `dtype`."""
         if not dtype.is_floating_point:
-            raise ValueError(f"dequantize(dtype={dtype}) needs a floating dtype such as torch.float32 or torch.bfloat16")
+            raise ValueError(f"dequantize(dtype={dtype}) needs a floating dtype such as torch.float32 or "
+                             "torch.bfloat16")
         full = self.spec.dequantize_fn(self)
         return full[..., : self.shape[-1]].to(dtype)
 

@@ -1,7 +1,7 @@
 """FP8 E4M3 formats (BRIEF §3): `fp8` (rowwise), `fp8-tensor` (one scale), `fp8-block` (DeepSeek-V3 style).
 
-All three: s = amax / 448 over the scaling group (as amax * float32(1/448); 1 when amax = 0), codes = e4m3(clamp(x / s, -448, 448))
-(round to nearest even, saturating), dequant = code * s. Groups:
+All three: s = amax / 448 over the scaling group (as amax * float32(1/448); 1 when amax = 0),
+codes = e4m3(clamp(x / s, -448, 448)) (round to nearest even, saturating), dequant = code * s. Groups:
   fp8        one scale per row (weight: output channel, activation: token), scale [..., 1];
   fp8-tensor one scale for the whole tensor, scale 0-dim;
   fp8-block  weight: 128x128 tiles, scale [ceil(N/128), Kp/128] (a partial edge tile uses the rows present);

@@ -56,7 +56,8 @@ def dequantize_fp4_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((N, K), dtype=dtype, device=qweight.data.device)
     bn, bk = 32, 256
     _fp4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        qweight.data, scale, gs, out, N, K, qweight.data.shape[1], scale.shape[1], qweight.data.stride(0), scale.stride(0), out.stride(0),
+        qweight.data, scale, gs, out, N, K, qweight.data.shape[1], scale.shape[1], qweight.data.stride(0),
+        scale.stride(0), out.stride(0),
         IS_MX=is_mx, BN=bn, BK=bk, num_warps=4,
     )
     return out

@@ -32,8 +32,8 @@ def _fp4_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """x [M, K] bf16/fp16; w uint8 [N, KP/2]; s [N, KP/G] (E4M3 for nvfp4, E8M0 uint8 for mxfp4);
-    (both passed as uint8 bytes) gs float32 [] (nvfp4 global scale; unused for mxfp4); out [M, N] in x's dtype, or with SPLIT_K > 1
-    float32 partial sums [SPLIT_K, M, N] (global scale applied, bias not)."""
+    (both passed as uint8 bytes) gs float32 [] (nvfp4 global scale; unused for mxfp4); out [M, N] in x's dtype, or
+    with SPLIT_K > 1 float32 partial sums [SPLIT_K, M, N] (global scale applied, bias not)."""
     G: tl.constexpr = 32 if IS_MX else 16
     pid_m, pid_n = pid_to_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)

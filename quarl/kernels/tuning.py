@@ -281,7 +281,8 @@ def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | Non
     table = MEASURED.get("fp8" if fam == "fp8-tensor" else fam)
     if not table:
         return None
-    shape = (n, k) if (n, k) in table else min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
+    shape = (n, k) if (n, k) in table else \
+        min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
     entry = table[shape].get(m_bucket(m))
     if entry is None:
         return None
