@@ -88,3 +88,26 @@ def test_deferred_scales_option_reads_all_none_or_names():
     for bad in ("", "qkv,gate", ","):
         with pytest.raises(argparse.ArgumentTypeError, match="qkv,o,gate_up,down"):
             _deferred_choice(bad)
+
+
+def test_settings_put_acting_lora_adapters_on_every_decoder_linear():
+    """--lora-rank: every decoder linear gets an adapter of that rank whose B is nonzero (the adapters act in the
+    rollout), lm_head none; the next setting without LoRA removes them."""
+    from quarl.model.qlinear import QuantLinear
+
+    model = make_model("qwen2", dtype=torch.float32)
+    x = torch.randint(0, model.config.vocab_size, (1, 5))
+    assert configure_precision(model, "fp8", lora_rank=4) == "fp8"
+    decoder = [m for n, m in model.named_modules() if isinstance(m, QuantLinear) and n.startswith("model.layers")]
+    assert len(decoder) == 7 * model.config.num_layers
+    assert all(m.lora_rank == 4 and m.lora_B.abs().max() > 0 for m in decoder) and not model.lm_head.lora_rank
+    model.set_rollout(True)
+    with torch.no_grad():
+        with_lora = model(x)
+    model.set_rollout(False)
+    configure_precision(model, "fp8")
+    assert all(m.lora_rank == 0 for m in decoder)
+    model.set_rollout(True)
+    with torch.no_grad():
+        assert not torch.equal(model(x), with_lora)
+    model.set_rollout(False)

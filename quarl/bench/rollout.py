@@ -133,6 +133,12 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", default=SAMPLERS[0], choices=SAMPLERS,
                         help="temperature sampling: Gumbel-max over a [batch, vocab] uniform tensor per step, or "
                              "inverse CDF with one uniform per sequence (FastRolloutEngine(sampler=...))")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="LoRA adapters of this rank on every decoder linear (nonzero B, so they act), as in a "
+                             "LoRA RL step's rollout; 0 = none")
+    parser.add_argument("--with", dest="with_paths", default="",
+                        help="comma list of optional paths to turn on (names as in `quarl bench step --with`)")
+    parser.add_argument("--without", default="", help="comma list of optional paths to turn off (same names)")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of timed generate calls, time one decode step and its parts (linears, "
                              "attention, sampling) at context prompt-len + max-new-tokens / 2")
@@ -209,19 +215,28 @@ def _sync_time(torch) -> float:
     return time.perf_counter()
 
 
-def configure_precision(model, prec: str) -> str:
-    """Put `model` in setting precision `prec` ("bf16", "fp8", "fp8+head", ...); returns the format without the
+def configure_precision(model, prec: str, lora_rank: int = 0) -> str:
+    """Put `model` in setting precision `prec` ("bf16", "fp8", "fp8+head", ...), with LoRA adapters of
+    `lora_rank` on every decoder linear (B drawn N(0, 0.02^2), so they act); returns the format without the
     lm_head suffix. Settings run one after another on one model, so lm_head goes back to bf16 when the setting
     does not quantize it (apply_precision itself leaves lm_head alone)."""
+    import torch
+
     from quarl.model.precision_apply import apply_precision, base_settings
-    from quarl.precision import PrecisionConfig
+    from quarl.precision import LoraConfig, PrecisionConfig
 
     base, head = prec.removesuffix(HEAD_SUFFIX), prec.endswith(HEAD_SUFFIX)
-    pc = PrecisionConfig(flow="bf16") if base == "bf16" else PrecisionConfig(flow="split", format=base,
-                                                                               quantize_lm_head=head)
+    lora = LoraConfig(rank=lora_rank)
+    pc = PrecisionConfig(flow="bf16", lora=lora) if base == "bf16" else PrecisionConfig(
+        flow="split", format=base, quantize_lm_head=head, lora=lora)
     apply_precision(model, pc)
     if not head and model.lm_head.rollout_format is not None:
         model.lm_head.configure(**base_settings(PrecisionConfig(flow="bf16")))
+    if lora_rank:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0, 0.02)
     return base
 
 
@@ -230,7 +245,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     from quarl.rollout.fast_engine import FastRolloutEngine
 
     t_setup = time.perf_counter()
-    base = configure_precision(model, prec)
+    base = configure_precision(model, prec, getattr(args, "lora_rank", 0))
     batch = args.prompts * args.samples
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
@@ -307,11 +322,17 @@ def run_bench_rollout(args) -> int:
     if not torch.cuda.is_available():
         print("quarl bench rollout needs a CUDA GPU", file=sys.stderr)
         return 2
+    from quarl.bench.step import set_paths
+
     settings = parse_settings(args.settings)
     cfg = model_config(args.model_size)
     for name in ("prompts", "samples", "prompt_len", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if set(set_paths(args.with_paths, True)) & set(set_paths(args.without, False)):
+        raise ValueError("--with and --without name the same path; name each path in one of them")
     from quarl.bench.gemm import measure_ceilings
 
     t_start = time.perf_counter()
@@ -395,9 +416,12 @@ def _summary(rows: list[dict], bf16_tok_s: float | None) -> str:
 def _append_results(path: str, bw: float, rate: float, args, table: str, summary: str) -> None:
     facts = [f"workload: Qwen2.5-{args.model_size} architecture, {args.prompts} prompts x {args.samples} samples, "
              f"{args.prompt_len} prompt tokens, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
-             f"sync every {args.sync_every} steps, {args.repeats} timed call(s) per setting",
+             f"sync every {args.sync_every} steps, {args.repeats} timed call(s) per setting"
+             + (f", LoRA rank {args.lora_rank} on every decoder linear" if args.lora_rank else ""),
              f"ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
              f"{rate / 1e12:.0f} TFLOP/s (W8A8 roofline: 2x)"]
+    if args.with_paths or args.without:
+        facts.append(f"optional paths: on {args.with_paths or '-'}; off {args.without or '-'}")
     append_entry(path, "B2 — rollout throughput (`quarl bench rollout`)",
                  "Appended by `quarl bench rollout`; newest last. Random-weight Qwen2.5 architecture, "
                  "FastRolloutEngine, EOS ignored.", bench_command(args, "rollout"), facts, table + "\n\n" + summary)
