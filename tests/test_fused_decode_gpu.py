@@ -201,25 +201,40 @@ def test_captured_graphs_follow_the_weight_sync(fmt):
     from quarl.model.qlinear import QuantLinear
 
     model = _small_model(fmt)
+
+    @torch.no_grad()
+    def update():
+        for m in model.modules():
+            if isinstance(m, QuantLinear) and m.weight is not None:
+                m.weight.add_(torch.randn_like(m.weight) * 0.05)
+        refresh_rollout_weights(model)
+
+    fused, rounds, _ = _greedy_rounds_around_an_update(model, update)
+    assert fused._graphs and fused.use_cuda_graphs  # the second round replayed graphs captured in the first
+    assert sum(x != y for x, y in zip(*rounds)) >= 0.5 * len(rounds[0])  # the update changed the outputs
+
+
+def _greedy_rounds_around_an_update(model, update, check_round=lambda fused: None):
+    """Greedy generation by the fused engine and the module-path engine, then update(), then again: each round's
+    tokens must mostly agree between the two (and pass check_round(fused engine)). Returns (fused engine, the
+    fused engine's tokens per round, {graph key: id} of its graphs after the first round)."""
     torch.manual_seed(1)
     prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
     fused = FastRolloutEngine(model, None, max_batch_size=16)
     plain = FastRolloutEngine(model, None, max_batch_size=16, fused_decode=False)
-    rounds = []
+    rounds, graphs = [], None
     for _ in range(2):
         a = [c.token_ids for o in fused.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
              for c in o.completions]
         b = [c.token_ids for o in plain.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
              for c in o.completions]
         assert sum(x == y for x, y in zip(a, b)) >= 0.75 * len(a), (a, b)
+        check_round(fused)
         rounds.append(a)
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, QuantLinear) and m.weight is not None:
-                    m.weight.add_(torch.randn_like(m.weight) * 0.05)
-        refresh_rollout_weights(model)
-    assert fused._graphs and fused.use_cuda_graphs  # the second round replayed graphs captured in the first
-    assert sum(x != y for x, y in zip(*rounds)) >= 0.5 * len(rounds[0])  # the update changed the outputs
+        if graphs is None:
+            graphs = {key: id(g) for key, g in fused._graphs.items()}
+        update()
+    return fused, rounds, graphs
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
@@ -236,27 +251,18 @@ def test_captured_graphs_follow_the_adapter_update(monkeypatch, fmt):
     torch.manual_seed(0)
     model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
     apply_precision(model, PrecisionConfig(flow="split", format=fmt, lora=LoraConfig(rank=8)))
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def update():  # new adapters (B = 0 at init: draw them, so they act)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
-    fused = FastRolloutEngine(model, None, max_batch_size=16)
-    plain = FastRolloutEngine(model, None, max_batch_size=16, fused_decode=False)
-    rounds = []
-    for _ in range(2):
-        a = [c.token_ids for o in fused.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
-             for c in o.completions]
-        b = [c.token_ids for o in plain.generate(prompts, n=2, max_new_tokens=24, temperature=0.0)
-             for c in o.completions]
-        assert sum(x == y for x, y in zip(a, b)) >= 0.75 * len(a), (a, b)
+
+    def stacked(fused):
         assert all(proj._adapters_current() for proj in fused._decoder.qkv + fused._decoder.gate_up)
-        rounds.append(a)
-        graphs = {key: id(g) for key, g in fused._graphs.items()}
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05)
+
+    update()
+    fused, rounds, graphs = _greedy_rounds_around_an_update(model, update, stacked)
     assert fused.use_cuda_graphs and graphs
     kept = [key for key, g in fused._graphs.items() if graphs.get(key) == id(g)]
     assert kept, "the second round recaptured every graph instead of replaying the first round's"

@@ -142,10 +142,9 @@ class FrozenWeightCodes:
 class FP8BlockLinear(torch.autograd.Function):
     """y = Q(x) @ Q(W)^T + b with FP8-block input- and weight-gradient GEMMs (see the module docstring).
 
-    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype; may be None with
-    frozen), bias [N] or None, frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to
-    quantize it here) -> y [M, N] in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their
-    parameters' dtypes.
+    forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype), bias [N] or None,
+    frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to quantize it here) -> y [M, N]
+    in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
     """
 
     @staticmethod
@@ -155,14 +154,11 @@ class FP8BlockLinear(torch.autograd.Function):
         if frozen is not None and ctx.needs_input_grad[1]:
             raise ValueError("FP8BlockLinear got FrozenWeightCodes for a weight that requires a gradient; pass "
                              "frozen=None for a trained weight (its codes change every optimizer step)")
-        if frozen is None and weight is None:
-            raise ValueError("FP8BlockLinear needs the weight, or its FrozenWeightCodes")
         ctx.has_bias = bias is not None
-        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.weight_dtype = weight.dtype
         ctx.frozen = frozen
         bias = None if bias is None else bias.detach().to(x.dtype)
-        n = frozen.forward.shape[0] if frozen is not None else weight.shape[0]
-        if FUSED_CUBLAS_PATH and training_gemm_ok(x, n):
+        if FUSED_CUBLAS_PATH and training_gemm_ok(x, weight.shape[0]):
             from quarl.kernels.training_gemm import linear_forward
 
             keep = ctx.needs_input_grad[1]

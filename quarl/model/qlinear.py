@@ -443,19 +443,12 @@ class QuantLinear(nn.Module):
             self._frozen_codes = self._frozen_codes_key = None  # e.g. unfrozen since: free the N*K bytes
             return None
         if not self._same_state(self._frozen_codes_key, w.data_ptr(), dtype):
-            self._frozen_codes = self.fp8_codes(dtype)
+            rollout_current = (self.qweight_data is not None and self.rollout_format == fp8_training.FORMAT
+                               and self._rollout_copy_current() and self.qweight_data.device == w.device)
+            forward = self.qweight if rollout_current else fp8_training.quantized_weight(w, dtype)
+            self._frozen_codes = FrozenWeightCodes(forward, fp8_training.quantized_weight(w, dtype, transpose=True))
             self._frozen_codes_key = self._weight_state(w.data_ptr(), dtype)
         return self._frozen_codes
-
-    def fp8_codes(self, dtype: torch.dtype) -> FrozenWeightCodes:
-        """Q(W) and Q(W^T) in FP8-block tiles of the master weight rounded to dtype, not cached: Q(W) is the rollout
-        copy itself (a view) while that is current, Q(W^T) is quantized here."""
-        w = self.weight
-        rollout_current = (self.qweight_data is not None and self.rollout_format == fp8_training.FORMAT
-                           and self._rollout_copy_current() and self.qweight_data.device == w.device
-                           and dtype == self.compute_dtype)
-        forward = self.qweight if rollout_current else fp8_training.quantized_weight(w, dtype)
-        return FrozenWeightCodes(forward, fp8_training.quantized_weight(w, dtype, transpose=True))
 
     def _weight_state(self, *extra) -> tuple:
         """(weak reference to the master weight tensor, its version, *extra); compare with `_same_state`.
