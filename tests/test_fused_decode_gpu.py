@@ -258,8 +258,13 @@ def test_captured_graphs_follow_the_adapter_update(monkeypatch, fmt):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
 
-    def stacked(fused):
-        assert all(proj._adapters_current() for proj in fused._decoder.qkv + fused._decoder.gate_up)
+    def stacked(fused):  # after generate() (rollout mode is off again): the parts' copies are the stack's blocks
+        for proj in fused._decoder.qkv + fused._decoder.gate_up:
+            assert proj._adapter is not None
+            a, b = proj._adapter
+            for p, row, start in proj._adapter_blocks():
+                assert p._rollout_adapter[0].data_ptr() == a[row:].data_ptr()
+                assert p._rollout_adapter[1].data_ptr() == b[start:, row:].data_ptr()
 
     update()
     fused, rounds, graphs = _greedy_rounds_around_an_update(model, update, stacked)

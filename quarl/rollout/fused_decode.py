@@ -27,9 +27,10 @@ from quarl.model.qlinear import QuantLinear
 # bf16 activations for the adapters. Set False to turn the handoff off for linears with adapters.
 LORA_CODES_HANDOFF = True
 
-# q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection). Off until timed on a
-# GPU. Set it before an engine captures its CUDA graphs (graphs keep the adapter path they were captured with).
-STACK_ROLLOUT_LORA = False
+# q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection): a 7B LoRA rank-32 FP8
+# rollout (512 x 1024 tokens, H200) took 15.65 s against 16.34 s one GEMM pair per linear. Set it before an engine
+# captures its CUDA graphs (graphs keep the adapter path they were captured with).
+STACK_ROLLOUT_LORA = True
 
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
