@@ -6,9 +6,6 @@ must equal the reference engine's exactly in float32/float64 (tiny models with O
 float32 resolution). Decode attention vs a float64 per-head loop: 1e-5 in float32.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -23,6 +20,7 @@ from quarl.rollout.fast_cache import SlotKVCache
 from quarl.rollout.fast_engine import FastRolloutEngine, batch_buckets
 from quarl.rollout.fast_step import gumbel_max
 from quarl.rollout.sampling import SamplingParams, filtered_logprobs
+from interpreter import INTERPRETER_PATCH, run_in_interpreter
 from tiny_models import make_model, rand_prompts
 
 
@@ -381,27 +379,7 @@ def _engine_close_to_float64(model, tok, prompts, kv):
             assert 1e-5 < err < 0.05  # fp8 rounding is visible, but small
 
 
-_INTERPRETER_PATCH = textwrap.dedent("""
-    import torch
-    import triton.runtime.interpreter as ti
-    _orig = ti._patch_lang_tensor
-    def _patched(tensor, scope):  # numpy >= 2 refuses int() of 1-element arrays in the interpreter's range()
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
-""")
-
-
-def _run_in_interpreter(script: str) -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-500:] + res.stderr[-3000:]
-
-
-_TRITON_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_TRITON_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.kernels.decode_attention import decode_attention
     from quarl.rollout.fast_attention import decode_attention_torch
     torch.manual_seed(0)
@@ -437,7 +415,7 @@ _TRITON_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
 """)
 
 
-_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_SAMPLER_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.kernels.sampling import sample_rows
     from quarl.rollout.fast_step import gumbel_max
     from quarl.rollout.sampling import SamplingParams, filtered_logprobs
@@ -475,10 +453,10 @@ def test_sampling_kernel_in_interpreter():
     run by Triton's CPU interpreter against the torch definition on the same noise: the same tokens, log-probs
     within 1e-4, the lowest index among ties (across ranges too), the first NaN's index with a NaN log-prob, and
     token 0 with a NaN log-prob for a row without mass."""
-    _run_in_interpreter(_SAMPLER_CHECK)
+    run_in_interpreter(_SAMPLER_CHECK)
 
 
-_CDF_SAMPLER_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_CDF_SAMPLER_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.kernels.sampling_cdf import sample_rows_cdf
     from quarl.rollout.fast_step import inverse_cdf, inverse_cdf_consistent
     from quarl.rollout.sampling import SamplingParams, filtered_logprobs
@@ -534,13 +512,13 @@ def test_inverse_cdf_sampling_kernel_in_interpreter():
     and the largest u below 1, a range without mass, the first NaN's index with a NaN log-prob, token 0 for a
     row without mass; and 300 fresh draws from one distribution (the frequencies of such draws are tested on the
     torch definition, `test_inverse_cdf_draws_follow_the_distribution`)."""
-    _run_in_interpreter(_CDF_SAMPLER_CHECK)
+    run_in_interpreter(_CDF_SAMPLER_CHECK)
 
 
 def test_triton_decode_attention_in_interpreter():
     """The Triton kernel's indexing, GQA grouping, split merge and FP8 path, run by Triton's CPU interpreter
     (float32 and float16 only: the interpreter mis-handles bf16 dots)."""
-    _run_in_interpreter(_TRITON_CHECK)
+    run_in_interpreter(_TRITON_CHECK)
 
 
 def test_triton_decode_attention_refuses_caches_it_cannot_read():

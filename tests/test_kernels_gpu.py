@@ -408,6 +408,7 @@ def test_tuning_tables_are_consistent(family):
             continue
         if p.kind == "gemv":
             assert c.bn <= 128 and 128 % c.bn == 0 and c.bk >= 128, f"{family}: GEMV tile {c}"
+            assert family != "fp8-block" or c.bk % 128 == 0, f"fp8-block GEMV steps whole 128-groups: {c}"
             continue
         for v in (c.bm, c.bn, c.bk):
             assert v >= 16 and v & (v - 1) == 0, f"{family}: tile sizes must be powers of two >= 16: {c}"

@@ -82,7 +82,8 @@ def _sweep_candidates():
     }
     w8_[16] = w8_[1]
     w8_[4096] = w8_[1024]
-    g8 = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (8, 256, 2, 4)]
+    g8 = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
+          (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3), (8, 512, 4, 1), (16, 512, 4, 1), (4, 1024, 4, 1)]
     w8_[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in g8]
               + [Plan("gemv", Cfg(1, 16, 256, stages=3), "prequant")] + dec[:2] + dec[5:6])
     fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 16 else []) for b, v in w8_.items()}
@@ -101,7 +102,8 @@ def _sweep_candidates():
         1024: w8("prequant", Cfg(128, 128, 128, warps=8, stages=4, **nat)) + [Plan("scaled_mm")],
     }
     blk[16] = blk[1] + [Plan("scaled_mm")]
-    gb = [(16, 128, 4, 3), (8, 128, 2, 4), (32, 128, 4, 4), (16, 128, 4, 5)]
+    gb = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
+          (8, 1024, 4, 3), (16, 256, 4, 3), (8, 256, 4, 3), (16, 128, 4, 3), (8, 512, 4, 1), (4, 1024, 4, 1)]
     blk[1] = [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in gb] + blk_dec[:1]
     blk[4096] = blk[1024]
     return {"nvfp4": w4, "int8": w8_, "fp8": fp8, "fp8-block": blk}
@@ -428,7 +430,7 @@ def _plan_name(p) -> str:
         return p.kind
     c = p.cfg
     tag = f"{c.bm}x{c.bn}x{c.bk}" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f" w{c.warps}p{c.stages}"
-    mode = {"w8a8": f" {p.x_mode}" + (" native" if c.native else " f16")}.get(p.kind, "")
+    mode = {"w8a8": f" {p.x_mode}" + (" native" if c.native else " f16"), "gemv": f" {p.x_mode}"}.get(p.kind, "")
     return f"{p.kind} {tag}{mode}"
 
 

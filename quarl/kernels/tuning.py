@@ -154,7 +154,7 @@ MEASURED = {
     },
     "int8": {
         (4608, 3584): {  # qkv
-            1: (P("gemv", C(1, 8, 512), "fused"), 0.80),
+            1: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 0.87),
             16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.76),
             64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 0.74),
             256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.73),
@@ -162,7 +162,7 @@ MEASURED = {
             4096: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 1.02),
         },
         (3584, 3584): {  # o
-            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.88),
+            1: (P("gemv", C(1, 8, 1024), "fused"), 1.10),
             16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.93),
             64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.70),
             256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.67),
@@ -170,7 +170,7 @@ MEASURED = {
             4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 1.02),
         },
         (37888, 3584): {  # gate_up
-            1: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.43),
+            1: (P("gemv", C(1, 16, 256), "prequant"), 1.56),
             16: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.39),
             64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.21),
             256: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 1.23),
@@ -178,7 +178,7 @@ MEASURED = {
             4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 1.36),
         },
         (3584, 18944): {  # down
-            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.99),
+            1: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 1.27),
             16: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 0.99),
             64: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 1.01),
             256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.93),
@@ -188,7 +188,7 @@ MEASURED = {
     },
     "fp8": {
         (4608, 3584): {  # qkv
-            1: (P("gemv", C(1, 8, 512), "fused"), 0.84),
+            1: (P("gemv", C(1, 16, 512, warps=8), "fused"), 1.22),
             16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 0.72),
             64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.67),
             256: (P("scaled_mm"), 0.84),
@@ -196,7 +196,7 @@ MEASURED = {
             4096: (P("scaled_mm"), 1.44),
         },
         (3584, 3584): {  # o
-            1: (P("gemv", C(1, 8, 512), "fused"), 0.91),
+            1: (P("gemv", C(1, 8, 1024), "fused"), 1.46),
             16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 0.90),
             64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.65),
             256: (P("scaled_mm"), 0.72),
@@ -204,7 +204,7 @@ MEASURED = {
             4096: (P("scaled_mm"), 1.38),
         },
         (37888, 3584): {  # gate_up
-            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.50),
+            1: (P("gemv", C(1, 16, 512, stages=1), "fused"), 1.74),
             16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.36),
             64: (P("scaled_mm"), 1.20),
             256: (P("scaled_mm"), 1.46),
@@ -212,7 +212,7 @@ MEASURED = {
             4096: (P("scaled_mm"), 1.79),
         },
         (3584, 18944): {  # down
-            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.04),
+            1: (P("gemv", C(1, 8, 1024), "fused"), 1.47),
             16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4), "prequant"), 1.01),
             64: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 0.95),
             256: (P("scaled_mm"), 0.86),
@@ -222,7 +222,7 @@ MEASURED = {
     },
     "fp8-block": {
         (4608, 3584): {  # qkv
-            1: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.59),
+            1: (P("gemv", C(1, 8, 512, stages=1), "fused"), 1.08),
             16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4), "fused"), 0.65),
             64: (P("scaled_mm"), 0.64),
             256: (P("scaled_mm"), 0.81),
@@ -230,7 +230,7 @@ MEASURED = {
             4096: (P("scaled_mm"), 1.41),
         },
         (3584, 3584): {  # o
-            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.78),
+            1: (P("gemv", C(1, 16, 512, warps=8), "fused"), 1.28),
             16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.81),
             64: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.59),
             256: (P("scaled_mm"), 0.69),
@@ -238,7 +238,7 @@ MEASURED = {
             4096: (P("scaled_mm"), 1.35),
         },
         (37888, 3584): {  # gate_up
-            1: (P("w8a8", C(64, 128, 128, split_k=4, stages=4, native=True), "prequant"), 1.15),
+            1: (P("gemv", C(1, 16, 256), "fused"), 1.38),
             16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4), "fused"), 1.29),
             64: (P("scaled_mm"), 1.43),
             256: (P("scaled_mm"), 1.45),
@@ -246,7 +246,7 @@ MEASURED = {
             4096: (P("scaled_mm"), 1.67),
         },
         (3584, 18944): {  # down
-            1: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.79),
+            1: (P("gemv", C(1, 16, 512, warps=8), "fused"), 1.10),
             16: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.76),
             64: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.74),
             256: (P("scaled_mm"), 0.77),
