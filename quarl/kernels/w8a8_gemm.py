@@ -73,7 +73,8 @@ def _w8a8_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.int32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for it in range(0, k_per_split // BK):
+    # Up to KP only: the last split's range can reach past it, where fp8-block's scale columns end.
+    for it in range(0, tl.cdiv(tl.minimum(k_per_split, KP - k0), BK)):
         kk = k0 + it * BK
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
