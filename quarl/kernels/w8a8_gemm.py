@@ -21,23 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.common import GemmConfig, pid_to_tile, split_tickets, splitk_reduce, ticket_reduce
+from quarl.kernels.common import GemmConfig, pid_to_tile, splitk_reduce
 from quarl.kernels.quant_utils import codes_to, codes_to_f16, quantize_tile, safe_scale
 
 X_RAW, X_FUSED, X_PREQUANT = 0, 1, 2
 
-# Split-K in one launch (the last program of each tile sums the partials: `common.ticket_reduce`) instead of a
-# second reduction kernel. Set False for the two-kernel path.
-SPLITK_TICKETS = True
-
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
     M, N, K, KP, k_per_split,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
     W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, NATIVE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, TICKETS: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, W_GROUP_ROWS: tl.constexpr,
 ):
     """x: [M, K] bf16/fp16 (X_MODE 0/1) or codes [M, KP] (X_MODE 2; fp8 as uint8 bytes); xs: activation
@@ -45,9 +41,7 @@ def _w8a8_kernel(
     w: codes [N, KP] (int8, or fp8 as uint8 bytes); ws: float32 weight scales ([N] with stride stride_wsn,
     0 for one per tensor; fp8-block [ceil(N/W_GROUP_ROWS), KP/128] with row stride stride_wsn: 128x128 tiles,
     or with W_GROUP_ROWS = 1 1x128 groups of each row, as an activation-role second operand);
-    out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias) for
-    `splitk_reduce`; with TICKETS the partials go to part [SPLIT_K, M, N] (contiguous) and the last program of
-    each tile sums them into out (`ticket_reduce`, counters cnt: one per tile)."""
+    out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias)."""
     QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
     pid_m, pid_n = pid_to_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
@@ -139,17 +133,11 @@ def _w8a8_kernel(
             res = res * sx[:, None]
         elif X_MODE == 2:
             res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
-    if SPLIT_K == 1 or TICKETS:
-        last = True
-        if SPLIT_K > 1:
-            last, res = ticket_reduce(res, part_ptr + offs_m[:, None] * N + offs_n[None, :],
-                                      m_ok[:, None] & n_ok[None, :], cnt_ptr, tl.program_id(0), pid_k, M * N,
-                                      SPLIT_K)
-        if last:
-            if HAS_BIAS:
-                res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     else:
         out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, res, mask=m_ok[:, None] & n_ok[None, :])
@@ -202,24 +190,21 @@ def w8a8_matmul(
     even_k = K == kp and kp % k_per_split == 0
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    tickets = split > 1 and SPLITK_TICKETS
-    part = cnt = out  # unused with one split
-    if split > 1:
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        cnt = split_tickets(x.device, grid[0]) if tickets else out
-    target = out if split == 1 or tickets else part
+    # Split-K partials are summed by a second kernel: summing them in the GEMM's last program per tile (tickets,
+    # as fp4_decode does) measured no faster at M = 16-256 on an H200 (bench/results/gemm.md, 2026-11-30).
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _w8a8_kernel[grid](
-        xin, xs, w, ws, bias if bias is not None else out, target, part, cnt,
+        xin, xs, w, ws, bias if bias is not None else out, target,
         M, N, K, kp, k_per_split,
         xin.stride(0), stride_xsm, w.stride(0), stride_wsn, target.stride(-2),
         target.stride(0) if split > 1 else 0,
         W_INT8=w_int8, BLOCKWISE=blockwise, X_MODE=x_mode, NATIVE=cfg.native and x_mode != X_RAW,
-        HAS_BIAS=bias is not None, SPLIT_K=split, TICKETS=tickets, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
         BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP_M=cfg.group_m,
         W_GROUP_ROWS=1 if blockwise and qweight.role == "activation" else 128,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    if split > 1 and not tickets:
+    if split > 1:
         splitk_reduce(target, bias, out)
     return out
 
