@@ -11,7 +11,8 @@ import pytest
 # - numpy >= 2 refuses int() of 1-element arrays in its range();
 # - its float down-conversions truncate (float32 -> bf16) or round without carrying into the exponent (-> fp8:
 #   7.81 becomes 4.0), where the GPU rounds to nearest even: conversions between the float types torch has run
-#   through torch instead (round to nearest even, as the hardware's cvt.rn).
+#   through torch instead (round to nearest even, as the hardware's cvt.rn). Out of range, torch's float8 gives
+#   NaN where the GPU's satfinite conversion saturates to +-448: the kernels clamp before converting.
 INTERPRETER_PATCH = textwrap.dedent("""
     import numpy as np
     import torch

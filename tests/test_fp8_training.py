@@ -130,9 +130,9 @@ def test_weight_gradient_gemm_scales_each_row_group_in_the_interpreter():
     each row): the W8A8 kernel must scale each 128-token partial product by that row's group scale, not by a
     128x128 tile's. Run by Triton's CPU interpreter on reference codes (exact fp16 products of the codes), M not
     a multiple of 128: within fp16 output rounding (2e-3 of the largest value) of the float64 product."""
-    from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+    from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
-    _run_in_interpreter(_INTERPRETER_PATCH + _WGRAD_GEMM_CHECK)
+    run_in_interpreter(INTERPRETER_PATCH + _WGRAD_GEMM_CHECK)
 
 
 @pytest.mark.gpu

@@ -77,17 +77,25 @@ def test_fused_projection_restacks_after_reconfigure_and_skips_unstackable_block
     close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
-def test_fused_projection_adds_each_parts_lora():
+@pytest.mark.parametrize("stack", [True, False])
+def test_fused_projection_adds_each_parts_lora(monkeypatch, stack):
+    """In rollout the group adds every part's adapter into its columns: as one stacked pair of GEMMs
+    (STACK_ROLLOUT_LORA, the default) or part by part; both equal the parts run one by one."""
+    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", stack)
     torch.manual_seed(0)
     parts = _parts("fp8")
     for p in parts:
+        p.set_rollout(False)
         p.configure(rollout_format="fp8", lora_rank=4)
-        p.set_rollout(True)
         with torch.no_grad():
             p.lora_B.normal_()
+        p.set_rollout(True)  # a rollout starts: the adapter's rollout copy is made
     fused = FusedProjection(parts)
+    fused.prepare()
+    assert (fused._adapter is not None) == stack
     x = torch.randn(4, 48)
-    close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    with torch.no_grad():
+        close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
 def test_fused_projection_stacks_the_rollout_adapters(monkeypatch):
@@ -464,9 +472,9 @@ def test_rotary_kernels_are_bit_exact_in_the_interpreter():
     """`rope_rows` and `rope_rows_scaled` (head halves loaded once, every rounding PyTorch's bf16 one) run by
     Triton's CPU interpreter equal PyTorch's bf16 rotary bit for bit, for several head sizes and head counts (a
     last group of heads only partly filled), and the scaled kernel's v heads equal the scaled product."""
-    from test_fast_engine import _run_in_interpreter
+    from interpreter import run_in_interpreter
 
-    _run_in_interpreter(_ROPE_CHECK)
+    run_in_interpreter(_ROPE_CHECK)
 
 
 _GROUP_CODES_CHECK = textwrap.dedent("""
@@ -508,9 +516,9 @@ def test_group_codes_of_the_fused_kernels_in_the_interpreter():
     column-major [M, groups]): run by Triton's CPU interpreter, the scales equal `quarl.formats.quantize`'s bit for
     bit and every code lies within one E4M3 step of the reference code, for partial groups, rows split into
     pieces and the two-pass kernel. (The GPU test checks the codes bit for bit.)"""
-    from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+    from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
-    _run_in_interpreter(_INTERPRETER_PATCH + _GROUP_CODES_CHECK)
+    run_in_interpreter(INTERPRETER_PATCH + _GROUP_CODES_CHECK)
 
 
 @pytest.mark.parametrize("deferred", [False, True])

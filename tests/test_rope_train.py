@@ -1,15 +1,15 @@
 """The training rotary-embedding kernel (`quarl.kernels.rope_train`): forward and backward equal PyTorch's
 `apply_rope` (x * cos + rotate_half(x) * sin and its autograd) in the same dtype. The kernel rounds each product
 and then the sum, as PyTorch's elementwise ops do (its launch turns off floating-point contraction), so results
-are equal bit for bit in every dtype. The interpreter runs fp16 and float32 (it converts to bf16 by truncation);
-the GPU tests run bf16, fp16 and float32."""
+are equal bit for bit in every dtype. The interpreter runs fp16 and float32; the GPU tests
+run bf16, fp16 and float32."""
 
 import textwrap
 
 import pytest
 import torch
 
-from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
 
 def check_rope_against_torch(B, Bc, T, H, D, dtype, device="cpu"):
@@ -33,7 +33,7 @@ def check_rope_against_torch(B, Bc, T, H, D, dtype, device="cpu"):
     assert torch.equal(x1.grad, x2.grad), float((x1.grad.float() - x2.grad.float()).abs().max())
 
 
-_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     import sys
     sys.path.insert(0, "tests")
     from test_rope_train import check_rope_against_torch
@@ -50,7 +50,7 @@ _CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
 def test_rope_kernels_in_the_interpreter():
     """Forward and backward kernels on the CPU through Triton's interpreter: heads not a power of two, a block of
     heads with masked rows (40 heads of 128), cos/sin shared by the batch or per row."""
-    _run_in_interpreter(_CHECK)
+    run_in_interpreter(_CHECK)
 
 
 def test_rope_refuses_layouts_it_cannot_serve():

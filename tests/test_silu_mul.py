@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
 
 def check_against_torch_and_float64(gate, up, dh, fn):
@@ -34,7 +34,7 @@ def check_against_torch_and_float64(gate, up, dh, fn):
         assert bool(((got.double() - exact).abs() <= 4 * ulp * mag).all())
 
 
-_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     import sys
     sys.path.insert(0, "tests")
     from test_silu_mul import check_against_torch_and_float64
@@ -42,7 +42,7 @@ _CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
     seed = int(torch.randint(0, 2**31, (1,)))
     torch.manual_seed(seed)
     print("seed", seed)  # shown with the traceback when a check fails
-    # fp16 only: the interpreter converts float32 to bf16 by truncation, not rounding (the GPU test covers bf16)
+    # fp16 here; the GPU test covers bf16
     for shape, dtype in [((3, 5, 200), torch.float16), ((4100,), torch.float16), ((1, 2048), torch.float16)]:
         gate = (torch.randn(shape) * 4).to(dtype)
         gate.view(-1)[:3] = torch.tensor([-60.0, 0.0, 60.0])  # saturated sigmoid both ways, and zero
@@ -55,7 +55,7 @@ _CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
 
 def test_silu_mul_kernels_in_the_interpreter():
     """Forward and backward kernels on the CPU through Triton's interpreter (a partial last block included)."""
-    _run_in_interpreter(_CHECK)
+    run_in_interpreter(_CHECK)
 
 
 def test_silu_mul_refuses_mismatched_inputs():

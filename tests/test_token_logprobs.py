@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
 
 def check_token_logprobs(n, v, dtype, temperature, device="cpu"):
@@ -45,7 +45,7 @@ def check_token_logprobs(n, v, dtype, temperature, device="cpu"):
     assert none is None and torch.equal(lp_only, lp.detach())
 
 
-_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     import sys
     sys.path.insert(0, "tests")
     from test_token_logprobs import check_token_logprobs
@@ -60,7 +60,7 @@ _CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
 
 def test_token_logprob_kernels_in_the_interpreter():
     """A vocabulary that is not a multiple of the block, exactly one block, and shorter than one; -inf logits."""
-    _run_in_interpreter(_CHECK)
+    run_in_interpreter(_CHECK)
 
 
 def test_token_logprobs_refuses_bad_arguments():

@@ -1,5 +1,5 @@
 """First-use self-checks of the training kernels (`quarl.kernels.training_kernel_ok`): each kernel's probe passes
-against its PyTorch definition (in the Triton interpreter, fp16: it truncates bf16), fails for a wrong kernel, and
+against its PyTorch definition (in the Triton interpreter, in fp16), fails for a wrong kernel, and
 a failing or crashing probe makes the gate warn and keep the PyTorch path."""
 
 import textwrap
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import quarl.kernels as kernels
-from test_fast_engine import _INTERPRETER_PATCH, _run_in_interpreter
+from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
-_CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
+_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     import importlib
     from quarl.kernels import TRAINING_KERNELS
     for name, module in TRAINING_KERNELS.items():
@@ -29,7 +29,7 @@ _CHECK = _INTERPRETER_PATCH + textwrap.dedent("""
 
 
 def test_training_kernel_probes_pass_and_catch_a_wrong_kernel():
-    _run_in_interpreter(_CHECK)
+    run_in_interpreter(_CHECK)
 
 
 def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):

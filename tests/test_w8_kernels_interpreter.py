@@ -3,8 +3,8 @@
 against the float64 reference dequant(Q(x)) @ dequant(W)^T (+ bias) from the same codes.
 
 Tolerance 2e-3 relative (Frobenius): the codes and scales are reproduced exactly and multiplied with float32
-accumulation, so what remains is the final rounding to fp16 (2^-11 per element) and the summation order. fp16
-inputs: the interpreter truncates float32 -> bf16 instead of rounding it. The same checks run compiled on a GPU
+accumulation, so what remains is the final rounding to fp16 (2^-11 per element) and the summation order. The
+same checks run compiled on a GPU, in bf16,
 in tests/test_kernels_gpu.py (test_gemv_matches_reference, test_w8a8_gemm_matches_reference).
 """
 
@@ -14,33 +14,65 @@ import pytest
 
 from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
-_GEMV_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
+_HELPERS = textwrap.dedent("""
+    import dataclasses
     from quarl.formats import quantize
-    from quarl.kernels.gemv import w8_gemv
 
     FMT = FMT_ARG
     torch.manual_seed(SEED_ARG)
-    # M = 1..4; N not a multiple of BN; K not a multiple of BK (fp8-block: nor of 128); BK of several 128-groups
-    for m, n, k, bn, bk in [(1, 40, 1000, 16, 256), (2, 24, 512, 8, 512), (3, 20, 384, 8, 512),
-                            (4, 12, 200, 4, 128), (1, 9, 700, 8, 1024)]:
+    print("seed", SEED_ARG)  # shown with the traceback when a check fails
+
+    def nan_padded(t):
+        \"\"\"t [R, C] as a view into a NaN-filled [R, C + 8] buffer: a kernel reading a scale past a row's end
+        (or into the next row) gets NaN, which poisons its output.\"\"\"
+        if t.dim() != 2:
+            return t
+        big = torch.full((t.shape[0], t.shape[1] + 8), float("nan"), dtype=t.dtype)
+        big[:, :t.shape[1]] = t
+        return big[:, :t.shape[1]]
+
+    def operands(m, n, k):
+        \"\"\"(x fp16 [m, k] with rows of different magnitude, bias or None, weight and activation
+        QuantizedTensors whose scales are NaN-padded views, float64 reference of the W8A8 and W8A16 products)\"\"\"
         w = torch.randn(n, k) * 0.05
-        x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).half()  # rows of different magnitude
+        x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).half()
         b = (torch.randn(n) * 0.1).half() if m % 2 else None
         qw = quantize(w, FMT)
+        qw = dataclasses.replace(qw, scale=nan_padded(qw.scale))
+        xq = quantize(x, FMT, "activation")
+        xq = dataclasses.replace(xq, scale=nan_padded(xq.scale))
+        wd = qw.dequantize(torch.float64).T
+        bias = 0 if b is None else b.double()
+        return x, b, qw, xq, xq.dequantize(torch.float64) @ wd + bias, x.double() @ wd + bias
+
+    def rel_err(y, ref):
+        return float((y.double() - ref).norm() / ref.norm())
+""")
+
+_GEMV_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
+    from quarl.kernels.gemv import w8_gemv
+
+    # M = 1..4; N not a multiple of BN, and over several 128-row weight tiles; K not a multiple of BK (fp8-block:
+    # nor of 128), BK of several 128-groups, K over the amax pass's 4096-column loads; M = 1 with EVEN_K
+    for m, n, k, bn, bk in [(1, 40, 1000, 16, 256), (2, 24, 512, 8, 512), (3, 20, 384, 8, 512),
+                            (4, 12, 200, 4, 128), (1, 9, 700, 8, 1024), (1, 200, 4500, 16, 512),
+                            (1, 136, 4096, 8, 512)]:
+        x, b, qw, xq, ref, ref_raw = operands(m, n, k)
+        ys = {}
         for mode in (0, 1, 2):
-            xq = quantize(x, FMT, "activation") if mode == 2 else None
-            xq = None if xq is None else (xq.data, xq.scale)
-            y = w8_gemv(x, qw, b, bn, bk, 4, 1, mode, xq)
-            xr = x.double() if mode == 0 else quantize(x, FMT, "activation").dequantize(torch.float64)
-            ref = xr @ qw.dequantize(torch.float64).T + (0 if b is None else b.double())
+            if FMT == "fp8-tensor" and mode == 1:
+                continue  # a per-tensor activation scale needs the whole tensor first: always prequant
+            ys[mode] = y = w8_gemv(x, qw, b, bn, bk, 4, 1, mode, (xq.data, xq.scale) if mode == 2 else None)
+            err = rel_err(y, ref_raw if mode == 0 else ref)
             assert y.shape == (m, n) and y.dtype == torch.float16
-            err = float((y.double() - ref).norm() / ref.norm())
             assert err < 2e-3, (FMT, mode, m, n, k, bn, bk, err)
+        if 1 in ys:  # the codes quantized inside equal the prequantized ones, summed in the same order
+            assert torch.equal(ys[1], ys[2]), (FMT, m, n, k)
     print("ok")
 """)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
 def test_w8_gemv_matches_reference_in_the_interpreter(fmt):
     import torch
 
@@ -48,26 +80,18 @@ def test_w8_gemv_matches_reference_in_the_interpreter(fmt):
     run_in_interpreter(_GEMV_CHECK.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
 
 
-_SPLITK_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
-    from quarl.formats import quantize
+_SPLITK_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
     from quarl.kernels import w8a8_gemm
     from quarl.kernels.tuning import Cfg
 
-    FMT = FMT_ARG
-    torch.manual_seed(SEED_ARG)
-    # M, N not multiples of the tile; K not a multiple of the split's K range (uneven splits, a padded K step)
+    # M, N not multiples of the tile; K not a multiple of the split's K range (uneven splits, a padded K step,
+    # a last split whose range reaches past Kp)
     for m, n, k, cfg in [(5, 40, 1000, Cfg(16, 16, 128, split_k=3)), (20, 24, 384, Cfg(16, 16, 128, split_k=2)),
                          (3, 70, 600, Cfg(64, 32, 128, split_k=4, native=True))]:
-        w = torch.randn(n, k) * 0.05
-        x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).half()
-        b = (torch.randn(n) * 0.1).half() if m % 2 else None
-        qw = quantize(w, FMT)
+        x, b, qw, xq, ref, _ = operands(m, n, k)
         for mode in (1, 2):
-            xr = quantize(x, FMT, "activation")
-            ref = xr.dequantize(torch.float64) @ qw.dequantize(torch.float64).T + (0 if b is None else b.double())
-            y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, mode, (xr.data, xr.scale) if mode == 2 else None)
-            err = float((y.double() - ref).norm() / ref.norm())
-            assert y.shape == (m, n) and err < 2e-3, (FMT, mode, m, n, k, cfg, err)
+            y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, mode, (xq.data, xq.scale) if mode == 2 else None)
+            assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, mode, m, n, k, cfg, rel_err(y, ref))
     print("ok")
 """)
 

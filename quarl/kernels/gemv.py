@@ -7,7 +7,7 @@ streams their whole K once (no split, no second kernel), keeps per-lane partial 
 and reduces them once at the end. For W8A8 the activation is quantized inside (x_mode "fused": the row amax
 over K first, then the same codes as `quarl.formats`), so one launch does everything. One row (M = 1, decode
 of a single sequence) takes its own kernel with 2-D tiles, which streams the weight about twice as fast: on an
-H200 the FP8 GEMV of the Qwen2.5-7B linears runs at 1.22-1.74x cuBLAS bf16 (bench/results/gemm.md).
+H200 the FP8 GEMV of the Qwen2.5-7B linears runs at 1.18-1.69x cuBLAS bf16 (bench/results/gemm.md).
 
 Same semantics and decodes as `fp4_gemm` / `w8a8_gemm` (see there); results differ only by fp32 summation order.
 """
@@ -257,9 +257,11 @@ def w8_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: in
     else:
         xin, xs, stride_xsm = x, ws, 0
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    # XC: columns per load of the fused amax pass (one for the modes without it: no extra compiled variants);
+    # M > 1 loads [BM, XC] tiles, so fewer columns there.
+    xc = min(triton.next_power_of_2(K), 4096 if M == 1 else 1024) if x_mode == 1 and not blockwise else 1
     flags = dict(W_INT8=fmt == "int8", BLOCKWISE=blockwise, X_MODE=x_mode, HAS_BIAS=bias is not None,
-                 EVEN_K=K == kp and kp % bk == 0, BN=bn, BK=bk, XC=min(triton.next_power_of_2(K), 4096),
-                 num_warps=warps, num_stages=stages)
+                 EVEN_K=K == kp and kp % bk == 0, BN=bn, BK=bk, XC=xc, num_warps=warps, num_stages=stages)
     b = bias if bias is not None else out
     if M == 1:
         _w8_gemv_row_kernel[(triton.cdiv(N, bn),)](xin, xs, w, ws, b, out, N, K, kp, w.stride(0), stride_wsn, **flags)

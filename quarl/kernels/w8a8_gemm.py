@@ -191,7 +191,7 @@ def w8a8_matmul(
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # Split-K partials are summed by a second kernel: summing them in the GEMM's last program per tile (tickets,
-    # as fp4_decode does) measured no faster at M = 16-256 on an H200 (bench/results/gemm.md, 2026-11-30).
+    # as fp4_decode does) measured no faster at M = 16 and 64 on an H200 (bench/results/gemm.md, 2026-11-30).
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _w8a8_kernel[grid](
         xin, xs, w, ws, bias if bias is not None else out, target,
