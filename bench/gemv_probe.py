@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python3 bench/gemv_probe.py [--shapes qkv,o,gate_up,down] [--top 3]
 
-The FP8 GEMV of `quarl.kernels.gemv` reaches 26-32 % of the bandwidth roofline on small decode shapes
-(bench/results/gemm.md), against cuBLAS bf16's 74 %. This probe times simpler kernels over the same 1-byte
+The FP8 GEMV of `quarl.kernels.gemv` reached 26-32 % of the bandwidth roofline on small decode shapes
+(bench/results/gemm.md, 2026-11-29), against cuBLAS bf16's 74 %; this probe located the gap (the kernel's 3-D
+product layout, since replaced) and still gives the ceiling. It times simpler kernels over the same 1-byte
 weight [N, K], each program owning BN rows and looping over K in BK steps (optionally split over SPLIT programs
 that add into the output with atomics), to find where the time goes:
   stream   integer sum of the raw bytes (no conversion): the load pipeline alone;

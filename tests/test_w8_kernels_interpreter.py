@@ -1,4 +1,4 @@
-"""The 8-bit GEMV kernels (`quarl.kernels.gemv.w8_gemv`, M <= 4) and the split-K W8A8 GEMM
+"""The 8-bit GEMV kernel (`quarl.kernels.gemv.w8_gemv`, M = 1) and the split-K W8A8 GEMM
 (`quarl.kernels.w8a8_gemm.w8a8_matmul`) in Triton's CPU interpreter,
 against the float64 reference dequant(Q(x)) @ dequant(W)^T (+ bias) from the same codes.
 
@@ -31,12 +31,12 @@ _HELPERS = textwrap.dedent("""
         big[:, :t.shape[1]] = t
         return big[:, :t.shape[1]]
 
-    def operands(m, n, k):
+    def operands(m, n, k, bias=True):
         \"\"\"(x fp16 [m, k] with rows of different magnitude, bias or None, weight and activation
         QuantizedTensors whose scales are NaN-padded views, float64 reference of the W8A8 and W8A16 products)\"\"\"
         w = torch.randn(n, k) * 0.05
         x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).half()
-        b = (torch.randn(n) * 0.1).half() if m % 2 else None
+        b = (torch.randn(n) * 0.1).half() if bias else None
         qw = quantize(w, FMT)
         qw = dataclasses.replace(qw, scale=nan_padded(qw.scale))
         xq = quantize(x, FMT, "activation")
@@ -52,12 +52,13 @@ _HELPERS = textwrap.dedent("""
 _GEMV_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
     from quarl.kernels.gemv import w8_gemv
 
-    # M = 1..4; N not a multiple of BN, and over several 128-row weight tiles; K not a multiple of BK (fp8-block:
-    # nor of 128), BK of several 128-groups, K over the amax pass's 4096-column loads; M = 1 with EVEN_K
-    for m, n, k, bn, bk in [(1, 40, 1000, 16, 256), (2, 24, 512, 8, 512), (3, 20, 384, 8, 512),
-                            (4, 12, 200, 4, 128), (1, 9, 700, 8, 1024), (1, 200, 4500, 16, 512),
-                            (1, 136, 4096, 8, 512)]:
-        x, b, qw, xq, ref, ref_raw = operands(m, n, k)
+    # N not a multiple of BN, and over several 128-row weight tiles; K not a multiple of BK (fp8-block: nor of
+    # 128), BK of several 128-groups, K over the amax pass's 4096-column loads, K a multiple of BK (EVEN_K)
+    m = 1
+    for n, k, bn, bk, bias in [(40, 1000, 16, 256, True), (24, 512, 8, 512, False), (20, 384, 8, 512, True),
+                               (12, 200, 4, 128, False), (9, 700, 8, 1024, True), (200, 4500, 16, 512, True),
+                               (136, 4096, 8, 512, False)]:
+        x, b, qw, xq, ref, ref_raw = operands(m, n, k, bias)
         ys = {}
         for mode in (0, 1, 2):
             if FMT == "fp8-tensor" and mode == 1:
@@ -88,7 +89,7 @@ _SPLITK_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
     # a last split whose range reaches past Kp)
     for m, n, k, cfg in [(5, 40, 1000, Cfg(16, 16, 128, split_k=3)), (20, 24, 384, Cfg(16, 16, 128, split_k=2)),
                          (3, 70, 600, Cfg(64, 32, 128, split_k=4, native=True))]:
-        x, b, qw, xq, ref, _ = operands(m, n, k)
+        x, b, qw, xq, ref, _ = operands(m, n, k, bias=m % 2 == 1)
         for mode in (1, 2):
             y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, mode, (xq.data, xq.scale) if mode == 2 else None)
             assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, mode, m, n, k, cfg, rel_err(y, ref))
@@ -102,3 +103,15 @@ def test_split_k_w8a8_matches_reference_in_the_interpreter(fmt):
 
     seed = int(torch.randint(0, 2**31, (1,)))
     run_in_interpreter(_SPLITK_CHECK.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
+
+
+def test_w8_gemv_takes_one_row():
+    pytest.importorskip("triton")
+    import torch
+
+    from quarl.formats import quantize
+    from quarl.kernels.gemv import w8_gemv
+
+    qw = quantize(torch.randn(8, 128), "fp8")
+    with pytest.raises(ValueError, match="one row, got M=2"):
+        w8_gemv(torch.randn(2, 128).half(), qw, None, 8, 128, 4, 1, 1)

@@ -1,13 +1,14 @@
-"""Matrix-vector kernels for decode with very few rows (M <= 4): FMA on the CUDA cores, no tensor cores.
+"""Matrix-vector kernels for decode with very few rows: FMA on the CUDA cores, no tensor cores. fp4 (weight-only)
+takes M <= 4 rows, the 8-bit formats one row (M = 1, the decode of a single sequence; from 2 rows the dispatch
+takes the GEMM kernels).
 
 Why: with one token per call a tensor-core tile wastes 15 of its 16 rows, a split-K reduction and a separate
 activation-quantization kernel each cost a launch (~2-3 us, as long as streaming a small weight), and the
-bytes per SM in flight matter more than arithmetic. Each program here owns BN output features for all M rows,
-streams their whole K once (no split, no second kernel), keeps per-lane partial sums [M, BN, BK] in registers
-and reduces them once at the end. For W8A8 the activation is quantized inside (x_mode "fused": the row amax
-over K first, then the same codes as `quarl.formats`), so one launch does everything. One row (M = 1, decode
-of a single sequence) takes its own kernel with 2-D tiles, which streams the weight about twice as fast: on an
-H200 the FP8 GEMV of the Qwen2.5-7B linears runs at 1.18-1.69x cuBLAS bf16 (bench/results/gemm.md).
+bytes per SM in flight matter more than arithmetic. Each program here owns BN output features, streams their
+whole K once (no split, no second kernel), keeps per-lane partial sums in registers and reduces them once at
+the end. For W8A8 the activation is quantized inside (x_mode "fused": the row amax over K first, then the same
+codes as `quarl.formats`), so one launch does everything. On an H200 the FP8 GEMV of the Qwen2.5-7B linears
+runs at 1.18-1.69x cuBLAS bf16 (bench/results/gemm.md).
 
 Same semantics and decodes as `fp4_gemm` / `w8a8_gemm` (see there); results differ only by fp32 summation order.
 """
@@ -76,88 +77,22 @@ def _fp4_gemv_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w8_gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
-    M, N, K, KP, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
-    W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XC: tl.constexpr,
-):
-    """As `w8a8_gemm._w8a8_kernel` (same arguments and X_MODE), for M <= BM <= 4 rows. fp8-block needs BK a
-    multiple of 128 and BN dividing 128: a program's rows lie in one 128-row weight tile, so each 128-column
-    group of a K step has one weight scale, applied to x's BK values before the product (not to BN * BK
-    weights). XC: columns per load of the fused per-row amax pass (a few wide loads: that pass runs before the
-    weight stream starts, so its latency is not hidden)."""
-    QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
-    G: tl.constexpr = BK // 128  # fp8-block scale groups per K step
-    pid = tl.program_id(0)
-    offs_n = pid * BN + tl.arange(0, BN)
-    offs_m = tl.arange(0, BM)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    ar_k = tl.arange(0, BK)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + ar_k[None, :]
-    if X_MODE == 1 and not BLOCKWISE:
-        ar_x = tl.arange(0, XC)
-        amax = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, XC):
-            v = tl.load(x_rows + (k0 + ar_x)[None, :], mask=m_ok[:, None] & (k0 + ar_x < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-        sx = safe_scale(amax, QMAX)
-    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
-    for it in range(0, tl.cdiv(KP, BK)):
-        kk = it * BK
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (kk + ar_k < KP)[None, :], other=0)
-        wf = codes_to_f16(w, W_INT8).to(tl.float32)
-        if X_MODE == 2:
-            q = tl.load(x_rows + (kk + ar_k)[None, :], mask=m_ok[:, None] & (kk + ar_k < KP)[None, :], other=0)
-            xv = codes_to_f16(q, W_INT8).to(tl.float32)
-            if BLOCKWISE:
-                xv = xv * tl.load(xs_ptr + offs_m[:, None] * stride_xsm + (kk + ar_k)[None, :] // 128,
-                                  mask=m_ok[:, None] & (kk + ar_k < KP)[None, :], other=0.0)
-        else:
-            xv = tl.load(x_rows + (kk + ar_k)[None, :], mask=m_ok[:, None] & (kk + ar_k < K)[None, :],
-                         other=0.0).to(tl.float32)
-            if X_MODE == 1:
-                if BLOCKWISE:  # each 128-column group by its own amax (1 x 128 activation groups)
-                    xg = tl.reshape(xv, (BM, G, 128))
-                    sg = safe_scale(tl.max(tl.abs(xg), axis=2), QMAX)[:, :, None]
-                    xv = tl.reshape(quantize_tile(xg, sg, W_INT8).to(tl.float32) * sg, (BM, BK))
-                else:
-                    xv = quantize_tile(xv, sx[:, None], W_INT8).to(tl.float32)
-        if BLOCKWISE:
-            # All BN rows lie in one 128-row weight tile: one scale per 128-column group of this K step.
-            ws = tl.load(ws_ptr + ((pid * BN) // 128) * stride_wsn + (kk + ar_k) // 128, mask=kk + ar_k < KP,
-                         other=0.0)
-            xv = xv * ws[None, :]
-        acc += xv[:, None, :] * wf[None, :, :]
-        w_ptrs += BK
-    y = tl.sum(acc, axis=2)
-    if not BLOCKWISE:
-        y = y * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
-        if X_MODE == 1:
-            y = y * sx[:, None]
-        elif X_MODE == 2:
-            y = y * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
 @triton.jit
-def _w8_gemv_row_kernel(
+def _w8_gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, KP, stride_wn, stride_wsn,
     W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XC: tl.constexpr,
 ):
-    """`_w8_gemv_kernel` for one row (M = 1), with 2-D tiles: the weight tile [BN, BK] is multiplied in the
-    layout it was loaded in. (The 3-D [BM, BN, BK] product moves every weight tile through shared memory into
-    a slice of the 3-D layout: on an H200 that kernel streamed the weight at about half this one's speed.)"""
+    """One row x [K] (bf16/fp16, or codes [KP] with X_MODE 2 and scales xs: one float32, or [KP/128] for
+    fp8-block) times the 8-bit weight codes w [N, KP] (int8, or fp8 as uint8 bytes; scales ws float32 [N] with
+    stride stride_wsn, 0 for one per tensor, or [ceil(N/128), KP/128] for fp8-block) -> out [N] in its dtype.
+    X_MODE as in `w8a8_gemm._w8a8_kernel`. 2-D tiles: the weight tile [BN, BK] is multiplied in the layout it was
+    loaded in (a [M, BN, BK] product for several rows moved every tile through shared memory into a slice of the
+    3-D layout, and streamed the weight at about half this speed on an H200). fp8-block needs BK a multiple of
+    128 and BN dividing 128: a program's rows lie in one 128-row weight tile, so each 128-column group of a K step
+    has one weight scale, applied to x's BK values before the product (not to BN * BK weights). XC: columns per
+    load of the fused per-row amax pass (a few wide loads: that pass runs before the weight stream starts, so
+    its latency is not hidden)."""
     QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
     G: tl.constexpr = BK // 128  # fp8-block scale groups per K step
     pid = tl.program_id(0)
@@ -212,7 +147,7 @@ def _w8_gemv_row_kernel(
 
 def _rows_block(m: int) -> int:
     if m > MAX_ROWS:
-        raise ValueError(f"the GEMV kernels take at most {MAX_ROWS} rows, got M={m}; use the GEMM kernels")
+        raise ValueError(f"the fp4 GEMV takes at most {MAX_ROWS} rows, got M={m}; use the GEMM kernels")
     return 1 if m <= 1 else triton.next_power_of_2(m)
 
 
@@ -236,7 +171,7 @@ def fp4_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: i
 
 def w8_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: int, warps: int, stages: int,
             x_mode: int, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x [M<=4, K] times an int8 / fp8 / fp8-tensor / fp8-block weight [N, K] -> [M, N] in x.dtype.
+    """x [1, K] times an int8 / fp8 / fp8-tensor / fp8-block weight [N, K] -> [1, N] in x.dtype.
 
     x_mode as in `w8a8_gemm` (0 raw, 1 fused, 2 prequant with xq from `act_quant.quantize_activation`).
     """
@@ -245,6 +180,8 @@ def w8_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: in
     if blockwise and (128 % bn or bk % 128):
         raise ValueError(f"fp8-block GEMV needs BN dividing 128 and BK a multiple of 128, got BN={bn}, BK={bk}")
     M, K = x.shape
+    if M != 1:
+        raise ValueError(f"the 8-bit GEMV takes one row, got M={M}; use the GEMM kernels (w8a8_matmul)")
     N = qweight.shape[0]
     w = qweight.data.view(torch.uint8) if qweight.data.dtype == torch.float8_e4m3fn else qweight.data
     kp = w.shape[1]
@@ -253,20 +190,14 @@ def w8_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: in
     if x_mode == 2:
         xin, xs = xq
         xin = xin.view(torch.uint8) if xin.dtype == torch.float8_e4m3fn else xin
-        stride_xsm = xs.stride(0) if xs.dim() else 0
     else:
-        xin, xs, stride_xsm = x, ws, 0
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    # XC: columns per load of the fused amax pass (one for the modes without it: no extra compiled variants);
-    # M > 1 loads [BM, XC] tiles, so fewer columns there.
-    xc = min(triton.next_power_of_2(K), 4096 if M == 1 else 1024) if x_mode == 1 and not blockwise else 1
-    flags = dict(W_INT8=fmt == "int8", BLOCKWISE=blockwise, X_MODE=x_mode, HAS_BIAS=bias is not None,
-                 EVEN_K=K == kp and kp % bk == 0, BN=bn, BK=bk, XC=xc, num_warps=warps, num_stages=stages)
-    b = bias if bias is not None else out
-    if M == 1:
-        _w8_gemv_row_kernel[(triton.cdiv(N, bn),)](xin, xs, w, ws, b, out, N, K, kp, w.stride(0), stride_wsn, **flags)
-    else:
-        _w8_gemv_kernel[(triton.cdiv(N, bn),)](
-            xin, xs, w, ws, b, out, M, N, K, kp, xin.stride(0), stride_xsm, w.stride(0), stride_wsn, out.stride(0),
-            BM=_rows_block(M), **flags)
+        xin, xs = x, ws  # xs unused
+    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    # XC: columns per load of the fused amax pass (1 for the modes without it: no extra compiled variants).
+    xc = min(triton.next_power_of_2(K), 4096) if x_mode == 1 and not blockwise else 1
+    _w8_gemv_kernel[(triton.cdiv(N, bn),)](
+        xin, xs, w, ws, bias if bias is not None else out, out, N, K, kp, w.stride(0), stride_wsn,
+        W_INT8=fmt == "int8", BLOCKWISE=blockwise, X_MODE=x_mode, HAS_BIAS=bias is not None,
+        EVEN_K=K == kp and kp % bk == 0, BN=bn, BK=bk, XC=xc, num_warps=warps, num_stages=stages,
+    )
     return out

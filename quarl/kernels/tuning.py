@@ -9,7 +9,8 @@ A `Plan` names the path:
                "fused"), beforehand by `quarl.kernels.act_quant` ("prequant"), or not at all ("raw", W8A16);
   "scaled_mm"  activation quantized by `act_quant`, then torch._scaled_mm (cuBLAS FP8: rowwise, per-tensor or
                blockwise scales);
-  "gemv"       M <= 4 rows: one-launch FMA kernels (`quarl.kernels.gemv`; cfg.bn/bk/warps/stages, bm unused);
+  "gemv"       one-launch FMA kernels (`quarl.kernels.gemv`: fp4 M <= 4 rows, 8-bit M = 1; cfg.bn/bk/warps/stages,
+               bm unused);
   "fp4_decode" M <= 64 rows, nvfp4/mxfp4 weights (`quarl.kernels.fp4_decode`): cfg.bm = 1 selects the CUDA-core
                FMA path (M <= 8), cfg.bm = 16 the tensor-core swap-AB path (M padded to 16/32/64); cfg.bn/bk
                (bk: elements, a multiple of 64; >= 128 for bm = 16), split_k (one launch: the last program of
