@@ -84,8 +84,12 @@ def _sweep_candidates():
     w8_[4096] = w8_[1024]
     g8 = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
           (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3), (8, 512, 4, 1), (16, 512, 4, 1), (4, 1024, 4, 1)]
+    # prequant: one activation-quantization launch, then a GEMV that reads 1-byte codes and skips the amax pass
+    # each program repeats in fused mode (the long pass over K = 18944 for down)
+    gq = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 1), (8, 1024, 4, 3), (16, 512, 8, 3)]
     w8_[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in g8]
-              + [Plan("gemv", Cfg(1, 16, 256, stages=3), "prequant")] + dec[:2] + dec[5:6])
+              + [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "prequant") for bn, bk, wp, st in gq]
+              + dec[:2] + dec[5:6])
     fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 16 else []) for b, v in w8_.items()}
     blk_dec = (w8("prequant", Cfg(64, 64, 128, split_k=2, stages=4, **nat),
                   Cfg(64, 64, 128, split_k=4, stages=4, **nat), Cfg(64, 32, 128, split_k=4, stages=4, **nat),
@@ -104,7 +108,9 @@ def _sweep_candidates():
     blk[16] = blk[1] + [Plan("scaled_mm")]
     gb = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
           (8, 1024, 4, 3), (16, 256, 4, 3), (8, 256, 4, 3), (16, 128, 4, 3), (8, 512, 4, 1), (4, 1024, 4, 1)]
-    blk[1] = [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in gb] + blk_dec[:1]
+    blk[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in gb]
+              + [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "prequant") for bn, bk, wp, st in gq]
+              + blk_dec[:1])
     blk[4096] = blk[1024]
     return {"nvfp4": w4, "int8": w8_, "fp8": fp8, "fp8-block": blk}
 
