@@ -474,7 +474,10 @@ def _format_table(rows: list[dict], best_only: bool) -> str:
 
 
 def _sweep_summary(rows: list[dict]) -> str:
-    """One line per (format, shape, M): the fastest plan, its speed-up, and the runner-up."""
+    """Two lines per (format, shape, M): the fastest plan, its speed-up, and the runner-up; then that plan as a
+    `quarl.kernels.tuning.MEASURED` entry, to paste into the table."""
+    from quarl.kernels.tuning import m_bucket
+
     groups: dict[tuple, list] = {}
     bf16 = {(r["shape"], r["m"]): r["time_us"] for r in rows if r["fmt"] == "bf16"}
     for r in rows:
@@ -491,7 +494,24 @@ def _sweep_summary(rows: list[dict]) -> str:
         nxt = f" | {ok[1]['path']} {ok[1]['time_us']:.1f}" if len(ok) > 1 else ""
         out.append(f"{f} {s} {m}: {b['path']} {b['time_us']:.1f} ({bf16[(s, m)] / b['time_us']:.2f}x, "
                    f"err {_fmt_err(b['err'])}){nxt}" + (f" [{fails} failed]" if fails else ""))
+        out.append(f"    tuning.MEASURED[{f!r}][{SHAPES[s]}][{m_bucket(m)}] = "
+                   f"({_plan_literal(b['plan'])}, {bf16[(s, m)] / b['time_us']:.2f})")
     return "\n".join(out)
+
+
+def _plan_literal(plan: dict) -> str:
+    """A `_plan_dict` as the `P(...)` / `C(...)` source of `quarl.kernels.tuning.MEASURED` (defaults left out)."""
+    from quarl.kernels.tuning import Cfg
+
+    args = [repr(plan["kind"])]
+    cfg = plan["cfg"]
+    if cfg is not None:
+        default = asdict(Cfg(cfg["bm"], cfg["bn"], cfg["bk"]))
+        extra = [f"{k}={v!r}" for k, v in cfg.items() if k not in ("bm", "bn", "bk") and v != default[k]]
+        args.append(f"C({', '.join([str(cfg['bm']), str(cfg['bn']), str(cfg['bk'])] + extra)})")
+    if plan["kind"] in ("w8a8", "gemv") and plan["x_mode"] != "fused":
+        args.append(repr(plan["x_mode"]))
+    return f"P({', '.join(args)})"
 
 
 def _targets_summary(rows: list[dict]) -> str:
