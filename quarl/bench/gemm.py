@@ -494,7 +494,7 @@ def _sweep_summary(rows: list[dict]) -> str:
         nxt = f" | {ok[1]['path']} {ok[1]['time_us']:.1f}" if len(ok) > 1 else ""
         out.append(f"{f} {s} {m}: {b['path']} {b['time_us']:.1f} ({bf16[(s, m)] / b['time_us']:.2f}x, "
                    f"err {_fmt_err(b['err'])}){nxt}" + (f" [{fails} failed]" if fails else ""))
-        out.append(f"    tuning.MEASURED[{f!r}][{SHAPES[s]}][{m_bucket(m)}] = "
+        out.append(f"    tuning.MEASURED[{json.dumps(f)}][{SHAPES[s]}][{m_bucket(m)}] = "
                    f"({_plan_literal(b['plan'])}, {bf16[(s, m)] / b['time_us']:.2f})")
     return "\n".join(out)
 
@@ -503,14 +503,14 @@ def _plan_literal(plan: dict) -> str:
     """A `_plan_dict` as the `P(...)` / `C(...)` source of `quarl.kernels.tuning.MEASURED` (defaults left out)."""
     from quarl.kernels.tuning import Cfg
 
-    args = [repr(plan["kind"])]
+    args = [json.dumps(plan["kind"])]  # double quotes, as the table is written
     cfg = plan["cfg"]
     if cfg is not None:
         default = asdict(Cfg(cfg["bm"], cfg["bn"], cfg["bk"]))
         extra = [f"{k}={v!r}" for k, v in cfg.items() if k not in ("bm", "bn", "bk") and v != default[k]]
         args.append(f"C({', '.join([str(cfg['bm']), str(cfg['bn']), str(cfg['bk'])] + extra)})")
     if plan["kind"] in ("w8a8", "gemv") and plan["x_mode"] != "fused":
-        args.append(repr(plan["x_mode"]))
+        args.append(json.dumps(plan["x_mode"]))
     return f"P({', '.join(args)})"
 
 
