@@ -10,6 +10,8 @@ The tuning-table checks at the end run on any machine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -232,6 +234,9 @@ W8_CASES = [
     ("prequant", Cfg(64, 128, 128, native=True, stages=4)),
     ("prequant", Cfg(128, 128, 128, warps=8, native=True)),
     ("prequant", Cfg(16, 64, 128)),
+    ("prequant", Cfg(16, 128, 128, split_k=3, native=True, swap_ab=True, stages=4)),
+    ("fused", Cfg(64, 64, 256, native=True, swap_ab=True)),
+    ("raw", Cfg(16, 64, 128, swap_ab=True)),
 ]
 
 
@@ -244,7 +249,7 @@ def test_w8a8_gemm_matches_reference(fmt, x_mode, cfg):
     if fmt == "fp8-tensor" and x_mode == "fused":
         pytest.skip("a per-tensor activation scale needs the whole tensor first: always prequant")
     if fmt == "fp8-block" and cfg.bk != 128:
-        cfg = Cfg(cfg.bm, cfg.bn, 128, cfg.split_k, cfg.warps, cfg.stages, cfg.group_m, cfg.native)
+        cfg = replace(cfg, bk=128)
     weight_only = x_mode == "raw"
     for m, n, k in SHAPES:
         w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))

@@ -1,5 +1,5 @@
 """The 8-bit GEMV kernel (`quarl.kernels.gemv.w8_gemv`, M = 1) and the split-K W8A8 GEMM
-(`quarl.kernels.w8a8_gemm.w8a8_matmul`) in Triton's CPU interpreter,
+(`quarl.kernels.w8a8_gemm.w8a8_matmul`, also its transposed product) in Triton's CPU interpreter,
 against the float64 reference dequant(Q(x)) @ dequant(W)^T (+ bias) from the same codes.
 
 Tolerance 2e-3 relative (Frobenius): the codes and scales are reproduced exactly and multiplied with float32
@@ -86,10 +86,15 @@ _SPLITK_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
     from quarl.kernels.tuning import Cfg
 
     # M, N not multiples of the tile; K not a multiple of the split's K range (uneven splits, a padded K step,
-    # a last split whose range reaches past Kp)
+    # a last split whose range reaches past Kp); the transposed product (swap_ab) with and without native codes
     for m, n, k, cfg in [(5, 40, 1000, Cfg(16, 16, 128, split_k=3)), (20, 24, 384, Cfg(16, 16, 128, split_k=2)),
-                         (3, 70, 600, Cfg(64, 32, 128, split_k=4, native=True))]:
-        x, b, qw, xq, ref, _ = operands(m, n, k, bias=m % 2 == 1)
+                         (3, 70, 600, Cfg(64, 32, 128, split_k=4, native=True)),
+                         (5, 200, 1000, Cfg(16, 64, 128, split_k=3, native=True, swap_ab=True)),
+                         (20, 40, 384, Cfg(16, 32, 128, split_k=2, swap_ab=True))]:
+        x, b, qw, xq, ref, ref_raw = operands(m, n, k, bias=m % 2 == 1)
+        if cfg.swap_ab and not cfg.native:  # weight-only (W8A16) through the transposed product too
+            y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, 0)
+            assert rel_err(y, ref_raw) < 2e-3, (FMT, 0, m, n, k, cfg, rel_err(y, ref_raw))
         for mode in (1, 2):
             y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, mode, (xq.data, xq.scale) if mode == 2 else None)
             assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, mode, m, n, k, cfg, rel_err(y, ref))

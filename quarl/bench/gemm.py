@@ -69,9 +69,17 @@ def _sweep_candidates():
               Cfg(64, 32, 256, split_k=4, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
               Cfg(64, 128, 256, split_k=4, **nat), Cfg(16, 64, 256, split_k=4, stages=4))
            + w8("fused", Cfg(16, 64, 128, split_k=4, stages=4), Cfg(64, 64, 128, split_k=4, stages=4, **nat)))
+    # The transposed product (swap_ab): the weight tile on the MMA's 64-row side, 16 (or 64) token rows on its
+    # narrow side; fp8-block keeps bk = 128 (one scale group per step).
+    swp = dict(native=True, swap_ab=True)
+    swap16 = w8("prequant", Cfg(16, 128, 128, split_k=4, stages=4, **swp), Cfg(16, 64, 256, split_k=4, **swp),
+                Cfg(16, 128, 256, split_k=2, **swp), Cfg(16, 256, 128, split_k=2, warps=8, stages=4, **swp))
+    swap64 = w8("prequant", Cfg(64, 128, 128, split_k=2, stages=4, **swp),
+                Cfg(64, 128, 128, split_k=4, stages=4, **swp), Cfg(64, 64, 256, split_k=4, **swp))
+    dec += swap16
     mid = w8("prequant", Cfg(64, 64, 256, split_k=2, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
              Cfg(64, 32, 256, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat),
-             Cfg(64, 64, 256, split_k=4, **nat))
+             Cfg(64, 64, 256, split_k=4, **nat)) + swap64
     w8_ = {
         1: dec,
         64: mid,
@@ -95,12 +103,13 @@ def _sweep_candidates():
                   Cfg(64, 64, 128, split_k=4, stages=4, **nat), Cfg(64, 32, 128, split_k=4, stages=4, **nat),
                   Cfg(64, 128, 128, split_k=4, stages=4, **nat))
                + w8("fused", Cfg(16, 64, 128, split_k=2, stages=4), Cfg(16, 128, 128, split_k=4, stages=4),
-                    Cfg(64, 64, 128, split_k=4, stages=4, **nat)))
+                    Cfg(64, 64, 128, split_k=4, stages=4, **nat))
+               + [p for p in swap16 if p.cfg.bk == 128])
     blk = {
         1: blk_dec,
         64: w8("prequant", Cfg(64, 64, 128, stages=4, **nat), Cfg(64, 64, 128, split_k=2, stages=4, **nat),
                Cfg(64, 32, 128, split_k=4, stages=4, **nat), Cfg(64, 128, 128, split_k=4, stages=4, **nat))
-        + [Plan("scaled_mm")],
+        + [p for p in swap64 if p.cfg.bk == 128] + [Plan("scaled_mm")],
         256: w8("prequant", Cfg(128, 64, 128, stages=4, **nat), Cfg(64, 128, 128, split_k=2, stages=4, **nat))
         + [Plan("scaled_mm")],
         1024: w8("prequant", Cfg(128, 128, 128, warps=8, stages=4, **nat)) + [Plan("scaled_mm")],

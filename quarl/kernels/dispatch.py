@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -21,7 +23,7 @@ _X_MODES = {"raw": X_RAW, "fused": X_FUSED, "prequant": X_PREQUANT}
 def _gemm_config(cfg: Cfg, fmt: str) -> GemmConfig:
     # fp8-block steps one 128-deep scale group at a time, whatever depth the shared table names.
     bk = 128 if fmt == "fp8-block" else cfg.bk
-    return GemmConfig(cfg.bm, cfg.bn, bk, cfg.split_k, cfg.warps, cfg.stages, cfg.group_m, cfg.native)
+    return replace(cfg, bk=bk)
 
 
 def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -45,7 +45,9 @@ class Cfg:
     output tile along K (fp32 partials summed by `splitk_reduce`); warps/stages: Triton's num_warps /
     num_stages (software pipelining depth); group_m: output tiles of one column band visited together (L2 reuse
     of the weight in prefill). native: W8A8 only, multiply the int8/fp8 codes on the int8/fp8 tensor cores
-    (needs bm >= 64); otherwise the codes are converted exactly to fp16 and multiplied there.
+    (needs bm >= 64, or bn >= 64 with swap_ab); otherwise the codes are converted exactly to fp16 and multiplied
+    there. swap_ab: W8A8 only, the product runs transposed (weight tile [bn, bk] as the MMA's first operand, the
+    few token rows as its narrow second one), so decode's 16-64 rows need not fill a 64-row MMA side.
     """
 
     bm: int
@@ -56,9 +58,10 @@ class Cfg:
     stages: int = 3
     group_m: int = 8
     native: bool = False
+    swap_ab: bool = False
 
     def name(self) -> str:
-        tag = "n" if self.native else ""
+        tag = ("n" if self.native else "") + ("t" if self.swap_ab else "")
         return f"{self.bm}x{self.bn}x{self.bk}s{self.split_k}w{self.warps}p{self.stages}{tag}"
 
 

@@ -11,6 +11,9 @@ Activation modes (X_MODE):
 Multiply (GemmConfig.native): the int8/fp8 tensor cores (2x the bf16 rate; tile rows >= 64), or the codes
 converted exactly to fp16 on the fp16 tensor cores (any tile; decode is memory-bound so the rate is moot,
 and the products and fp32 sums are exact, unlike Hopper's reduced-precision fp8 accumulator).
+Orientation (GemmConfig.swap_ab): the tile product as x_tile @ W_tile^T, or transposed, W_tile @ x_tile^T, so that
+the weight tile sits on the MMA's 64-row side and decode's few token rows on its narrow side (on Hopper a native
+16-row tile is then one m64n16k32 wgmma instead of a 64-row x tile that is mostly padding).
 Scaling: rowwise formats apply s_x[m] * s_w[n] once in the epilogue; fp8-block scales each 128-deep partial
 product by s_x[m, kb] * s_w[n // 128, kb] (BK must be 128).
 """
@@ -33,7 +36,7 @@ def _w8a8_kernel(
     M, N, K, KP, k_per_split,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
     W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, NATIVE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, W_GROUP_ROWS: tl.constexpr,
 ):
     """x: [M, K] bf16/fp16 (X_MODE 0/1) or codes [M, KP] (X_MODE 2; fp8 as uint8 bytes); xs: activation
@@ -41,7 +44,9 @@ def _w8a8_kernel(
     w: codes [N, KP] (int8, or fp8 as uint8 bytes); ws: float32 weight scales ([N] with stride stride_wsn,
     0 for one per tensor; fp8-block [ceil(N/W_GROUP_ROWS), KP/128] with row stride stride_wsn: 128x128 tiles,
     or with W_GROUP_ROWS = 1 1x128 groups of each row, as an activation-role second operand);
-    out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias)."""
+    out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias).
+    SWAP_AB: accumulate the transposed tile [BN, BM] = W_tile @ x_tile^T (the weight on the MMA's 64-row side),
+    transposed back once before the epilogue."""
     QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
     pid_m, pid_n = pid_to_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
@@ -63,10 +68,11 @@ def _w8a8_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
         sx = safe_scale(amax, QMAX)
 
-    if W_INT8 and NATIVE:
-        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    ACC_DTYPE: tl.constexpr = tl.int32 if W_INT8 and NATIVE else tl.float32
+    if SWAP_AB:
+        acc = tl.zeros((BN, BM), dtype=ACC_DTYPE)
     else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=ACC_DTYPE)
     # Up to KP only: the last split's range can reach past it, where fp8-block's scale columns end.
     for it in range(0, tl.cdiv(tl.minimum(k_per_split, KP - k0), BK)):
         kk = k0 + it * BK
@@ -115,14 +121,25 @@ def _w8a8_kernel(
 
         if BLOCKWISE:
             sw = tl.load(ws_ptr + (offs_n // W_GROUP_ROWS) * stride_wsn + kk // 128, mask=n_ok, other=0.0)
-            part = tl.dot(a, tl.trans(b))
-            if X_MODE == 0:
-                acc += part * sw[None, :]
+            if SWAP_AB:
+                part = tl.dot(b, tl.trans(a))
+                if X_MODE == 0:
+                    acc += part * sw[:, None]
+                else:
+                    acc += part * (sw[:, None] * sg[None, :])
             else:
-                acc += part * (sg[:, None] * sw[None, :])
+                part = tl.dot(a, tl.trans(b))
+                if X_MODE == 0:
+                    acc += part * sw[None, :]
+                else:
+                    acc += part * (sg[:, None] * sw[None, :])
+        elif SWAP_AB:
+            acc = tl.dot(b, tl.trans(a), acc, out_dtype=acc.dtype)
         else:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=acc.dtype)
         w_ptrs += BK
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN], as the epilogue expects
 
     if BLOCKWISE:
         res = acc
@@ -160,7 +177,8 @@ def w8a8_matmul(
 
     x_mode: X_RAW (weight-only), X_FUSED (quantize x here) or X_PREQUANT (xq = (codes [M, Kp], scales) from
     `quarl.kernels.act_quant.quantize_activation`; x then only gives the shape and output dtype). fp8-block
-    needs cfg.bk == 128; cfg.native needs cfg.bm >= 64 (tensor-core tile) and an 8-bit activation
+    needs cfg.bk == 128; cfg.native needs cfg.bm >= 64 (cfg.bn >= 64 with cfg.swap_ab: the MMA's 64-row side)
+    and an 8-bit activation
     (x_mode != X_RAW). An fp8-block second operand in the "activation" role (1x128 groups of each row, as the
     weight gradient's x^T) is scaled per row and group instead of per 128x128 tile.
     """
@@ -199,7 +217,7 @@ def w8a8_matmul(
         xin.stride(0), stride_xsm, w.stride(0), stride_wsn, target.stride(-2),
         target.stride(0) if split > 1 else 0,
         W_INT8=w_int8, BLOCKWISE=blockwise, X_MODE=x_mode, NATIVE=cfg.native and x_mode != X_RAW,
-        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
         BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP_M=cfg.group_m,
         W_GROUP_ROWS=1 if blockwise and qweight.role == "activation" else 128,
         num_warps=cfg.warps, num_stages=cfg.stages,
