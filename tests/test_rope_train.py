@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interpreter import INTERPRETER_PATCH, run_in_interpreter
+from tiny_models import logits_and_grads
 
 
 def check_rope_against_torch(B, Bc, T, H, D, dtype, device="cpu"):
@@ -86,9 +87,7 @@ def test_cuda_attention_with_fused_rope_equals_the_torch_rope(monkeypatch):
     out = {}
     for fused in (False, True):
         monkeypatch.setattr(layers, "FUSED_ROPE", fused)
-        model.zero_grad()
-        logits = model(ids)
-        logits.float().square().mean().backward()
-        out[fused] = (logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+        logits, (grad,) = logits_and_grads(model, ids, [model.model.layers[0].self_attn.q_proj.weight])
+        out[fused] = (logits, grad)
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-6 * float(b.float().abs().max()))

@@ -6,6 +6,7 @@ import torch
 
 from quarl.model import shared_input
 from quarl.model.qlinear import QuantLinear
+from tiny_models import logits_and_grads
 
 
 def _group(ranks, dropout=0.0, k=40, sizes=(48, 16, 16), dtype=torch.float32):
@@ -167,11 +168,8 @@ def test_cuda_stacked_lora_matches_the_per_linear_path(monkeypatch, flow):
     out = {}
     for stacked in (True, False):
         monkeypatch.setattr(shared_input, "STACK_LORA", stacked)
-        model.zero_grad()
-        logits = model(ids)
-        logits.float().square().mean().backward()
-        out[stacked] = [logits.detach().float()] + [p.grad.float() for n, p in model.named_parameters()
-                                                    if "lora_" in n]
+        logits, grads = logits_and_grads(model, ids, [p for n, p in model.named_parameters() if "lora_" in n])
+        out[stacked] = [logits.float()] + [g.float() for g in grads]
     assert calls.count(True) == 5 * cfg.num_layers
     torch.testing.assert_close(out[True][0], out[False][0], rtol=2**-6, atol=2**-6 * float(out[False][0].abs().max()))
     tol = 2**-5 if flow == "bf16" else 2**-3

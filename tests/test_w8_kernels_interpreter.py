@@ -73,12 +73,17 @@ _GEMV_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
-def test_w8_gemv_matches_reference_in_the_interpreter(fmt):
+def _run_check(script: str, fmt: str) -> None:
+    """Run a check script for one format with a fresh seed (printed by the script)."""
     import torch
 
     seed = int(torch.randint(0, 2**31, (1,)))
-    run_in_interpreter(_GEMV_CHECK.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
+    run_in_interpreter(script.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
+def test_w8_gemv_matches_reference_in_the_interpreter(fmt):
+    _run_check(_GEMV_CHECK, fmt)
 
 
 _SPLITK_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
@@ -104,10 +109,7 @@ _SPLITK_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
 def test_split_k_w8a8_matches_reference_in_the_interpreter(fmt):
-    import torch
-
-    seed = int(torch.randint(0, 2**31, (1,)))
-    run_in_interpreter(_SPLITK_CHECK.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
+    _run_check(_SPLITK_CHECK, fmt)
 
 
 def test_w8_gemv_takes_one_row():

@@ -40,3 +40,12 @@ def small_qwen2(vocab_size: int = 32000, num_layers: int = 4, device="cuda", dty
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.15)
     return model.to(device, dtype).eval()
+
+
+def logits_and_grads(model: torch.nn.Module, ids: torch.Tensor, params) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward of ids and the backward of mean(logits^2) from zeroed gradients: (the logits, detached; copies
+    of the gradients of params)."""
+    model.zero_grad()
+    logits = model(ids)
+    logits.float().square().mean().backward()
+    return logits.detach(), [p.grad.clone() for p in params]

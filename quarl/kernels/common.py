@@ -1,5 +1,4 @@
-"""Pieces shared by the GEMM kernels: the tile configuration, the tile order, the split-K reductions (a second
-kernel, or tickets: the last of a tile's split programs sums the partials, in one launch).
+"""Pieces shared by the GEMM kernels: the tile configuration, the tile order, the split-K reduction.
 
 Imports Triton: load it only through `quarl.kernels` (which checks that Triton and a GPU are present).
 """
@@ -52,40 +51,3 @@ def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.
         partials, bias if bias is not None else out, out, m * n, n,
         SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
     )
-
-
-_TICKETS: dict[tuple, torch.Tensor] = {}
-
-
-def split_tickets(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros [>= n], one counter per output tile, cached per (device, stream); kernels leave them at 0.
-
-    The first call for a device/stream (or a larger n) allocates: make it outside CUDA-graph capture (a warm-up
-    call, which also compiles the kernel)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    t = _TICKETS.get(key)
-    if t is None or t.numel() < n:
-        t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return t
-
-
-@triton.jit
-def ticket_reduce(acc, part, ok, cnt_ptr, tile, pid_k, MN, SPLIT_K: tl.constexpr):
-    """Split-K in one launch: store this program's fp32 partial acc at part + pid_k * MN (part: pointers of the
-    tile in split 0 of a [SPLIT_K, M, N] buffer), draw the tile's ticket, and return (whether this program drew
-    the last one, the sum of all SPLIT_K partials in split order); only the last program's sum is complete, and
-    it resets the ticket for the next launch."""
-    tl.store(part + pid_k * MN, acc, mask=ok)
-    # Every thread's partial must be written before the ticket (release, gpu scope) announces it.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = ticket == SPLIT_K - 1
-    tot = acc
-    if last:
-        # .cg: read from L2, where the other SMs' partials are (this SM's L1 is not coherent).
-        tot = tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            tot += tl.load(part + s * MN, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0)
-    return last, tot

@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.common import split_tickets, ticket_reduce
 from quarl.kernels.tuning import FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, Cfg, check_fp4_decode_cfg
 
 __all__ = ["fp4_decode_matmul", "check_fp4_decode_inputs"]
@@ -112,9 +111,18 @@ def _epilogue(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_pt
     if SPLIT_K == 1:
         _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS)
     else:
-        last, tot = ticket_reduce(acc, part_ptr + idx_m * N + idx_n, ok, cnt_ptr, pid_n, pid_k, M * N, SPLIT_K)
-        if last:
+        part = part_ptr + idx_m * N + idx_n
+        tl.store(part + pid_k * M * N, acc, mask=ok)
+        # Every thread's partial must be written before the ticket (release, gpu scope) announces it.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            tot = tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                # .cg: read from L2, where the other SMs' partials are (this SM's L1 is not coherent).
+                tot += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             _finish(tot, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -240,8 +248,22 @@ def _fp4_dec_mma_kernel(
 
 # ---------------------------------------------------------------------------------------------- host side
 
+_TICKETS: dict[tuple, torch.Tensor] = {}
 # Triton's CPU interpreter (used to check these kernels without a GPU) needs the float32 dot, see `_dot`.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros [>= n], one counter per output tile, cached per (device, stream); kernels leave them at 0.
+
+    The first call for a device/stream (or a larger n) allocates: make it outside CUDA-graph capture (a warm-up
+    call, which also compiles the kernel)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    t = _TICKETS.get(key)
+    if t is None or t.numel() < n:
+        t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return t
 
 
 def check_fp4_decode_inputs(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: Cfg) -> None:
@@ -310,7 +332,7 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
     n_tiles = triton.cdiv(n, cfg.bn)
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        cnt = split_tickets(x.device, n_tiles)
+        cnt = _tickets(x.device, n_tiles)
     else:
         part = cnt = out  # unused
     args = (x, words, scale, gs, bias if bias is not None else out, out, part, cnt,
