@@ -425,7 +425,10 @@ def test_tuning_tables_are_consistent(family):
         if family == "w4a16":
             assert p.kind == "fp4" and c.bk % 32 == 0
         if c.native:
-            assert p.kind == "w8a8" and p.x_mode != "raw" and c.bm >= 64
+            # the tile side the codes' MMA puts on its 64-row side: bn when transposed (swap_ab), else bm
+            assert p.kind == "w8a8" and p.x_mode != "raw" and (c.bn if c.swap_ab else c.bm) >= 64
+        if c.swap_ab:
+            assert p.kind == "w8a8"
     assert choose_plan("nvfp4", False, 1, 64, 64).kind == "bf16"  # no W4A4
     if family in MEASURED:
         for (n, k), table in MEASURED[family].items():
