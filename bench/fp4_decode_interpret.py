@@ -83,8 +83,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only a few cases")
     ap.add_argument("--candidates", action="store_true",
                     help="also run every config of bench/fp4_decode_sweep.py on a small shape of its M")
+    ap.add_argument("--seed", type=int, default=None, help="input seed (default: a fresh one, printed)")
     args = ap.parse_args()
-    gen = torch.Generator().manual_seed(0)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed} (rerun with --seed {seed})")
+    gen = torch.Generator().manual_seed(seed)
     bad = 0
     cases = [c for i, c in enumerate(CASES) if not args.quick or i in QUICK]
     if args.candidates:

@@ -61,11 +61,20 @@ def _pair_bits(v, I: tl.constexpr):
 
 
 @triton.jit
-def _halves_f32(t):
-    """int32 fp16x2 patterns -> (low, high) halves as float32 (exact)."""
-    lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+def _halves_f32(t, INTERPRETED: tl.constexpr):
+    """int32 fp16x2 patterns -> (low, high) halves as float32 (exact).
+
+    On the GPU one inline-PTX block per register (two cvt.f32.f16): going through Triton's int16 / float16
+    tensors makes the compiler re-lay the 16-bit values out through shared memory (a bar.sync pair per call in
+    the K loop). Triton's CPU interpreter runs no PTX, so it takes the tensor route."""
+    if INTERPRETED:
+        lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=f,=f,r", [t], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -152,7 +161,7 @@ def _fp4_dec_fma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, KW, words_per_split, stride_xm, stride_wn, stride_sn, stride_om,
     IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """CUDA-core path. x [M, K] bf16/fp16 (unit stride along K); w int32 code words [N, KW] (KW = Kp/8);
     s uint8 block-scale bytes [N, Kp/G]; gs float32 [] (nvfp4); bias [N]; out [M, N] in x's dtype;
@@ -166,24 +175,47 @@ def _fp4_dec_fma_kernel(
     m_ok = offs_m < M
     ar_w = tl.arange(0, BKW)
     ar_e = tl.arange(0, 8)
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    s_rows = s_ptr + offs_n[:, None] * stride_sn
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm
+    # Codes and scales are loaded as [1, BN, BKW], in the accumulator's [BM, BN, BKW] layout (loaded as [BN, BKW]
+    # and expanded, they would be re-laid out through shared memory every step). Pointers advance by one K step
+    # per iteration instead of being recomputed (64-bit address arithmetic per word is a visible cost here).
+    w0 = pid_k * words_per_split + ar_w  # first step's word indices [BKW]
+    nk_ok = n_ok[None, :, None]
+    w_ptrs = w_ptr + offs_n[None, :, None] * stride_wn + w0[None, None, :]
+    s_ptrs = s_ptr + offs_n[None, :, None] * stride_sn + (w0 // WPG)[None, None, :]
+    kx = (w0[:, None] * 8 + ar_e[None, :])[None, :, :]  # element index [1, BKW, 8]
+    x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + kx
     acc = tl.zeros((BM, BN, BKW), dtype=tl.float32)
     for it in range(0, words_per_split // BKW):
-        wi = pid_k * words_per_split + it * BKW + ar_w  # word index [BKW]
-        v, sc, x3 = _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG, EVEN_K)
+        if EVEN_K:
+            v = tl.load(w_ptrs, mask=nk_ok, other=0)
+            sc = tl.load(s_ptrs, mask=nk_ok, other=0)
+            # x as [BM, BKW, 8] (one 16-byte load per word and row), split in registers into element positions.
+            x3 = tl.load(x_ptrs, mask=m_ok[:, None, None], other=0.0)
+        else:
+            w_ok = nk_ok & ((w0 + it * BKW) < KW)[None, None, :]
+            v = tl.load(w_ptrs, mask=w_ok, other=0)
+            sc = tl.load(s_ptrs, mask=w_ok, other=0)
+            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
+            x3 = tl.load(x_ptrs, mask=m_ok[:, None, None] & (kx + it * BKW * 8 < K), other=0.0)
+        w_ptrs += BKW
+        s_ptrs += BKW // WPG
+        x_ptrs += BKW * 8
         x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BM, BKW)
-        lo, hi = _halves_f32(_pair_bits(v, 0))
-        p = x0[:, None, :] * lo[None, :, :] + x4[:, None, :] * hi[None, :, :]
-        lo, hi = _halves_f32(_pair_bits(v, 1))
-        p += x1[:, None, :] * lo[None, :, :] + x5[:, None, :] * hi[None, :, :]
-        lo, hi = _halves_f32(_pair_bits(v, 2))
-        p += x2[:, None, :] * lo[None, :, :] + x6[:, None, :] * hi[None, :, :]
-        lo, hi = _halves_f32(_pair_bits(v, 3))
-        p += x3_[:, None, :] * lo[None, :, :] + x7[:, None, :] * hi[None, :, :]
+        # One chain of fused multiply-adds per word (p + a * b contracts to one FMA).
+        lo, hi = _halves_f32(_pair_bits(v, 0), INTERPRETED)
+        p = x0[:, None, :] * lo
+        p = p + x4[:, None, :] * hi
+        lo, hi = _halves_f32(_pair_bits(v, 1), INTERPRETED)
+        p = p + x1[:, None, :] * lo
+        p = p + x5[:, None, :] * hi
+        lo, hi = _halves_f32(_pair_bits(v, 2), INTERPRETED)
+        p = p + x2[:, None, :] * lo
+        p = p + x6[:, None, :] * hi
+        lo, hi = _halves_f32(_pair_bits(v, 3), INTERPRETED)
+        p = p + x3_[:, None, :] * lo
+        p = p + x7[:, None, :] * hi
         # One scale per word's partial sum (a word lies inside one block).
-        acc += p * _scale_f32(sc, IS_MX)[None, :, :]
+        acc = acc + p * _scale_f32(sc, IS_MX)
     y = tl.sum(acc, axis=2)  # [BM, BN]
     ok = m_ok[:, None] & n_ok[None, :]
     _epilogue(y, offs_m[:, None], offs_n[None, :], ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
@@ -191,22 +223,22 @@ def _fp4_dec_fma_kernel(
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr):
-    """acc += a @ b. DOT_F32 (Triton's CPU interpreter only, whose bf16 dot multiplies raw bit patterns):
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc += a @ b. INTERPRETED (Triton's CPU interpreter only, whose bf16 dot multiplies raw bit patterns):
     the same exactly representable operands multiplied as float32."""
-    if DOT_F32:
+    if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _scaled_dot(t, xa, xb, sf, acc, DT: tl.constexpr, DOT_F32: tl.constexpr):
+def _scaled_dot(t, xa, xb, sf, acc, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc [BN, BMX] += (lo * sf) @ xa^T + (hi * sf) @ xb^T for the fp16x2 patterns t [BN, BKW]; the scaled
     weights are exact in DT (see the module docstring), xa / xb are x's own values."""
-    lo, hi = _halves_f32(t)
-    acc = _dot((lo * sf).to(DT), tl.trans(xa.to(DT)), acc, DOT_F32)
-    return _dot((hi * sf).to(DT), tl.trans(xb.to(DT)), acc, DOT_F32)
+    lo, hi = _halves_f32(t, INTERPRETED)
+    acc = _dot((lo * sf).to(DT), tl.trans(xa.to(DT)), acc, INTERPRETED)
+    return _dot((hi * sf).to(DT), tl.trans(xb.to(DT)), acc, INTERPRETED)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -214,7 +246,7 @@ def _fp4_dec_mma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, KW, words_per_split, stride_xm, stride_wn, stride_sn, stride_om,
     IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    BMX: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, DOT_F32: tl.constexpr,
+    BMX: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Tensor-core path (swap-AB): same arguments as `_fp4_dec_fma_kernel`; BMX >= M (16, 32 or 64) is the
     MMA's narrow dimension, BKW >= 16 words per K step (8 dots of depth BKW, one per element position)."""
@@ -237,10 +269,10 @@ def _fp4_dec_mma_kernel(
         v, sc, x3 = _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG, EVEN_K)
         sf = _scale_f32(sc, IS_MX)
         x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BMX, BKW)
-        acc = _scaled_dot(_pair_bits(v, 0), x0, x4, sf, acc, DT, DOT_F32)
-        acc = _scaled_dot(_pair_bits(v, 1), x1, x5, sf, acc, DT, DOT_F32)
-        acc = _scaled_dot(_pair_bits(v, 2), x2, x6, sf, acc, DT, DOT_F32)
-        acc = _scaled_dot(_pair_bits(v, 3), x3_, x7, sf, acc, DT, DOT_F32)
+        acc = _scaled_dot(_pair_bits(v, 0), x0, x4, sf, acc, DT, INTERPRETED)
+        acc = _scaled_dot(_pair_bits(v, 1), x1, x5, sf, acc, DT, INTERPRETED)
+        acc = _scaled_dot(_pair_bits(v, 2), x2, x6, sf, acc, DT, INTERPRETED)
+        acc = _scaled_dot(_pair_bits(v, 3), x3_, x7, sf, acc, DT, INTERPRETED)
     ok = n_ok[:, None] & m_ok[None, :]
     _epilogue(acc, offs_m[None, :], offs_n[:, None], ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
               stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K)
@@ -340,8 +372,8 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
     meta = dict(IS_MX=is_mx, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, BN=cfg.bn, BKW=bkw,
                 num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.bm == 1:
-        _fp4_dec_fma_kernel[(n_tiles, split)](*args, BM=triton.next_power_of_2(m), **meta)
+        _fp4_dec_fma_kernel[(n_tiles, split)](*args, BM=triton.next_power_of_2(m), INTERPRETED=_INTERPRETED, **meta)
     else:
-        _fp4_dec_mma_kernel[(n_tiles, split)](*args, BMX=max(16, triton.next_power_of_2(m)), DOT_F32=_INTERPRETED,
+        _fp4_dec_mma_kernel[(n_tiles, split)](*args, BMX=max(16, triton.next_power_of_2(m)), INTERPRETED=_INTERPRETED,
                                               **meta)
     return out
