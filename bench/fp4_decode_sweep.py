@@ -50,7 +50,10 @@ CANDIDATES = {
         C(16, 64, 256, split_k=4), C(16, 128, 256, split_k=2),
         # wider FMA tiles: each K step's x split is shared by more weight rows
         C(1, 16, 1024), C(1, 32, 512, split_k=2), C(1, 32, 1024, split_k=2), C(1, 64, 512, split_k=4, warps=8),
-        C(1, 32, 1024, split_k=4, warps=8)],
+        C(1, 32, 1024, split_k=4, warps=8),
+        # two warps: more programs in flight per SM (the 1x16x256 two-warp tile leads on gate_up)
+        C(1, 8, 256, warps=2), C(1, 8, 512, warps=2), C(1, 4, 512, warps=2), C(1, 16, 256, split_k=2, warps=2),
+        C(1, 8, 1024, warps=2), C(1, 4, 1024, warps=2), C(1, 8, 512, split_k=2, warps=2), C(1, 32, 128, warps=2)],
     16: [C(16, 64, 256), C(16, 64, 256, split_k=4), C(16, 128, 256, split_k=2), C(16, 128, 128, split_k=4, stages=4),
          C(16, 64, 512, split_k=4), C(16, 32, 256, split_k=4, warps=2), C(16, 128, 256, warps=8),
          C(16, 256, 128, split_k=2, warps=8)],

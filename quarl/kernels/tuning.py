@@ -124,7 +124,7 @@ C, P = Cfg, Plan
 MEASURED = {
     "w4a16": {
         (4608, 3584): {  # qkv
-            1: (P("fp4_decode", C(1, 8, 1024)), 1.01),  # bench/fp4_decode_sweep.py (gemv: 0.90)
+            1: (P("fp4_decode", C(1, 4, 512, warps=2)), 1.01),  # bench/fp4_decode_sweep.py
             16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.76),
             64: (P("deq_mm"), 0.53),
             256: (P("deq_mm"), 0.55),
@@ -132,7 +132,7 @@ MEASURED = {
             4096: (P("deq_mm"), 0.94),
         },
         (3584, 3584): {  # o
-            1: (P("fp4_decode", C(1, 8, 1024)), 1.19),  # (gemv: 1.02)
+            1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.38),
             16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.96),
             64: (P("fp4", C(64, 64, 128, split_k=4, warps=8)), 0.57),
             256: (P("deq_mm"), 0.57),
@@ -140,7 +140,7 @@ MEASURED = {
             4096: (P("deq_mm"), 0.90),
         },
         (37888, 3584): {  # gate_up
-            1: (P("fp4_decode", C(1, 8, 1024)), 1.29),  # (gemv: 1.12)
+            1: (P("fp4_decode", C(1, 16, 256, warps=2)), 1.65),
             16: (P("fp4", C(16, 64, 256, split_k=2, stages=4)), 0.99),
             64: (P("fp4", C(64, 64, 128, split_k=2)), 0.71),
             256: (P("deq_mm"), 0.50),
@@ -148,7 +148,7 @@ MEASURED = {
             4096: (P("deq_mm"), 0.94),
         },
         (3584, 18944): {  # down
-            1: (P("fp4_decode", C(1, 8, 1024)), 1.13),  # (fp4: 0.93)
+            1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.27),
             16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.92),
             64: (P("fp4", C(64, 64, 128, split_k=4, warps=8)), 0.65),
             256: (P("deq_mm"), 0.53),
