@@ -237,6 +237,8 @@ W8_CASES = [
     ("prequant", Cfg(16, 128, 128, split_k=3, native=True, swap_ab=True, stages=4)),
     ("fused", Cfg(64, 64, 256, native=True, swap_ab=True)),
     ("raw", Cfg(16, 64, 128, swap_ab=True)),
+    ("prequant", Cfg(128, 128, 128, warps=8, stages=4, native=True, tma=True)),
+    ("prequant", Cfg(64, 64, 128, group_m=2, native=True, tma=True)),
 ]
 
 
@@ -248,6 +250,8 @@ def test_w8a8_gemm_matches_reference(fmt, x_mode, cfg):
 
     if fmt == "fp8-tensor" and x_mode == "fused":
         pytest.skip("a per-tensor activation scale needs the whole tensor first: always prequant")
+    if fmt == "fp8-block" and cfg.tma:
+        pytest.skip("the TMA kernel takes rowwise / per-tensor scales (fp8-block scales every 128-deep step)")
     if fmt == "fp8-block" and cfg.bk != 128:
         cfg = replace(cfg, bk=128)
     weight_only = x_mode == "raw"
@@ -424,6 +428,9 @@ def test_tuning_tables_are_consistent(family):
             assert c.bk == 128, "fp8-block tiles are one 128-deep scale group"
         if family == "w4a16":
             assert p.kind == "fp4" and c.bk % 32 == 0
+        if c.tma:
+            assert p.kind == "w8a8" and p.x_mode == "prequant" and c.native and c.split_k == 1, p
+            assert family in ("int8", "fp8"), f"{family}: the TMA kernel takes rowwise / per-tensor scales"
         if c.native:
             # the tile side the codes' MMA puts on its 64-row side: bn when transposed (swap_ab), else bm
             assert p.kind == "w8a8" and p.x_mode != "raw" and (c.bn if c.swap_ab else c.bm) >= 64

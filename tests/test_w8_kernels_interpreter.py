@@ -112,6 +112,45 @@ def test_split_k_w8a8_matches_reference_in_the_interpreter(fmt):
     _run_check(_SPLITK_CHECK, fmt)
 
 
+_TMA_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
+    from quarl.kernels import w8a8_gemm
+    from quarl.kernels.tuning import Cfg
+
+    # Several tiles per program (the persistent walk), M and N not multiples of the tile, K over several steps and
+    # not a multiple of BK (the descriptor's zero fill past KP), with and without bias; K = 200 has rows of 200
+    # bytes, which TMA cannot address (not a multiple of 16): the regular kernel must take over.
+    for m, n, k, cfg in [(70, 40, 384, Cfg(64, 32, 128, native=True, tma=True)),
+                         (130, 72, 400, Cfg(64, 64, 128, group_m=2, native=True, tma=True)),
+                         (9, 24, 200, Cfg(64, 32, 128, native=True, tma=True))]:
+        x, b, qw, xq, ref, _ = operands(m, n, k, bias=m % 2 == 0)
+        y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, 2, (xq.data, xq.scale))
+        assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, m, n, k, cfg, rel_err(y, ref))
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor"])
+def test_tma_w8a8_matches_reference_in_the_interpreter(fmt):
+    _run_check(_TMA_CHECK, fmt)
+
+
+def test_tma_w8a8_refuses_what_it_cannot_run():
+    pytest.importorskip("triton")
+    import torch
+
+    from quarl.formats import quantize
+    from quarl.kernels.tuning import Cfg
+    from quarl.kernels.w8a8_gemm import X_FUSED, X_PREQUANT, w8a8_matmul
+
+    x = torch.randn(4, 128).half()
+    tma = Cfg(64, 64, 128, native=True, tma=True)
+    for fmt, mode, cfg in [("fp8", X_FUSED, tma), ("fp8-block", X_PREQUANT, tma),
+                           ("int8", X_PREQUANT, Cfg(64, 64, 128, split_k=2, native=True, tma=True))]:
+        xq = quantize(x, fmt, "activation")
+        with pytest.raises(ValueError, match="TMA W8A8 kernel takes prequantized"):
+            w8a8_matmul(x, quantize(torch.randn(8, 128), fmt), None, cfg, mode, (xq.data, xq.scale))
+
+
 def test_w8_gemv_takes_one_row():
     pytest.importorskip("triton")
     import torch

@@ -88,6 +88,13 @@ def _sweep_candidates():
         1024: w8("prequant", Cfg(128, 256, 128, warps=8, **nat), Cfg(128, 256, 128, warps=8, stages=4, **nat),
                  Cfg(128, 128, 128, warps=8, stages=4, **nat)),
     }
+    # The persistent TMA kernel (rowwise / per-tensor scales only, so not fp8-block).
+    tma = dict(native=True, tma=True)
+    w8_[256] += w8("prequant", Cfg(64, 128, 128, stages=4, **tma), Cfg(128, 128, 128, warps=8, stages=4, **tma),
+                   Cfg(128, 64, 128, stages=4, **tma))
+    w8_[1024] += w8("prequant", Cfg(128, 256, 128, warps=8, stages=4, **tma),
+                    Cfg(128, 256, 128, warps=8, stages=3, **tma), Cfg(128, 128, 128, warps=8, stages=4, **tma),
+                    Cfg(128, 128, 128, warps=4, stages=4, **tma), Cfg(256, 128, 128, warps=8, stages=3, **tma))
     w8_[16] = w8_[1]
     w8_[4096] = w8_[1024]
     g8 = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
@@ -445,7 +452,8 @@ def _plan_name(p) -> str:
         return p.kind
     c = p.cfg
     tag = f"{c.bm}x{c.bn}x{c.bk}" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f" w{c.warps}p{c.stages}"
-    mode = {"w8a8": f" {p.x_mode}" + (" native" if c.native else " f16"), "gemv": f" {p.x_mode}"}.get(p.kind, "")
+    mode = {"w8a8": f" {p.x_mode}" + (" native" if c.native else " f16") + (" swap" if c.swap_ab else "")
+            + (" tma" if c.tma else ""), "gemv": f" {p.x_mode}"}.get(p.kind, "")
     return f"{p.kind} {tag}{mode}"
 
 

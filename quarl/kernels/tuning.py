@@ -48,6 +48,8 @@ class Cfg:
     (needs bm >= 64, or bn >= 64 with swap_ab); otherwise the codes are converted exactly to fp16 and multiplied
     there. swap_ab: W8A8 only, the product runs transposed (weight tile [bn, bk] as the MMA's first operand, the
     few token rows as its narrow second one), so decode's 16-64 rows need not fill a 64-row MMA side.
+    tma: W8A8 prefill only (prequantized rowwise / per-tensor codes, native, no split-K): the persistent kernel
+    whose operands arrive by TMA (Hopper or newer; elsewhere the regular kernel runs the same tile).
     """
 
     bm: int
@@ -59,9 +61,10 @@ class Cfg:
     group_m: int = 8
     native: bool = False
     swap_ab: bool = False
+    tma: bool = False
 
     def name(self) -> str:
-        tag = ("n" if self.native else "") + ("t" if self.swap_ab else "")
+        tag = ("n" if self.native else "") + ("t" if self.swap_ab else "") + ("m" if self.tma else "")
         return f"{self.bm}x{self.bn}x{self.bk}s{self.split_k}w{self.warps}p{self.stages}{tag}"
 
 

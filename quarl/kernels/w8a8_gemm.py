@@ -160,6 +160,78 @@ def _w8a8_kernel(
         tl.store(out_ptrs, res, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_tma_kernel(
+    x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, KP, stride_xsm, stride_wsn, stride_om,
+    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    """Prefill W8A8 from prequantized activation codes, persistent: NUM_PROGRAMS programs walk the [BM, BN] output
+    tiles, and both operands arrive by TMA (the copy engine, no per-thread address arithmetic or masks).
+
+    x_desc: activation codes [M, KP] (int8 / fp8) in [BM, BK] blocks; w_desc: weight codes [N, KP] in [BN, BK]
+    blocks (reads past M, N or KP return zeros); xs float32 [M] (stride stride_xsm, 0: one per tensor);
+    ws float32 [N] (stride stride_wsn, 0: one per tensor); bias [N]; out [M, N] (row stride stride_om)."""
+    ACC_DTYPE: tl.constexpr = tl.int32 if W_INT8 else tl.float32
+    n_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    k_steps = tl.cdiv(KP, BK)
+    # flatten: the tile loop and the K loop are pipelined as one, so the next tile's loads overlap this epilogue
+    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = pid_to_tile(tile, M, N, BM, BN, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=ACC_DTYPE)
+        for ki in range(k_steps):
+            a = x_desc.load([pid_m * BM, ki * BK])
+            b = w_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc, out_dtype=ACC_DTYPE)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
+        res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _tma_usable(xin: torch.Tensor, w: torch.Tensor) -> bool:
+    """TMA needs Hopper or newer, 16-byte aligned bases and row strides, and unit stride along K."""
+    if xin.device.type == "cuda" and torch.cuda.get_device_capability(xin.device)[0] < 9:
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (xin, w))
+
+
+def _w8a8_tma(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
+    """Launch `_w8a8_tma_kernel`: xin codes [M, KP], w codes [N, KP] (int8, or float8_e4m3fn), scales as
+    `w8a8_matmul` passes them; one program per SM at most (fewer when there are fewer tiles; two in Triton's CPU
+    interpreter, so that its checks walk several tiles per program)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n = out.shape
+    n_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    programs = max(1, min(n_tiles, _num_sms(out.device) if out.device.type == "cuda" else 2))
+    _w8a8_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
+        xs, ws, bias if bias is not None else out, out,
+        m, n, w.shape[1], 0 if xs.dim() == 0 else xs.stride(0), 0 if ws.dim() == 0 else ws.stride(0),
+        out.stride(0),
+        W_INT8=w_int8, HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs, num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+
+
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors travel as uint8 (a masked load needs an integer fill value); int8 stays int8."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -196,6 +268,13 @@ def w8a8_matmul(
         stride_wsn = ws.stride(0)
     else:
         stride_wsn = 0 if ws.dim() == 0 else ws.stride(0)
+    if cfg.tma and (x_mode != X_PREQUANT or blockwise or cfg.split_k != 1 or not cfg.native):
+        raise ValueError(f"the TMA W8A8 kernel takes prequantized rowwise / per-tensor codes on the 8-bit tensor "
+                         f"cores without split-K, got x_mode={x_mode}, fmt={fmt}, cfg={cfg}")
+    if cfg.tma and _tma_usable(xq[0], qweight.data):
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        _w8a8_tma(xq[0], xq[1], qweight.data, ws, bias, out, cfg, w_int8)
+        return out
     if x_mode == X_PREQUANT:
         xin, xs = xq
         xin = _raw_bytes(xin)
