@@ -99,11 +99,14 @@ def test_rope_kernel_is_bit_exact(hq, hkv, d):
     assert torch.equal(k, apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d), c, s)[:, :, 0])
 
 
-def test_fp8_matmul_from_codes_equals_the_quantizing_matmul():
-    x = torch.randn(512, 3584, device=DEV, dtype=BF16)
+@pytest.mark.parametrize("m", [512, 1000, 4096])
+def test_fp8_matmul_from_codes_equals_the_quantizing_matmul(m):
+    """Rowwise FP8 codes handed over give the quantizing matmul's result bit for bit, whichever GEMM the plan
+    names at that row count (cuBLAS FP8, or the W8A8 Triton kernels on prequantized codes)."""
+    x = torch.randn(m, 3584, device=DEV, dtype=BF16)
     qw = quantize(torch.randn(4608, 3584, device=DEV, dtype=BF16) * 0.02, "fp8", "weight")
     bias = torch.randn(4608, device=DEV, dtype=BF16)
-    assert kernels.fp8_codes_handoff(qw, False, 512)
+    assert kernels.fp8_codes_handoff(qw, False, m)
     qx = quantize(x, "fp8", "activation")
     got = kernels.fp8_matmul_from_codes(qx.data, qx.scale, qw, bias, BF16)
     assert torch.equal(got, kernels.try_quantized_matmul(x, qw, False, bias))

@@ -61,6 +61,7 @@ def _sweep_candidates():
         1024: [Plan("deq_mm")],
     }
     w4[16] = w4[1]
+    w4[512] = w4[256]
     w4[4096] = w4[1024]
     g = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (8, 256, 2, 4), (16, 256, 8, 3)]
     w4[1] = [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st)) for bn, bk, wp, st in g] + w4[1][:2]
@@ -96,6 +97,7 @@ def _sweep_candidates():
                     Cfg(128, 256, 128, warps=8, stages=3, **tma), Cfg(128, 128, 128, warps=8, stages=4, **tma),
                     Cfg(128, 128, 128, warps=4, stages=4, **tma), Cfg(256, 128, 128, warps=8, stages=3, **tma))
     w8_[16] = w8_[1]
+    w8_[512] = w8_[256] + w8_[1024]  # decode at rollout batch sizes: the tile count decides
     w8_[4096] = w8_[1024]
     g8 = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
           (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3), (8, 512, 4, 1), (16, 512, 4, 1), (4, 1024, 4, 1)]
@@ -127,6 +129,7 @@ def _sweep_candidates():
     blk[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in gb]
               + [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "prequant") for bn, bk, wp, st in gq]
               + blk_dec[:1])
+    blk[512] = blk[256] + blk[1024][:-1]
     blk[4096] = blk[1024]
     return {"nvfp4": w4, "int8": w8_, "fp8": fp8, "fp8-block": blk}
 

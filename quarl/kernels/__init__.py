@@ -250,11 +250,18 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
     return run_plan(plan, x, qweight, bias)
 
 
+def _takes_rowwise_codes(plan: Plan) -> bool:
+    """Whether `plan` is a W8A8 Triton GEMM fed with prequantized codes and per-token scales (which a fused
+    kernel's rowwise FP8 codes can replace)."""
+    return plan.kind == "w8a8" and plan.x_mode == "prequant"
+
+
 def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
-    """Whether a GEMM of m activation rows with this weight runs as cuBLAS FP8 (`torch._scaled_mm`), rowwise
-    ("fp8") or blockwise ("fp8-block"), so that a fused norm / SiLU·mul kernel can hand it the activation codes
-    (`fp8_matmul_from_codes`) instead of the bf16 activations it would quantize itself. fp8-block also needs K a
-    multiple of 512 (whole groups, and the group count cuBLAS takes unpadded), m a multiple of 16 (the rows
+    """Whether a GEMM of m activation rows with this weight takes FP8 activation codes: cuBLAS FP8
+    (`torch._scaled_mm`), rowwise ("fp8") or blockwise ("fp8-block"), or for "fp8" a W8A8 Triton GEMM on
+    prequantized codes (the persistent TMA kernel of prefill), so that a fused norm / SiLU·mul kernel can hand it
+    the activation codes (`fp8_matmul_from_codes`) instead of the bf16 activations it would quantize itself.
+    fp8-block also needs K a multiple of 512 (whole groups, and the group count cuBLAS takes unpadded), m a multiple of 16 (the rows
     cuBLAS blockwise was seen correct with; `dispatch._scaled_mm` pads others, codes are not padded) and the
     fused kernels' group codes to have passed their check (`decode_fused_group_ok`)."""
     fmt = getattr(qweight, "fmt", None)
@@ -266,7 +273,8 @@ def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     n, k = qweight.shape
     if fmt == "fp8-block" and (k % 512 or m % 16 or not decode_fused_group_ok(device)):
         return False
-    return plan_for(fmt, False, m, n, k, device).kind == "scaled_mm"
+    plan = plan_for(fmt, False, m, n, k, device)
+    return plan.kind == "scaled_mm" or (fmt == "fp8" and _takes_rowwise_codes(plan))
 
 
 def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: torch.Tensor | None,
@@ -286,8 +294,13 @@ def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bi
         raise ValueError(f"fp8_matmul_from_codes needs float32 scales [{codes.shape[0]}, {groups}]"
                          f"{' column-major' if groups > 1 else ''}, got {scales.dtype} {tuple(scales.shape)} "
                          f"strides {scales.stride()}")
-    from quarl.kernels.dispatch import scaled_mm_codes
+    from quarl.kernels.dispatch import codes_matmul, scaled_mm_codes
 
+    if qweight.fmt == "fp8" and codes.is_cuda:  # (torch._scaled_mm also takes CPU tensors; the kernels do not)
+        n, k = qweight.shape
+        plan = plan_for("fp8", False, codes.shape[0], n, k, codes.device)
+        if _takes_rowwise_codes(plan):
+            return codes_matmul(plan, codes, scales, qweight, bias, out_dtype)
     return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)
 
 

@@ -71,6 +71,16 @@ def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.
     return y
 
 
+def codes_matmul(plan: Plan, codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """A prequant "w8a8" plan on activation codes [M, Kp] and scales from `quantize_activation` (or a fused kernel
+    that makes the same) -> [M, N] in out_dtype: what `run_plan` computes after quantizing x itself."""
+    m, k = codes.shape[0], qweight.shape[1]
+    # w8a8_matmul reads only the shape, dtype and device of x in prequant mode: a zero-stride stand-in.
+    x_like = torch.empty((1, 1), dtype=out_dtype, device=codes.device).expand(m, k)
+    return w8a8_matmul(x_like, qweight, bias, _gemm_config(plan.cfg, qweight.fmt), X_PREQUANT, (codes, sx))
+
+
 def run_plan(plan: Plan, x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] bf16/fp16 (rows contiguous), qweight [N, K] on x's device -> [M, N] in x.dtype."""
     if plan.kind == "fp4":

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
+M_BUCKETS = (1, 16, 64, 256, 512, 1024, 4096)
 
 
 @dataclass(frozen=True)
@@ -164,33 +164,33 @@ MEASURED = {
             1: (P("gemv", C(1, 8, 512), "prequant"), 0.95),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 0.97),
             64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 0.84),
-            256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.73),
-            1024: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 0.73),
-            4096: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 1.02),
+            256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.78),
+            1024: (P("w8a8", C(128, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.87),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.20),
         },
         (3584, 3584): {  # o
             1: (P("gemv", C(1, 8, 1024)), 1.09),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 1.17),
             64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 0.81),
-            256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.67),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 0.86),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 1.02),
+            256: (P("w8a8", C(128, 64, 128, stages=4, native=True, tma=True), "prequant"), 0.85),
+            1024: (P("w8a8", C(256, 128, 128, warps=8, native=True, tma=True), "prequant"), 1.04),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.19),
         },
         (37888, 3584): {  # gate_up
             1: (P("gemv", C(1, 16, 256), "prequant"), 1.59),
             16: (P("w8a8", C(16, 128, 256, split_k=2, native=True, swap_ab=True), "prequant"), 1.65),
             64: (P("w8a8", C(64, 64, 256, split_k=2, native=True), "prequant"), 1.25),
-            256: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 1.23),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, native=True), "prequant"), 1.29),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 1.36),
+            256: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 1.28),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.56),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.72),
         },
         (3584, 18944): {  # down
             1: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 1.23),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 1.27),
             64: (P("w8a8", C(64, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 1.21),
-            256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.93),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True), "prequant"), 0.99),
-            4096: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True), "prequant"), 1.11),
+            256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 0.91),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.20),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.34),
         },
     },
     "fp8": {
@@ -198,33 +198,33 @@ MEASURED = {
             1: (P("gemv", C(1, 16, 512, warps=8)), 1.23),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 0.96),
             64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.76),
-            256: (P("scaled_mm"), 0.84),
-            1024: (P("scaled_mm"), 1.02),
-            4096: (P("scaled_mm"), 1.44),
+            256: (P("scaled_mm"), 0.91),
+            1024: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.09),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.40),
         },
         (3584, 3584): {  # o
             1: (P("gemv", C(1, 8, 1024)), 1.45),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 1.14),
             64: (P("w8a8", C(64, 64, 128, split_k=4, stages=4, native=True), "prequant"), 0.74),
-            256: (P("scaled_mm"), 0.72),
-            1024: (P("scaled_mm"), 1.14),
-            4096: (P("scaled_mm"), 1.38),
+            256: (P("w8a8", C(64, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.96),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.24),
+            4096: (P("scaled_mm"), 1.41),
         },
         (37888, 3584): {  # gate_up
             1: (P("gemv", C(1, 16, 512)), 1.78),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 1.65),
             64: (P("scaled_mm"), 1.22),
-            256: (P("scaled_mm"), 1.46),
-            1024: (P("scaled_mm"), 1.62),
-            4096: (P("scaled_mm"), 1.79),
+            256: (P("scaled_mm"), 1.52),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.79),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.96),
         },
         (3584, 18944): {  # down
             1: (P("gemv", C(1, 8, 1024)), 1.42),
             16: (P("w8a8", C(16, 64, 256, split_k=4, native=True, swap_ab=True), "prequant"), 1.27),
             64: (P("w8a8", C(64, 64, 256, split_k=4, native=True), "prequant"), 1.14),
-            256: (P("scaled_mm"), 0.86),
-            1024: (P("scaled_mm"), 1.30),
-            4096: (P("scaled_mm"), 1.55),
+            256: (P("scaled_mm"), 0.97),
+            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.41),
+            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.55),
         },
     },
     "fp8-block": {
@@ -269,6 +269,7 @@ W8A16_PLANS = {
     16: P("w8a8", C(16, 64, 256, split_k=4, stages=4), "raw"),
     64: P("w8a8", C(64, 64, 128, split_k=2), "raw"),
     256: P("w8a8", C(64, 128, 128), "raw"),
+    512: P("bf16"),
     1024: P("bf16"),
     4096: P("bf16"),
 }
