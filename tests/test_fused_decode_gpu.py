@@ -99,18 +99,18 @@ def test_rope_kernel_is_bit_exact(hq, hkv, d):
     assert torch.equal(k, apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d), c, s)[:, :, 0])
 
 
-@pytest.mark.parametrize("m", [16, 512, 1000, 4096])
-def test_fp8_matmul_from_codes_equals_the_quantizing_matmul(m):
+@pytest.mark.parametrize("m,n", [(16, 3584), (512, 3584), (1000, 3584), (512, 37888), (4096, 4608)])
+def test_fp8_matmul_from_codes_equals_the_quantizing_matmul(m, n):
     """Rowwise FP8 codes handed over give the quantizing matmul's result bit for bit, whichever GEMM the plan
-    names at that row count (cuBLAS FP8, or the W8A8 Triton kernels on prequantized codes: transposed tiles at
-    16 rows, the persistent TMA kernel in prefill)."""
+    names at that shape (cuBLAS FP8, or the W8A8 Triton kernels on prequantized codes: transposed tiles at 16
+    rows, the persistent TMA kernel from 512 rows of gate/up and in prefill)."""
     x = torch.randn(m, 3584, device=DEV, dtype=BF16)
-    qw = quantize(torch.randn(4608, 3584, device=DEV, dtype=BF16) * 0.02, "fp8", "weight")
-    bias = torch.randn(4608, device=DEV, dtype=BF16)
+    qw = quantize(torch.randn(n, 3584, device=DEV, dtype=BF16) * 0.02, "fp8", "weight")
+    bias = torch.randn(n, device=DEV, dtype=BF16)
     assert kernels.fp8_codes_handoff(qw, False, m)
     qx = quantize(x, "fp8", "activation")
     got = kernels.fp8_matmul_from_codes(qx.data, qx.scale, qw, bias, BF16)
-    assert torch.equal(got, kernels.quantized_matmul(x, qw, False, bias))  # the same plan, bf16 or not
+    assert torch.equal(got, kernels.try_quantized_matmul(x, qw, False, bias))
 
 
 def test_fp8_block_matmul_from_group_codes_equals_the_quantizing_matmul():
@@ -119,8 +119,8 @@ def test_fp8_block_matmul_from_group_codes_equals_the_quantizing_matmul():
     from quarl.kernels.decode_fused import rms_norm_rows
 
     x, w = torch.randn(512, 3584, device=DEV, dtype=BF16), 1 + 0.1 * torch.randn(3584, device=DEV, dtype=BF16)
-    qw = quantize(torch.randn(4608, 3584, device=DEV, dtype=BF16) * 0.02, "fp8-block", "weight")
-    bias = torch.randn(4608, device=DEV, dtype=BF16)
+    qw = quantize(torch.randn(3584, 3584, device=DEV, dtype=BF16) * 0.02, "fp8-block", "weight")
+    bias = torch.randn(3584, device=DEV, dtype=BF16)
     assert kernels.fp8_codes_handoff(qw, False, 512)
     assert not kernels.fp8_codes_handoff(qw, False, 504)  # rows not a multiple of 16: no blockwise handoff
     _, h, codes, scales = rms_norm_rows(x, None, w, None, 1e-6, "fp8-block", write_h=True)

@@ -17,7 +17,7 @@ import torch
 
 from dataclasses import replace
 
-from quarl.kernels.tuning import Cfg, Plan, choose_plan, measured_entry
+from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
            "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
@@ -256,19 +256,11 @@ def _takes_rowwise_codes(plan: Plan) -> bool:
     return plan.kind == "w8a8" and plan.x_mode == "prequant"
 
 
-# Codes handed over by a fused norm / SiLU·mul kernel spare the GEMM its activation-quantization pass, which the
-# measured speed-ups (`tuning.MEASURED`) include: about 2.5 of 11-14 us at M = 16-64 and 5-8 of 17-120 us at
-# M = 256-1024 on an H200 (bench/results/gemm.md). A plan measured at this fraction of bf16 or more, pass
-# included, beats bf16 without the pass.
-HANDOFF_MIN_SPEEDUP = 0.85
-
-
 def _codes_plan(fmt: str, m: int, n: int, k: int, device) -> Plan | None:
-    """The FP8 GEMM that takes activation codes at m rows (`fp8_codes_handoff`), or None."""
-    entry = measured_entry(fmt, n, k, m)
-    if entry is None or entry[1] < HANDOFF_MIN_SPEEDUP:
-        return None
-    plan = plan_for(fmt, False, m, n, k, device, prefer_kernel=True)
+    """The FP8 GEMM plan at m rows when it can take activation codes (`fp8_codes_handoff`), else None. The same
+    plan the quantizing matmul (`try_quantized_matmul`) would run, so that handing codes over never changes which
+    linears run in FP8 (the handed codes only skip the GEMM's own quantization pass)."""
+    plan = plan_for(fmt, False, m, n, k, device)
     if plan.kind == "scaled_mm" or (fmt == "fp8" and _takes_rowwise_codes(plan)):
         return plan
     return None
@@ -278,11 +270,10 @@ def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     """Whether a GEMM of m activation rows with this weight takes FP8 activation codes, so that a fused norm /
     SiLU·mul kernel can hand them over (`fp8_matmul_from_codes`) instead of the bf16 activations the GEMM would
     quantize itself: the plan at m rows is cuBLAS FP8 (`torch._scaled_mm`), rowwise ("fp8") or blockwise
-    ("fp8-block"), or for "fp8" a W8A8 Triton GEMM on prequantized codes, measured at `HANDOFF_MIN_SPEEDUP` of
-    bf16 or better with its own quantization pass. fp8-block also needs K a multiple of 512 (whole groups, and the
-    group count cuBLAS takes unpadded), m a multiple of 16 (the rows cuBLAS blockwise was seen correct with;
-    `dispatch._scaled_mm` pads others, codes are not padded) and the fused kernels' group codes to have passed
-    their check (`decode_fused_group_ok`)."""
+    ("fp8-block"), or for "fp8" a W8A8 Triton GEMM on prequantized codes. fp8-block also needs K a multiple of
+    512 (whole groups, and the group count cuBLAS takes unpadded), m a multiple of 16 (the rows cuBLAS blockwise
+    was seen correct with; `dispatch._scaled_mm` pads others, codes are not padded) and the fused kernels' group
+    codes to have passed their check (`decode_fused_group_ok`)."""
     fmt = getattr(qweight, "fmt", None)
     if fmt not in ("fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
         return False
