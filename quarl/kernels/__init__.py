@@ -251,9 +251,11 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
 
 
 def _takes_rowwise_codes(plan: Plan) -> bool:
-    """Whether `plan` is a W8A8 Triton GEMM fed with prequantized codes and per-token scales (which a fused
-    kernel's rowwise FP8 codes can replace)."""
-    return plan.kind == "w8a8" and plan.x_mode == "prequant"
+    """Whether `plan` is the persistent TMA W8A8 GEMM fed with prequantized codes and per-token scales (which a
+    fused kernel's rowwise FP8 codes can replace). The small-M Triton plans keep quantizing for themselves: the
+    fused decoder's unit-scale path (`fused_decode.unit_scale_matmul`) has been checked at rollout batch sizes
+    (512 rows) only."""
+    return plan.kind == "w8a8" and plan.x_mode == "prequant" and plan.cfg is not None and plan.cfg.tma
 
 
 def _codes_plan(fmt: str, m: int, n: int, k: int, device) -> Plan | None:
