@@ -104,7 +104,7 @@ def main() -> int:
         bad += not ok
         print(f"M={m:2d} N={n:3d} K={k:3d} {fmt} {cfg.name():20s} {str(dtype)[6:]:8s} bias={bias!s:5s} "
               f"err={err:.2e} tol={tol:.1e} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
-    print("all ok" if not bad else f"{bad} FAILED")
+    print(f"all ok (seed {seed})" if not bad else f"{bad} FAILED (seed {seed}: rerun with --seed {seed})")
     return 1 if bad else 0
 
 

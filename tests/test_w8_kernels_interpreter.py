@@ -113,18 +113,32 @@ def test_split_k_w8a8_matches_reference_in_the_interpreter(fmt):
 
 
 _TMA_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
-    from quarl.kernels import w8a8_gemm
-    from quarl.kernels.tuning import Cfg
+    from quarl.kernels import dispatch, w8a8_gemm
+    from quarl.kernels.tuning import Cfg, Plan
 
+    launches = []
+    tma = w8a8_gemm._w8a8_tma
+    w8a8_gemm._w8a8_tma = lambda *a: launches.append(a[-2]) or tma(*a)
     # Several tiles per program (the persistent walk), M and N not multiples of the tile, K over several steps and
     # not a multiple of BK (the descriptor's zero fill past KP), with and without bias; K = 200 has rows of 200
     # bytes, which TMA cannot address (not a multiple of 16): the regular kernel must take over.
-    for m, n, k, cfg in [(70, 40, 384, Cfg(64, 32, 128, native=True, tma=True)),
-                         (130, 72, 400, Cfg(64, 64, 128, group_m=2, native=True, tma=True)),
-                         (9, 24, 200, Cfg(64, 32, 128, native=True, tma=True))]:
+    for m, n, k, cfg, by_tma in [(70, 40, 384, Cfg(64, 32, 128, native=True, tma=True), True),
+                                 (130, 72, 400, Cfg(64, 64, 128, group_m=2, native=True, tma=True), True),
+                                 (9, 24, 200, Cfg(64, 32, 128, native=True, tma=True), False)]:
         x, b, qw, xq, ref, _ = operands(m, n, k, bias=m % 2 == 0)
+        before = len(launches)
         y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, 2, (xq.data, xq.scale))
+        assert (len(launches) > before) == by_tma, (m, n, k, launches)
         assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, m, n, k, cfg, rel_err(y, ref))
+        if FMT != "fp8-tensor":  # handed-over codes (dispatch.codes_matmul), also laid out column-major
+            codes = xq.data.t().contiguous().t()
+            y2 = dispatch.codes_matmul(Plan("w8a8", cfg, "prequant"), codes, xq.scale, qw, b, torch.float16)
+            assert torch.equal(y2, y), (FMT, m, n, k)
+    # no rows: an empty result, not a TMA descriptor of shape 0
+    x, b, qw, xq, ref, _ = operands(1, 40, 384)
+    sx = xq.scale if xq.scale.dim() == 0 else xq.scale[:0]  # (fp8-tensor: one scale for the whole tensor)
+    y = w8a8_gemm.w8a8_matmul(x[:0], qw, b, Cfg(64, 32, 128, native=True, tma=True), 2, (xq.data[:0], sx))
+    assert y.shape == (0, 40)
     print("ok")
 """)
 
@@ -149,6 +163,26 @@ def test_tma_w8a8_refuses_what_it_cannot_run():
         xq = quantize(x, fmt, "activation")
         with pytest.raises(ValueError, match="TMA W8A8 kernel takes prequantized"):
             w8a8_matmul(x, quantize(torch.randn(8, 128), fmt), None, cfg, mode, (xq.data, xq.scale))
+    xq = quantize(x, "int8", "activation")
+    with pytest.raises(ValueError, match="at most 256 rows and 256 columns"):
+        w8a8_matmul(x, quantize(torch.randn(8, 128), "int8"), None, Cfg(64, 64, 512, native=True, tma=True),
+                    X_PREQUANT, (xq.data, xq.scale))
+
+
+def test_plans_drop_tma_and_native_codes_before_hopper(monkeypatch):
+    """Before Hopper (no wgmma, no TMA) a measured TMA plan runs the same tile on the fp16 tensor cores."""
+    pytest.importorskip("triton")
+    import torch
+
+    from quarl import kernels
+    from quarl.kernels.tuning import choose_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    for fmt in ("int8", "fp8"):
+        plan = kernels.plan_for(fmt, False, 4096, 37888, 3584)
+        assert plan.kind == "w8a8" and not plan.cfg.tma and not plan.cfg.native, plan
+        assert choose_plan(fmt, False, 4096, 37888, 3584).cfg.tma  # the measured plan was TMA
 
 
 def test_w8_gemv_takes_one_row():

@@ -96,8 +96,9 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
                                                                      _blockwise_cublas_ok(n, k))):
         # cuBLAS FP8 needs Hopper and N, K multiples of 16; blockwise scaling see _blockwise_cublas_ok.
         plan = Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant")
-    if cap < (9, 0) and plan.cfg is not None and plan.cfg.native:
-        plan = replace(plan, cfg=replace(plan.cfg, native=False))
+    if cap < (9, 0) and plan.cfg is not None and (plan.cfg.native or plan.cfg.tma):
+        # no wgmma / TMA before Hopper: the same tile on the fp16 tensor cores
+        plan = replace(plan, cfg=replace(plan.cfg, native=False, tma=False))
     return plan
 
 
@@ -261,7 +262,9 @@ def _takes_rowwise_codes(plan: Plan) -> bool:
 def _codes_plan(fmt: str, m: int, n: int, k: int, device) -> Plan | None:
     """The FP8 GEMM plan at m rows when it can take activation codes (`fp8_codes_handoff`), else None. The same
     plan the quantizing matmul (`try_quantized_matmul`) would run, so that handing codes over never changes which
-    linears run in FP8 (the handed codes only skip the GEMM's own quantization pass)."""
+    linears run in FP8 (the handed codes only skip the GEMM's own quantization pass). The fused decoder's
+    deferred-scale linears then run their own unit-scale cuBLAS product whatever GEMM the plan names
+    (`fused_decode.unit_scale_matmul`)."""
     plan = plan_for(fmt, False, m, n, k, device)
     if plan.kind == "scaled_mm" or (fmt == "fp8" and _takes_rowwise_codes(plan)):
         return plan
@@ -292,8 +295,9 @@ def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bi
                           out_dtype: torch.dtype) -> torch.Tensor:
     """Q(x) @ deq(W)^T (+ bias) from FP8 activation codes [M, K] (float8_e4m3fn) and float32 scales, for an "fp8"
     (rowwise) weight QuantizedTensor [N, K] with per-token scales [M, 1], or an "fp8-block" weight with 1x128-group
-    scales [M, K/128] laid out column-major (stride 1 along M) -> [M, N] in out_dtype: the same values as
-    `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, fmt, "activation")."""
+    scales [M, K/128] laid out column-major (stride 1 along M) -> [M, N] in out_dtype. Where
+    `fp8_codes_handoff` holds, the same values as `try_quantized_matmul(x, qweight, False, bias)` when
+    (codes, scales) = quantize(x, fmt, "activation"); elsewhere the product runs on cuBLAS FP8."""
     if (qweight.fmt not in ("fp8", "fp8-block") or codes.dtype != torch.float8_e4m3fn or codes.dim() != 2
             or codes.shape[1] != qweight.data.shape[1]):
         raise ValueError(f"fp8_matmul_from_codes needs float8_e4m3fn codes [M, {qweight.data.shape[1]}] and an "

@@ -15,6 +15,16 @@ from quarl.kernels.tuning import Cfg
 # One tile-configuration type for the planner (Triton-free) and the kernels.
 GemmConfig = Cfg
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one for None), cached per device index."""
+    idx = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
 
 @triton.jit
 def pid_to_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):

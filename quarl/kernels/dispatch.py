@@ -76,6 +76,9 @@ def codes_matmul(plan: Plan, codes: torch.Tensor, sx: torch.Tensor, qweight, bia
     """A prequant "w8a8" plan on activation codes [M, Kp] and scales from `quantize_activation` (or a fused kernel
     that makes the same) -> [M, N] in out_dtype: what `run_plan` computes after quantizing x itself."""
     m, k = codes.shape[0], qweight.shape[1]
+    # the kernels read codes with unit stride along K, and the bias as contiguous
+    codes = codes if codes.stride(1) == 1 else codes.contiguous()
+    bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     # w8a8_matmul reads only the shape, dtype and device of x in prequant mode: a zero-stride stand-in.
     x_like = torch.empty((1, 1), dtype=out_dtype, device=codes.device).expand(m, k)
     return w8a8_matmul(x_like, qweight, bias, _gemm_config(plan.cfg, qweight.fmt), X_PREQUANT, (codes, sx))

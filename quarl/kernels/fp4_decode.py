@@ -281,7 +281,8 @@ def _fp4_dec_mma_kernel(
 # ---------------------------------------------------------------------------------------------- host side
 
 _TICKETS: dict[tuple, torch.Tensor] = {}
-# Triton's CPU interpreter (used to check these kernels without a GPU) needs the float32 dot, see `_dot`.
+# Triton's CPU interpreter (used to check these kernels without a GPU) runs no inline PTX and needs the float32
+# dot: see `_halves_f32` and `_dot`.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

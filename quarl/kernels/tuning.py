@@ -14,7 +14,7 @@ A `Plan` names the path:
   "fp4_decode" M <= 64 rows, nvfp4/mxfp4 weights (`quarl.kernels.fp4_decode`): cfg.bm = 1 selects the CUDA-core
                FMA path (M <= 8), cfg.bm = 16 the tensor-core swap-AB path (M padded to 16/32/64); cfg.bn/bk
                (bk: elements, a multiple of 64; >= 128 for bm = 16), split_k (one launch: the last program of
-               a tile sums the fp32 partials), warps, stages; group_m and native unused
+               a tile sums the fp32 partials), warps, stages; group_m, native, swap_ab and tma unused
                (`check_fp4_decode_cfg` says what is allowed);
   "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster.
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"

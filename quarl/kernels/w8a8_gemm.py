@@ -16,6 +16,9 @@ the weight tile sits on the MMA's 64-row side and decode's few token rows on its
 16-row tile is then one m64n16k32 wgmma instead of a 64-row x tile that is mostly padding).
 Scaling: rowwise formats apply s_x[m] * s_w[n] once in the epilogue; fp8-block scales each 128-deep partial
 product by s_x[m, kb] * s_w[n // 128, kb] (BK must be 128).
+Prefill (GemmConfig.tma): `_w8a8_tma_kernel`, persistent (one program per SM walking the output tiles), both
+operands copied by TMA; prequantized rowwise / per-tensor codes on the 8-bit tensor cores, Hopper or newer
+(elsewhere, or where TMA cannot address the rows, the kernel above runs the same tile).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.common import GemmConfig, pid_to_tile, splitk_reduce
+from quarl.kernels.common import GemmConfig, num_sms, pid_to_tile, splitk_reduce
 from quarl.kernels.quant_utils import codes_to, codes_to_f16, quantize_tile, safe_scale
 
 X_RAW, X_FUSED, X_PREQUANT = 0, 1, 2
@@ -196,21 +199,13 @@ def _w8a8_tma_kernel(
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def _tma_usable(xin: torch.Tensor, w: torch.Tensor) -> bool:
-    """TMA needs Hopper or newer, 16-byte aligned bases and row strides, and unit stride along K."""
+    """TMA needs Hopper or newer, 16-byte aligned bases and row strides, unit stride along K, and rows (a
+    descriptor's shape must be positive)."""
     if xin.device.type == "cuda" and torch.cuda.get_device_capability(xin.device)[0] < 9:
         return False
-    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (xin, w))
+    return xin.shape[0] > 0 and w.shape[0] > 0 and \
+        all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (xin, w))
 
 
 def _w8a8_tma(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
@@ -221,7 +216,7 @@ def _w8a8_tma(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
 
     m, n = out.shape
     n_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    programs = max(1, min(n_tiles, _num_sms(out.device) if out.device.type == "cuda" else 2))
+    programs = max(1, min(n_tiles, num_sms(out.device) if out.device.type == "cuda" else 2))
     _w8a8_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
         xs, ws, bias if bias is not None else out, out,
@@ -250,9 +245,10 @@ def w8a8_matmul(
     x_mode: X_RAW (weight-only), X_FUSED (quantize x here) or X_PREQUANT (xq = (codes [M, Kp], scales) from
     `quarl.kernels.act_quant.quantize_activation`; x then only gives the shape and output dtype). fp8-block
     needs cfg.bk == 128; cfg.native needs cfg.bm >= 64 (cfg.bn >= 64 with cfg.swap_ab: the MMA's 64-row side)
-    and an 8-bit activation
-    (x_mode != X_RAW). An fp8-block second operand in the "activation" role (1x128 groups of each row, as the
-    weight gradient's x^T) is scaled per row and group instead of per 128x128 tile.
+    and an 8-bit activation (x_mode != X_RAW); cfg.tma selects the persistent TMA kernel (X_PREQUANT,
+    rowwise / per-tensor, native, no split-K, tiles of at most 256). An fp8-block second operand in the
+    "activation" role (1x128 groups of each row, as the weight gradient's x^T) is scaled per row and group
+    instead of per 128x128 tile.
     """
     fmt = qweight.fmt
     blockwise = fmt == "fp8-block"
@@ -271,6 +267,8 @@ def w8a8_matmul(
     if cfg.tma and (x_mode != X_PREQUANT or blockwise or cfg.split_k != 1 or not cfg.native):
         raise ValueError(f"the TMA W8A8 kernel takes prequantized rowwise / per-tensor codes on the 8-bit tensor "
                          f"cores without split-K, got x_mode={x_mode}, fmt={fmt}, cfg={cfg}")
+    if cfg.tma and max(cfg.bm, cfg.bn, cfg.bk) > 256:
+        raise ValueError(f"TMA copies blocks of at most 256 rows and 256 columns, got cfg={cfg}")
     if cfg.tma and _tma_usable(xq[0], qweight.data):
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         _w8a8_tma(xq[0], xq[1], qweight.data, ws, bias, out, cfg, w_int8)

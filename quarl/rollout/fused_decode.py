@@ -6,9 +6,10 @@ ones, which rounds bf16 outputs differently, and the norm's mean square sums in 
   - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
   - residual add + RMSNorm (+ the next linear's FP8 activation quantization), rotary embedding of q and k, and
     SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`).
-Where the next linear is FP8 on cuBLAS (`kernels.fp8_codes_handoff`: rowwise, or fp8-block with K a multiple of
-512), the norm or SiLU·mul kernel hands it the activation codes and scales (per token, or per 1x128 group)
-directly, so no separate quantization pass reads the activations again.
+Where the next linear's FP8 GEMM takes codes (`kernels.fp8_codes_handoff`: cuBLAS rowwise, or fp8-block with K a
+multiple of 512, or the persistent TMA W8A8 kernel for rowwise codes), the norm or SiLU·mul kernel hands it the
+activation codes and scales (per token, or per 1x128 group) directly, so no separate quantization pass reads the
+activations again.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
 `decode_logits` picks this forward when `fused_decode_supported(model)`.
@@ -327,8 +328,9 @@ def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
 
 
 def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
-    """Codes go from a fused kernel straight to cuBLAS FP8 only when both run: the fused kernels for this dtype
-    (else the activations take the torch pieces, which hand over bf16) and the FP8 GEMM at m rows."""
+    """Codes go from a fused kernel straight to the FP8 GEMM only when both run: the fused kernels for this dtype
+    (else the activations take the torch pieces, which hand over bf16) and an FP8 GEMM that takes codes at m
+    rows."""
     return (qweight.data.is_cuda and kernels.decode_fused_ok(qweight.data.device, linear.compute_dtype)
             and kernels.fp8_codes_handoff(qweight, linear.weight_only, m))
 
@@ -539,8 +541,9 @@ def _unit_product(codes, qweight, unit: torch.Tensor, dtype: torch.dtype) -> tup
 
 def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tensor | None, batch: int) -> tuple:
     """(output, None) of one linear on x or on handed-over codes; with deferred scales (unit given), where the
-    linear runs as cuBLAS FP8 rowwise without a bias or adapter, (unit-scale product, its scales) instead. Handed codes
-    already mean the FP8 GEMM runs; without them the handoff test decides, and x is quantized here."""
+    linear takes rowwise FP8 codes without a bias or adapter, (unit-scale cuBLAS product, its scales) instead,
+    whichever codes-taking GEMM its plan names. Handed codes already mean the FP8 GEMM runs; without them the
+    handoff test decides, and x is quantized here."""
     if unit is None or linear.bias is not None or linear.rollout_format != "fp8" or linear.lora_rank or \
             (codes is None and linear_codes_handoff(linear, batch) is None):
         return linear_from(linear, x, codes), None
