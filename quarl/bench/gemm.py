@@ -144,6 +144,9 @@ def add_bench_gemm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes that compile and check the kernels before timing (0 = none)")
     parser.add_argument("--sweep", action="store_true", help="time every candidate plan (tuning), not the dispatch")
+    parser.add_argument("--codes-given", action="store_true",
+                        help="also time each plan that takes activation codes with the codes made beforehand (the "
+                             "GEMM alone, as when a fused norm hands its FP8 codes over): an extra column")
     add_output_arguments(parser, DEFAULT_RESULTS, "also write every measurement to this JSON file")
 
 
@@ -417,18 +420,23 @@ def run_bench_gemm(args) -> int:
                             err = _rel_err(torch, run_plan(p, x, qw, None), _reference(torch, x, qw, weight_only[f]))
                         except Exception as e:
                             err = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    t_codes = float("nan")
                     if isinstance(err, str):
                         t, note = float("nan"), err
                     else:
                         try:
                             t = time_graph(torch, lambda i, p=p: run_plan(p, x, cps[i], None), nc, args.repeats)
                             note = ""
+                            if args.codes_given and takes_codes(p, f, weight_only[f]):
+                                fn = _codes_runner(p, f, x, qw)
+                                t_codes = time_graph(torch, lambda i, fn=fn: fn(cps[i]), nc, args.repeats)
                         except Exception as e:  # a config that does not fit (shared memory), etc.
                             t, note = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     rows.append(dict(shape=s, n=n, k=k, m=m, fmt=f, path=_plan_name(p), time_us=t * 1e6,
                                      speedup=t_bf16 / t, roof=t_roof / t, err=err,
                                      dispatch="kernel" if dispatched.kind != "bf16" else "bf16", note=note,
-                                     plan=_plan_dict(p)))
+                                     plan=_plan_dict(p), time_codes_us=t_codes * 1e6,
+                                     speedup_codes=t_bf16 / t_codes))
                 cps = None  # free the copies (the timed lambda closes over the name)
             print(f"  {s} M={m} done ({time.time() - t0:.0f} s)", flush=True)
         del qws, w_bf16
@@ -448,6 +456,32 @@ def run_bench_gemm(args) -> int:
         _append_results(args, bw, rate, table, summary)
         print(f"appended to {args.out}")
     return 0
+
+
+def takes_codes(plan, fmt: str, weight_only: bool) -> bool:
+    """Whether a plan can start from activation codes made beforehand (`--codes-given`): the W8A8 / GEMV plans in
+    prequant mode, and cuBLAS FP8 with rowwise or per-tensor scales (blockwise cuBLAS pads rows and groups first)."""
+    if weight_only:
+        return False
+    if plan.kind in ("w8a8", "gemv"):
+        return plan.x_mode == "prequant"
+    return plan.kind == "scaled_mm" and fmt in ("fp8", "fp8-tensor")
+
+
+def _codes_runner(plan, fmt: str, x, qw):
+    """fn(qweight) running `plan` on activation codes of x quantized once here (`takes_codes` plans only)."""
+    from quarl.kernels.act_quant import quantize_activation
+    from quarl.kernels.dispatch import codes_matmul, scaled_mm_codes
+    from quarl.kernels.gemv import w8_gemv
+    from quarl.kernels.w8a8_gemm import X_PREQUANT
+
+    codes, sx = quantize_activation(x, fmt, qw.data.shape[1])
+    if plan.kind == "scaled_mm":
+        return lambda q: scaled_mm_codes(codes, sx, q, None, x.dtype)
+    if plan.kind == "gemv":
+        c = plan.cfg
+        return lambda q: w8_gemv(x, q, None, c.bn, c.bk, c.warps, c.stages, X_PREQUANT, (codes, sx))
+    return lambda q: codes_matmul(plan, codes, sx, q, None, x.dtype)
 
 
 def _plan_name(p) -> str:
@@ -479,8 +513,11 @@ def _format_table(rows: list[dict], best_only: bool) -> str:
         key = (r["shape"], r["m"], r["fmt"])
         if r["time_us"] == r["time_us"] and (key not in best or r["time_us"] < best[key]["time_us"]):
             best[key] = r
-    lines = ["| shape (N x K) | M | format | path | time (us) | vs bf16 | % roofline | rel. err | dispatch |",
-             "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    # With --codes-given: the plans that start from codes made beforehand, timed so too (GEMM alone).
+    codes = any(r.get("time_codes_us", float("nan")) == r.get("time_codes_us") for r in rows)
+    lines = ["| shape (N x K) | M | format | path | time (us) | vs bf16 | % roofline | rel. err | dispatch |"
+             + (" codes given (us) | vs bf16 |" if codes else ""),
+             "|---|---:|---|---|---:|---:|---:|---:|---|" + ("---:|---:|" if codes else "")]
     for r in rows:
         mark = " **best**" if best_only and best.get((r["shape"], r["m"], r["fmt"])) is r and r["fmt"] != "bf16" else ""
         t = r["time_us"]
@@ -488,8 +525,12 @@ def _format_table(rows: list[dict], best_only: bool) -> str:
         sp = f"{r['speedup']:.2f}x" if t == t else "-"
         rf = f"{100 * r['roof']:.0f}%" if t == t else "-"
         note = f" ({r['note']})" if r.get("note") else ""
-        lines.append(f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | {r['fmt']} | {r['path']}{mark}{note} | "
-                     f"{tt} | {sp} | {rf} | {_fmt_err(r['err'])} | {r['dispatch']} |")
+        line = (f"| {r['shape']} ({r['n']} x {r['k']}) | {r['m']} | {r['fmt']} | {r['path']}{mark}{note} | "
+                f"{tt} | {sp} | {rf} | {_fmt_err(r['err'])} | {r['dispatch']} |")
+        if codes:
+            tc = r.get("time_codes_us", float("nan"))
+            line += f" {tc:.1f} | {r['speedup_codes']:.2f}x |" if tc == tc else " - | - |"
+        lines.append(line)
     return "\n".join(lines)
 
 

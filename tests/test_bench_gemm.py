@@ -1,0 +1,40 @@
+"""`quarl bench gemm` pieces that need no GPU: which plans `--codes-given` times from codes made beforehand, and
+the table's extra columns."""
+
+import math
+import random
+
+from quarl.bench.gemm import _format_table, takes_codes
+from quarl.kernels.tuning import Cfg, Plan
+
+
+def test_codes_given_applies_to_the_plans_that_start_from_codes():
+    pre = Plan("w8a8", Cfg(64, 64, 128, native=True), "prequant")
+    assert takes_codes(pre, "int8", False) and takes_codes(pre, "fp8-block", False)
+    assert takes_codes(Plan("gemv", Cfg(1, 8, 512), "prequant"), "fp8", False)
+    assert takes_codes(Plan("scaled_mm"), "fp8", False) and takes_codes(Plan("scaled_mm"), "fp8-tensor", False)
+    assert not takes_codes(Plan("scaled_mm"), "fp8-block", False)  # blockwise cuBLAS pads rows and groups first
+    assert not takes_codes(Plan("w8a8", Cfg(64, 64, 128), "fused"), "fp8", False)  # quantizes inside
+    assert not takes_codes(Plan("gemv", Cfg(1, 8, 512), "fused"), "fp8", False)
+    assert not takes_codes(pre, "fp8", True)  # weight-only: no activation codes at all
+    assert not takes_codes(Plan("fp4", Cfg(16, 64, 256)), "nvfp4", False)
+    assert not takes_codes(Plan("deq_mm"), "nvfp4", False)
+
+
+def _row(fmt, t, t_codes=None, bf16=10.0):
+    r = dict(shape="o", n=3584, k=3584, m=16, fmt=fmt, path="p", time_us=t, speedup=bf16 / t, roof=0.5, err=1e-3,
+             dispatch="kernel")
+    if t_codes is not None:
+        r.update(time_codes_us=t_codes, speedup_codes=bf16 / t_codes)
+    return r
+
+
+def test_table_shows_the_codes_given_columns_only_when_measured():
+    t, tc = random.uniform(5, 20), random.uniform(2, 5)
+    plain = _format_table([_row("bf16", 10.0), _row("fp8", t)], best_only=False).splitlines()
+    assert all(line.count("|") == 10 for line in plain)
+    rows = [_row("bf16", 10.0), _row("fp8", t, tc), _row("int8", t, math.nan)]
+    lines = _format_table(rows, best_only=False).splitlines()
+    assert "codes given (us)" in lines[0] and all(line.count("|") == 12 for line in lines)
+    assert lines[3].endswith(f" {tc:.1f} | {10.0 / tc:.2f}x |")
+    assert lines[2].endswith(" - | - |") and lines[4].endswith(" - | - |")  # bf16, and a plan not timed so
