@@ -50,7 +50,9 @@ _HELPERS = textwrap.dedent("""
 """)
 
 _GEMV_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
+    from quarl.kernels import dispatch
     from quarl.kernels.gemv import w8_gemv
+    from quarl.kernels.tuning import Cfg, Plan
 
     # N not a multiple of BN, and over several 128-row weight tiles; K not a multiple of BK (fp8-block: nor of
     # 128), BK of several 128-groups, K over the amax pass's 4096-column loads, K a multiple of BK (EVEN_K)
@@ -69,6 +71,8 @@ _GEMV_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
             assert err < 2e-3, (FMT, mode, m, n, k, bn, bk, err)
         if 1 in ys:  # the codes quantized inside equal the prequantized ones, summed in the same order
             assert torch.equal(ys[1], ys[2]), (FMT, m, n, k)
+        plan = Plan("gemv", Cfg(1, bn, bk, warps=4, stages=1), "prequant")  # handed-over codes, the same kernel
+        assert torch.equal(dispatch.codes_matmul(plan, xq.data, xq.scale, qw, b, torch.float16), ys[2])
     print("ok")
 """)
 

@@ -427,11 +427,14 @@ def run_bench_gemm(args) -> int:
                         try:
                             t = time_graph(torch, lambda i, p=p: run_plan(p, x, cps[i], None), nc, args.repeats)
                             note = ""
-                            if args.codes_given and takes_codes(p, f, weight_only[f]):
-                                fn = _codes_runner(p, f, x, qw)
-                                t_codes = time_graph(torch, lambda i, fn=fn: fn(cps[i]), nc, args.repeats)
                         except Exception as e:  # a config that does not fit (shared memory), etc.
                             t, note = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                        if args.codes_given and t == t and takes_codes(p, f, weight_only[f]):
+                            try:
+                                fn = _codes_runner(p, f, x, qw)
+                                t_codes = time_graph(torch, lambda i, fn=fn: fn(cps[i]), nc, args.repeats)
+                            except Exception as e:
+                                note = f"codes given: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     rows.append(dict(shape=s, n=n, k=k, m=m, fmt=f, path=_plan_name(p), time_us=t * 1e6,
                                      speedup=t_bf16 / t, roof=t_roof / t, err=err,
                                      dispatch="kernel" if dispatched.kind != "bf16" else "bf16", note=note,
@@ -471,16 +474,9 @@ def takes_codes(plan, fmt: str, weight_only: bool) -> bool:
 def _codes_runner(plan, fmt: str, x, qw):
     """fn(qweight) running `plan` on activation codes of x quantized once here (`takes_codes` plans only)."""
     from quarl.kernels.act_quant import quantize_activation
-    from quarl.kernels.dispatch import codes_matmul, scaled_mm_codes
-    from quarl.kernels.gemv import w8_gemv
-    from quarl.kernels.w8a8_gemm import X_PREQUANT
+    from quarl.kernels.dispatch import codes_matmul
 
     codes, sx = quantize_activation(x, fmt, qw.data.shape[1])
-    if plan.kind == "scaled_mm":
-        return lambda q: scaled_mm_codes(codes, sx, q, None, x.dtype)
-    if plan.kind == "gemv":
-        c = plan.cfg
-        return lambda q: w8_gemv(x, q, None, c.bn, c.bk, c.warps, c.stages, X_PREQUANT, (codes, sx))
     return lambda q: codes_matmul(plan, codes, sx, q, None, x.dtype)
 
 

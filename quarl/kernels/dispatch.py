@@ -73,15 +73,21 @@ def scaled_mm_codes(codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.
 
 def codes_matmul(plan: Plan, codes: torch.Tensor, sx: torch.Tensor, qweight, bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    """A prequant "w8a8" plan on activation codes [M, Kp] and scales from `quantize_activation` (or a fused kernel
-    that makes the same) -> [M, N] in out_dtype: what `run_plan` computes after quantizing x itself."""
+    """A plan that starts from activation codes (prequant "w8a8" / "gemv", or "scaled_mm" with rowwise or
+    per-tensor scales) on codes [M, Kp] and scales from `quantize_activation` (or a fused kernel that makes the
+    same) -> [M, N] in out_dtype: what `run_plan` computes after quantizing x itself."""
+    if plan.kind == "scaled_mm":
+        return scaled_mm_codes(codes, sx, qweight, bias, out_dtype)
     m, k = codes.shape[0], qweight.shape[1]
     # the kernels read codes with unit stride along K, and the bias as contiguous
     codes = codes if codes.stride(1) == 1 else codes.contiguous()
     bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
-    # w8a8_matmul reads only the shape, dtype and device of x in prequant mode: a zero-stride stand-in.
+    # in prequant mode the kernels read only the shape, dtype and device of x: a zero-stride stand-in
     x_like = torch.empty((1, 1), dtype=out_dtype, device=codes.device).expand(m, k)
-    return w8a8_matmul(x_like, qweight, bias, _gemm_config(plan.cfg, qweight.fmt), X_PREQUANT, (codes, sx))
+    c = plan.cfg
+    if plan.kind == "gemv":
+        return w8_gemv(x_like, qweight, bias, c.bn, c.bk, c.warps, c.stages, X_PREQUANT, (codes, sx))
+    return w8a8_matmul(x_like, qweight, bias, _gemm_config(c, qweight.fmt), X_PREQUANT, (codes, sx))
 
 
 def run_plan(plan: Plan, x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Tensor:

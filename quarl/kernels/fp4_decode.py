@@ -138,21 +138,20 @@ def _epilogue(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_pt
 
 
 @triton.jit
-def _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step's operands for word indices wi [BKW]: code words v int32 [BN, BKW], their block-scale bytes
-    sc [BN, BKW] and x [R, BKW, 8] (rows w_rows / s_rows / x_rows are pointer columns [BN, 1] / [BN, 1] /
-    [R, 1, 1]). Masked loads give zero codes and zero x outside N, M and the padded K."""
-    kx = wi[:, None] * 8 + ar_e[None, :]  # element index [BKW, 8]
+def _load_step(w_ptrs, s_ptrs, x_ptrs, n_ok, m_ok, w_in_k, x_in_k, EVEN_K: tl.constexpr):
+    """One K step's operands from pointer tensors in the layout the caller chose: code words v int32 and their
+    block-scale bytes sc (the shape of w_ptrs / s_ptrs), x (the shape of x_ptrs, [..., BKW, 8]). n_ok / m_ok
+    mask the rows past N / M, w_in_k / x_in_k the words past KW and the elements past K (not used with EVEN_K).
+    Masked loads give zero codes and zero x."""
     if EVEN_K:
-        v = tl.load(w_rows + wi[None, :], mask=n_ok[:, None], other=0)
-        sc = tl.load(s_rows + (wi // WPG)[None, :], mask=n_ok[:, None], other=0)
-        x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None], other=0.0)
+        v = tl.load(w_ptrs, mask=n_ok, other=0)
+        sc = tl.load(s_ptrs, mask=n_ok, other=0)
+        x3 = tl.load(x_ptrs, mask=m_ok, other=0.0)
     else:
-        w_ok = n_ok[:, None] & (wi < KW)[None, :]
-        v = tl.load(w_rows + wi[None, :], mask=w_ok, other=0)
-        sc = tl.load(s_rows + (wi // WPG)[None, :], mask=w_ok, other=0)
+        v = tl.load(w_ptrs, mask=n_ok & w_in_k, other=0)
+        sc = tl.load(s_ptrs, mask=n_ok & w_in_k, other=0)
         # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
-        x3 = tl.load(x_rows + kx[None, :, :], mask=m_ok[:, None, None] & (kx < K)[None, :, :], other=0.0)
+        x3 = tl.load(x_ptrs, mask=m_ok & x_in_k, other=0.0)
     return v, sc, x3
 
 
@@ -186,17 +185,9 @@ def _fp4_dec_fma_kernel(
     x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + kx
     acc = tl.zeros((BM, BN, BKW), dtype=tl.float32)
     for it in range(0, words_per_split // BKW):
-        if EVEN_K:
-            v = tl.load(w_ptrs, mask=nk_ok, other=0)
-            sc = tl.load(s_ptrs, mask=nk_ok, other=0)
-            # x as [BM, BKW, 8] (one 16-byte load per word and row), split in registers into element positions.
-            x3 = tl.load(x_ptrs, mask=m_ok[:, None, None], other=0.0)
-        else:
-            w_ok = nk_ok & ((w0 + it * BKW) < KW)[None, None, :]
-            v = tl.load(w_ptrs, mask=w_ok, other=0)
-            sc = tl.load(s_ptrs, mask=w_ok, other=0)
-            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
-            x3 = tl.load(x_ptrs, mask=m_ok[:, None, None] & (kx + it * BKW * 8 < K), other=0.0)
+        # x as [BM, BKW, 8] (one 16-byte load per word and row), split in registers into element positions.
+        v, sc, x3 = _load_step(w_ptrs, s_ptrs, x_ptrs, nk_ok, m_ok[:, None, None],
+                               ((w0 + it * BKW) < KW)[None, None, :], kx + it * BKW * 8 < K, EVEN_K)
         w_ptrs += BKW
         s_ptrs += BKW // WPG
         x_ptrs += BKW * 8
@@ -266,7 +257,9 @@ def _fp4_dec_mma_kernel(
     acc = tl.zeros((BN, BMX), dtype=tl.float32)
     for it in range(0, words_per_split // BKW):
         wi = pid_k * words_per_split + it * BKW + ar_w
-        v, sc, x3 = _load_step(w_rows, s_rows, x_rows, wi, ar_e, n_ok, m_ok, K, KW, WPG, EVEN_K)
+        kx = wi[:, None] * 8 + ar_e[None, :]  # element index [BKW, 8]
+        v, sc, x3 = _load_step(w_rows + wi[None, :], s_rows + (wi // WPG)[None, :], x_rows + kx[None, :, :],
+                               n_ok[:, None], m_ok[:, None, None], (wi < KW)[None, :], (kx < K)[None, :, :], EVEN_K)
         sf = _scale_f32(sc, IS_MX)
         x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BMX, BKW)
         acc = _scaled_dot(_pair_bits(v, 0), x0, x4, sf, acc, DT, INTERPRETED)
