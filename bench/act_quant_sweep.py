@@ -1,10 +1,11 @@
-"""Activation quantization at training shapes: the row kernel (`_act_quant_kernel`, one program per row) at each
-block / warps, fp8-block codes with column-major scales as the FP8 training linear takes them. Microseconds
+"""Activation quantization (`_act_quant_kernel`) at each block / warps against the default launch, at training
+shapes (fp8-block codes with column-major scales, as the FP8 training linear takes them) or decode shapes
+(`--fmt fp8 --m 1,16,64,512`: per-row scales; a block below K walks each row twice, the old route). Microseconds
 (CUDA-graph replays) and % of the measured copy bandwidth (bytes read + codes written). Codes and scales must be
 identical to the default launch's. (A tile kernel, one program per 16-64 rows x one 128-wide group, was tried
 and dropped: it won only at K = 512, 10 us against 15; bench/results/gemm.md.)
 
-    PYTHONPATH=. python3 bench/act_quant_sweep.py [--m 20480]
+    PYTHONPATH=. python3 bench/act_quant_sweep.py [--m 20480] [--fmt fp8-block]
 """
 
 from __future__ import annotations
@@ -13,31 +14,54 @@ import argparse
 
 import torch
 from quarl.bench.gemm import measure_ceilings
-from quarl.bench.rollout_breakdown import _graph_ms
 from quarl.kernels.act_quant import quantize_activation
+
+
+def per_call_us(fn, calls: int = 50, reps: int = 10) -> float:
+    """Mean microseconds per call of fn, from replays of one CUDA graph of `calls` back-to-back calls (the graph
+    launch spread over them, as between a decode step's kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, default=20480)
+    parser.add_argument("--m", default="20480", help="comma list of row counts")
+    parser.add_argument("--fmt", default="fp8-block", help="int8, fp8, fp8-block or fp8-tensor")
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch)
-    print(f"GPU: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; M = {args.m}")
-    print("| K | kernel | us | % copy bw |\n|---:|---|---:|---:|")
-    for k in (512, 3584, 18944):
-        x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16) * 3
-        ref = quantize_activation(x, "fp8-block", k, scales_column_major=True)
-        floor = 3 * x.numel() / bw * 1e6
-        variants = {f"row block {b} warps {w}": (lambda b=b, w=w: quantize_activation(
-            x, "fp8-block", k, scales_column_major=True, block=b, num_warps=w)) for b in (512, 1024, 2048)
-            for w in (2, 4, 8)}
-        for name, fn in variants.items():
-            codes, scales = fn()
-            if not (torch.equal(codes.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(scales, ref[1])):
-                print(f"| {k} | {name} | MISMATCH | |")
-                continue
-            t = 1e3 * _graph_ms(torch, fn, 20)
-            print(f"| {k} | {name} | {t:.1f} | {100 * floor / t:.0f}% |")
+    print(f"GPU: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; format {args.fmt}")
+    print("| M | K | kernel | us | % copy bw |\n|---:|---:|---|---:|---:|")
+    column_major = args.fmt == "fp8-block"
+    for m in [int(v) for v in args.m.split(",")]:
+        for k in (512, 3584, 18944):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+            ref = quantize_activation(x, args.fmt, k, scales_column_major=column_major)
+            floor = 3 * x.numel() / bw * 1e6
+            variants = {"default": lambda: quantize_activation(x, args.fmt, k, scales_column_major=column_major)}
+            variants.update({f"block {b} warps {w}": (lambda b=b, w=w: quantize_activation(
+                x, args.fmt, k, scales_column_major=column_major, block=b, num_warps=w))
+                for b in (512, 1024, 2048, 4096) for w in (2, 4, 8)})
+            for name, fn in variants.items():
+                codes, scales = fn()
+                if not (torch.equal(codes.view(torch.uint8), ref[0].view(torch.uint8))
+                        and torch.equal(scales, ref[1])):
+                    print(f"| {m} | {k} | {name} | MISMATCH | |")
+                    continue
+                t = per_call_us(fn, calls=50 if m <= 4096 else 5)
+                print(f"| {m} | {k} | {name} | {t:.1f} | {100 * floor / t:.0f}% |")
 
 
 if __name__ == "__main__":

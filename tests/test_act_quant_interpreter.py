@@ -1,0 +1,47 @@
+"""The activation quantization kernel (`quarl.kernels.act_quant`) in Triton's CPU interpreter, against
+`quarl.formats.quantize(x, fmt, "activation")` and `fake_quantize`: codes and scales bit for bit, through each
+of the kernel's routes (a whole row in one pass, a row walked block by block, rows split over programs). The
+compiled kernel runs the same checks on a GPU in tests/test_kernels_gpu.py (test_activation_quantization_is_exact).
+"""
+
+import textwrap
+
+import pytest
+
+from interpreter import INTERPRETER_PATCH, run_in_interpreter
+
+_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
+    from quarl.formats import quantize
+    from quarl.formats.registry import fake_quantize_unchecked
+    from quarl.kernels import act_quant
+
+    FMT = FMT_ARG
+    torch.manual_seed(SEED_ARG)
+    print("seed", SEED_ARG)  # shown with the traceback when a check fails
+    # K: one 128-group; ragged (a partial group, zero codes past K for fp8-block); several blocks of 256
+    for m, k in [(3, 128), (4, 1000), (2, 700)]:
+        x = (torch.randn(m, k) * torch.rand(m, 1) * 10).half()
+        x[0, : k // 2] = 0  # a zero 1x128 group / half row
+        x[1] = 0  # an all-zero row: scale 1
+        ref = quantize(x, FMT, "activation")
+        kp = ref.data.shape[-1]
+        # default (one pass for per-row scales), 256-column blocks (a row walked twice; groups split over programs)
+        for block in (None, 256, 128):
+            codes, scales = act_quant.quantize_activation(x, FMT, kp, block=block)
+            assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape, (codes.shape, ref.data.shape)
+            assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (FMT, m, k, block, "scales")
+            assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (FMT, m, k, block, "codes")
+        y = act_quant.fake_quantize_activation(x, FMT)
+        want = fake_quantize_unchecked(x, FMT, "activation")
+        assert y.dtype == x.dtype and torch.equal(y, want), (FMT, m, k, "fake quantize")
+        assert not torch.equal(y, x)  # the rounding changes values: the check above can fail
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "fp8-tensor"])
+def test_activation_quantization_matches_formats_in_the_interpreter(fmt):
+    import torch
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    run_in_interpreter(_CHECK.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
