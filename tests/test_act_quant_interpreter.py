@@ -1,6 +1,7 @@
 """The activation quantization kernel (`quarl.kernels.act_quant`) in Triton's CPU interpreter, against
 `quarl.formats.quantize(x, fmt, "activation")` and `fake_quantize`: codes and scales bit for bit, through each
-of the kernel's routes (a whole row in one pass, a row walked block by block, rows split over programs). The
+of the kernel's routes (a whole row in one pass, a row walked twice for its amax, rows split over programs or
+walked block by block). The
 compiled kernel runs the same checks on a GPU in tests/test_kernels_gpu.py (test_activation_quantization_is_exact).
 """
 
@@ -26,11 +27,14 @@ _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
         ref = quantize(x, FMT, "activation")
         kp = ref.data.shape[-1]
         # default (one pass for per-row scales), 256-column blocks (a row walked twice; groups split over programs)
-        for block in (None, 256, 128):
+        # with SPLIT_ROWS_BELOW = 1, rows are walked block by block by one program each, however few
+        for block, split_below in [(None, 1024), (256, 1024), (128, 1024), (256, 1), (None, 1)]:
+            act_quant.SPLIT_ROWS_BELOW = split_below
             codes, scales = act_quant.quantize_activation(x, FMT, kp, block=block)
             assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape, (codes.shape, ref.data.shape)
-            assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (FMT, m, k, block, "scales")
-            assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (FMT, m, k, block, "codes")
+            where = (FMT, m, k, block, split_below)
+            assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (where, "scales")
+            assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (where, "codes")
         y = act_quant.fake_quantize_activation(x, FMT)
         want = fake_quantize_unchecked(x, FMT, "activation")
         assert y.dtype == x.dtype and torch.equal(y, want), (FMT, m, k, "fake quantize")

@@ -4,8 +4,8 @@ Matches `quarl.formats.quantize(x, fmt, "activation")` bit for bit (same scale a
   int8 / fp8   one scale per row (token), scales [M, 1];
   fp8-block    one scale per 1x128 group, scales [M, Kp/128];
   fp8-tensor   one scale for the whole tensor (0-dim; its amax is a torch reduction, then this kernel).
-Rows of up to 32768 columns are quantized in one pass from registers; 1x128 groups and a given scale split a
-row over several programs; only longer rows with per-row scales loop over the row twice.
+Per-row scales: rows of up to 4096 columns are quantized in one pass from registers, longer rows walked twice
+(amax, then codes). 1x128 groups and a given scale: a few rows are split over programs, many rows walked once.
 
 `fake_quantize_activation` runs the same kernel but writes dequantize(quantize(x)) in x's dtype instead of the
 codes: the W8A8 values a bf16 GEMM multiplies where no 8-bit kernel is faster, in one pass instead of the dozen
@@ -23,9 +23,11 @@ from quarl.formats.base import safe_scale as safe_scale_t
 from quarl.kernels.quant_utils import quantize_tile, safe_scale
 
 MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
-# per-row scales: rows up to this many columns are quantized in one pass from registers (16 warps: 64 values a
-# thread at the limit); longer rows loop over the row twice
-ROW_BLOCK_MAX = 32768
+# per-row scales: rows up to this many columns are quantized in one pass from registers (8 warps: 16 values a
+# thread); longer rows are walked twice in blocks of this size
+ROW_BLOCK_MAX = 4096
+# 1x128 groups / a given scale with fewer rows than this: each row's blocks spread over programs
+SPLIT_ROWS_BELOW = 1024
 
 
 @triton.jit
@@ -45,51 +47,50 @@ def _quantize_store(v, s, q_row, k, ar, K, KP, IS_INT8: tl.constexpr, DEQUANT: t
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, stride_xm, stride_qm, stride_sm, stride_sg,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, stride_sm, stride_sg,
                       IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, DEQUANT: tl.constexpr,
-                      ROW_LOOP: tl.constexpr):
+                      AMAX_PASS: tl.constexpr):
     """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
     (MODE 0: [M] at stride_sm, written; 1: [M, KP/128] at strides (stride_sm, stride_sg), written;
     2: one scale read from s_ptr).
     DEQUANT: q is [M, K] in q_ptr's float dtype and receives code * scale (rounded once from float32, as
     `QuantizedTensor.dequantize`) instead of the codes; the scales are still written.
 
-    pid 0 picks the row. Without ROW_LOOP each program quantizes the BLOCK columns from pid 1 * BLOCK in one
-    pass (MODE 0 needs BLOCK >= KP: the whole row in registers). ROW_LOOP (MODE 0, rows longer than one block):
-    one program per row loops over it twice, for the amax and then for the codes (the second pass hits L1/L2)."""
+    pid 0 picks the row, pid 1 a run of `steps` blocks of BLOCK columns, quantized one block after the other.
+    MODE 0 with AMAX_PASS (rows longer than one block): one program per row first walks the row for its amax
+    (the second walk, for the codes, hits L1/L2); without it the block is the whole row, quantized in one pass."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 for long training batches
     ar = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
-    if ROW_LOOP:
+    if MODE == 1:  # [BLOCK / 128, 128]: a 1x128 group per row of the tile
+        offs = tl.arange(0, BLOCK // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    else:
+        offs = ar
+    if AMAX_PASS:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for it in range(0, tl.cdiv(K, BLOCK)):
             v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         s = safe_scale(tl.max(amax, axis=0), QMAX)
         tl.store(s_ptr + row * stride_sm, s)
-        for it in range(0, tl.cdiv(KP, BLOCK)):
-            v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0).to(tl.float32)
-            _quantize_store(v, s, q_row, it * BLOCK, ar, K, KP, IS_INT8, DEQUANT)
-    else:
-        k = tl.program_id(1) * BLOCK
-        if MODE == 1:  # [BLOCK / 128, 128]: a 1x128 group per row of the tile
-            offs = tl.arange(0, BLOCK // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
-        else:
-            offs = ar
+    elif MODE == 2:
+        s = tl.load(s_ptr)
+    for it in range(0, steps):
+        k = (tl.program_id(1) * steps + it) * BLOCK
         v = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
         if MODE == 1:
             sg = safe_scale(tl.max(tl.abs(v), axis=1), QMAX)
             ar_g = tl.arange(0, BLOCK // 128)
             tl.store(s_ptr + row * stride_sm + (k // 128 + ar_g) * stride_sg, sg, mask=k // 128 + ar_g < KP // 128)
-            s = sg[:, None]
-        elif MODE == 0:
+            _quantize_store(v, sg[:, None], q_row, k, offs, K, KP, IS_INT8, DEQUANT)
+        elif MODE == 0 and not AMAX_PASS:
             s = safe_scale(tl.max(tl.abs(v), axis=0), QMAX)
             tl.store(s_ptr + row * stride_sm, s)
+            _quantize_store(v, s, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
         else:
-            s = tl.load(s_ptr)
-        _quantize_store(v, s, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
+            _quantize_store(v, s, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
 
 
 @triton.jit
@@ -221,7 +222,7 @@ def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major:
     torch._scaled_mm's blockwise scaling expects.
     block, num_warps: columns per program or loop step (a power of two >= 128) and warps per program. Default:
         per-row scales the whole row (kp rounded up to a power of two, at most ROW_BLOCK_MAX; longer rows loop),
-        else 1024 columns; warps raised to block / 1024 (at most 16).
+        else 1024 columns; warps raised to block / 512 (at most 8).
     """
     is_int8 = fmt == "int8"
     codes = torch.empty((x.shape[0], kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
@@ -256,17 +257,21 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
     else:
         mode, scales = MODE_ROW, torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if block is None:
-        # the whole row in one block (one pass, every load in flight at once) up to ROW_BLOCK_MAX columns; a
-        # small M would otherwise leave a program per row walking its row block by block, latency-bound
+        # per-row scales: the whole row in one block up to ROW_BLOCK_MAX columns (every load in flight at once),
+        # in blocks of that size beyond (bench/act_quant_sweep.py at decode shapes, bench/results/gemm.md)
         block = min(triton.next_power_of_2(max(kp, 128)), ROW_BLOCK_MAX if mode == MODE_ROW else 1024)
-        num_warps = max(num_warps, min(16, block // 1024))
+        num_warps = max(num_warps, min(8, block // 512))
     elif block < 128 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 128 (whole 1x128 groups), got {block}")
-    row_loop = mode == MODE_ROW and block < kp
+    n_blocks = triton.cdiv(kp, block)
+    amax_pass = mode == MODE_ROW and n_blocks > 1
+    # a few rows: their blocks spread over programs (groups and a given scale need no whole-row amax); many
+    # rows: a program per row walks its blocks (fewer, longer programs measured faster at 20480 rows)
+    split = 1 if amax_pass or M >= SPLIT_ROWS_BELOW else n_blocks
     if M > 0:
-        _act_quant_kernel[(M, 1 if row_loop else triton.cdiv(kp, block))](
-            x, out, scales, K, kp, x.stride(0), out.stride(0), scales.stride(0) if scales.dim() else 0,
-            scales.stride(1) if scales.dim() == 2 else 1,
-            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, ROW_LOOP=row_loop, num_warps=num_warps,
+        _act_quant_kernel[(M, split)](
+            x, out, scales, K, kp, n_blocks // split, x.stride(0), out.stride(0),
+            scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,
+            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass, num_warps=num_warps,
         )
     return scales
