@@ -48,6 +48,9 @@ def main() -> None:
             for fmt in args.formats.split(","):
                 qw = quantize(w, fmt)
                 plan = plan_for(fmt, False, m, n, k)
+                if plan.kind == "bf16":
+                    print(f"| {shape} | {m} | {fmt} | bf16 fallback | - | - |")
+                    continue
                 for name, t in kernel_times(lambda: run_plan(plan, x, qw, None)).items():
                     print(f"| {shape} | {m} | {fmt} | {plan.kind} {plan.cfg} | {name} | {t:.1f} |")
 
