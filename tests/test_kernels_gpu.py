@@ -17,8 +17,8 @@ import torch
 
 from quarl.formats import quantize
 from quarl.kernels import plan_for, quantized_matmul, try_quantized_matmul
-from quarl.kernels.tuning import (FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, MEASURED, M_BUCKETS, W8A16_PLANS, Cfg, Plan,
-                                  check_fp4_decode_cfg, choose_plan)
+from quarl.kernels.tuning import (FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, MEASURED, M_BUCKETS, MIN_SPEEDUP, W8A16_PLANS,
+                                  Cfg, Plan, check_fp4_decode_cfg, choose_plan)
 
 EXACT_TOL = 5e-3
 DEQ_TOL = 1.5e-2
@@ -440,7 +440,7 @@ def test_tuning_tables_are_consistent(family):
     if family in MEASURED:
         for (n, k), table in MEASURED[family].items():
             for b, (plan, speedup) in table.items():
-                expected = plan if speedup >= 1.0 else Plan("bf16")
+                expected = plan if speedup >= MIN_SPEEDUP else Plan("bf16")
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k) == expected
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k,
                                    prefer_kernel=True) == plan
