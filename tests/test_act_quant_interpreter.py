@@ -27,12 +27,14 @@ _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
         ref = quantize(x, FMT, "activation")
         kp = ref.data.shape[-1]
         # default (one pass for per-row scales), 256-column blocks (a row walked twice; groups split over programs)
-        # with SPLIT_ROWS_BELOW = 1, rows are walked block by block by one program each, however few
-        for block, split_below in [(None, 1024), (256, 1024), (128, 1024), (256, 1), (None, 1)]:
-            act_quant.SPLIT_ROWS_BELOW = split_below
+        # with SPLIT_ROWS_BELOW = 1, rows are walked block by block by one program each, however few; with
+        # MAX_UNROLL = 0 the walks are loops counted when running
+        for block, split_below, unroll in [(None, 1024, 8), (256, 1024, 8), (128, 1024, 8), (256, 1, 8),
+                                           (None, 1, 8), (128, 1024, 0), (256, 1, 0)]:
+            act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL = split_below, unroll
             codes, scales = act_quant.quantize_activation(x, FMT, kp, block=block)
             assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape, (codes.shape, ref.data.shape)
-            where = (FMT, m, k, block, split_below)
+            where = (FMT, m, k, block, split_below, unroll)
             assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (where, "scales")
             assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (where, "codes")
         y = act_quant.fake_quantize_activation(x, FMT)

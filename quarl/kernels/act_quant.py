@@ -28,6 +28,8 @@ MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
 ROW_BLOCK_MAX = 4096
 # 1x128 groups / a given scale with fewer rows than this: each row's blocks spread over programs
 SPLIT_ROWS_BELOW = 1024
+# a program's blocks are unrolled (their loads issued together) up to this many
+MAX_UNROLL = 8
 
 
 @triton.jit
@@ -47,9 +49,30 @@ def _quantize_store(v, s, q_row, k, ar, K, KP, IS_INT8: tl.constexpr, DEQUANT: t
 
 
 @triton.jit
+def _quantize_step(x_row, q_row, s_ptr, s, k, offs, row, K, KP, stride_sm, stride_sg, IS_INT8: tl.constexpr,
+                   MODE: tl.constexpr, BLOCK: tl.constexpr, DEQUANT: tl.constexpr, SCALE_GIVEN: tl.constexpr):
+    """Quantize one block of a row: columns k + offs (offs [BLOCK], or [BLOCK / 128, 128] for MODE 1). MODE 1
+    computes and stores the groups' scales; MODE 0 the row's scale unless SCALE_GIVEN (then s is the row's, as
+    for MODE 2)."""
+    QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
+    v = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+    if MODE == 1:
+        sg = safe_scale(tl.max(tl.abs(v), axis=1), QMAX)
+        ar_g = tl.arange(0, BLOCK // 128)
+        tl.store(s_ptr + row * stride_sm + (k // 128 + ar_g) * stride_sg, sg, mask=k // 128 + ar_g < KP // 128)
+        _quantize_store(v, sg[:, None], q_row, k, offs, K, KP, IS_INT8, DEQUANT)
+    elif SCALE_GIVEN:
+        _quantize_store(v, s, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
+    else:
+        s_row = safe_scale(tl.max(tl.abs(v), axis=0), QMAX)
+        tl.store(s_ptr + row * stride_sm, s_row)
+        _quantize_store(v, s_row, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, stride_sm, stride_sg,
                       IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, DEQUANT: tl.constexpr,
-                      AMAX_PASS: tl.constexpr):
+                      AMAX_PASS: tl.constexpr, UNROLL: tl.constexpr):
     """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
     (MODE 0: [M] at stride_sm, written; 1: [M, KP/128] at strides (stride_sm, stride_sg), written;
     2: one scale read from s_ptr).
@@ -58,7 +81,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
 
     pid 0 picks the row, pid 1 a run of `steps` blocks of BLOCK columns, quantized one block after the other.
     MODE 0 with AMAX_PASS (rows longer than one block): one program per row first walks the row for its amax
-    (the second walk, for the codes, hits L1/L2); without it the block is the whole row, quantized in one pass."""
+    (the second walk, for the codes, hits L1/L2); without it the block is the whole row, quantized in one pass.
+    UNROLL: `steps` known when compiling (0: not), the walks unrolled so that their loads are issued together
+    instead of one block's round trip to memory after the other."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 for long training batches
     ar = tl.arange(0, BLOCK)
@@ -68,29 +93,30 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
         offs = tl.arange(0, BLOCK // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
     else:
         offs = ar
+    s = 1.0
     if AMAX_PASS:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for it in range(0, tl.cdiv(K, BLOCK)):
-            v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        if UNROLL:
+            for it in tl.static_range(UNROLL):
+                v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        else:
+            for it in range(0, tl.cdiv(K, BLOCK)):
+                v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         s = safe_scale(tl.max(amax, axis=0), QMAX)
         tl.store(s_ptr + row * stride_sm, s)
     elif MODE == 2:
         s = tl.load(s_ptr)
-    for it in range(0, steps):
-        k = (tl.program_id(1) * steps + it) * BLOCK
-        v = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-        if MODE == 1:
-            sg = safe_scale(tl.max(tl.abs(v), axis=1), QMAX)
-            ar_g = tl.arange(0, BLOCK // 128)
-            tl.store(s_ptr + row * stride_sm + (k // 128 + ar_g) * stride_sg, sg, mask=k // 128 + ar_g < KP // 128)
-            _quantize_store(v, sg[:, None], q_row, k, offs, K, KP, IS_INT8, DEQUANT)
-        elif MODE == 0 and not AMAX_PASS:
-            s = safe_scale(tl.max(tl.abs(v), axis=0), QMAX)
-            tl.store(s_ptr + row * stride_sm, s)
-            _quantize_store(v, s, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
-        else:
-            _quantize_store(v, s, q_row, k, offs, K, KP, IS_INT8, DEQUANT)
+    first = tl.program_id(1) * steps
+    if UNROLL:
+        for it in tl.static_range(UNROLL):
+            _quantize_step(x_row, q_row, s_ptr, s, (first + it) * BLOCK, offs, row, K, KP, stride_sm, stride_sg,
+                           IS_INT8, MODE, BLOCK, DEQUANT, AMAX_PASS or MODE == 2)
+    else:
+        for it in range(0, steps):
+            _quantize_step(x_row, q_row, s_ptr, s, (first + it) * BLOCK, offs, row, K, KP, stride_sm, stride_sg,
+                           IS_INT8, MODE, BLOCK, DEQUANT, AMAX_PASS or MODE == 2)
 
 
 @triton.jit
@@ -272,6 +298,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         _act_quant_kernel[(M, split)](
             x, out, scales, K, kp, n_blocks // split, x.stride(0), out.stride(0),
             scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,
-            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass, num_warps=num_warps,
+            IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass,
+            UNROLL=n_blocks // split if n_blocks // split <= MAX_UNROLL else 0, num_warps=num_warps,
         )
     return scales
