@@ -38,3 +38,28 @@ def test_table_shows_the_codes_given_columns_only_when_measured():
     assert "codes given (us)" in lines[0] and all(line.count("|") == 12 for line in lines)
     assert lines[3].endswith(f" {tc:.1f} | {10.0 / tc:.2f}x |")
     assert lines[2].endswith(" - | - |") and lines[4].endswith(" - | - |")  # bf16, and a plan not timed so
+
+
+def _ranged_row(fmt, shape, m, speedup, dispatch):
+    return dict(shape=shape, n=1, k=1, m=m, fmt=fmt, path="p", time_us=10.0 / speedup, speedup=speedup, roof=0.5,
+                err=1e-3, dispatch=dispatch)
+
+
+def test_targets_summary_counts_shapes_and_names_slower_dispatched_kernels():
+    from quarl.bench.gemm import _targets_summary
+
+    hi = random.uniform(1.7, 2.0)
+    rows = [_ranged_row("fp8", "qkv", 16, 0.8, "bf16"), _ranged_row("fp8", "down", 16, hi, "kernel"),
+            _ranged_row("fp8", "o", 64, 0.95, "kernel"), _ranged_row("fp8", "gate_up", 4096, 1.8, "kernel"),
+            _ranged_row("fp8", "qkv", 256, 1.2, "kernel")]
+    lines = _targets_summary(rows).splitlines()
+    decode = next(line for line in lines if line.startswith("- fp8 decode"))
+    assert f"0.80x (qkv, M=16) to {hi:.3f}x (down, M=16)" in decode
+    assert "target 1.7x missed (reached at 1 of 3)" in decode
+    assert "dispatch: kernel at 2, bf16 at 1" in decode
+    # the qkv kernel is slower too, but the dispatch runs bf16 there: only o is named
+    assert decode.endswith("dispatched kernels slower than bf16 at o/M=64 (0.95x)")
+    prefill = next(line for line in lines if line.startswith("- fp8 prefill"))
+    assert "target 1.6x MET (reached at 1 of 1)" in prefill and "slower" not in prefill
+    mid = next(line for line in lines if line.startswith("- fp8 mid"))
+    assert "target" not in mid  # no target between 64 and 1024 rows
