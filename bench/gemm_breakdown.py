@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from quarl.bench.gemm import SHAPES
 from quarl.formats import quantize
-from quarl.kernels.dispatch import run_plan
 from quarl.kernels import plan_for
+from quarl.kernels.dispatch import run_plan
 
 
 def kernel_times(fn, calls: int = 200) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """The activation quantization kernel (`quarl.kernels.act_quant`) in Triton's CPU interpreter, against
 `quarl.formats.quantize(x, fmt, "activation")` and `fake_quantize`: codes and scales bit for bit, through each
 of the kernel's routes (a whole row in one pass, a row walked twice for its amax, rows split over programs or
-walked block by block). The
-compiled kernel runs the same checks on a GPU in tests/test_kernels_gpu.py (test_activation_quantization_is_exact).
+walked block by block, unrolled or counted walks, codes padded past K).
+
+The compiled kernel runs the same checks on a GPU: tests/test_kernels_gpu.py, test_activation_quantization_is_exact.
 """
 
 import textwrap
@@ -37,6 +38,13 @@ _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
             where = (FMT, m, k, block, split_below, unroll)
             assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (where, "scales")
             assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (where, "codes")
+        # codes past kp: zero codes (fp8-block: whole 128-groups with scale 1), as the training linear pads them
+        act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL = 1024, 8
+        codes, scales = act_quant.quantize_activation(x, FMT, kp + 256)
+        assert torch.equal(codes.view(torch.uint8)[:, :kp], ref.data.view(torch.uint8)), (FMT, m, k, "padded")
+        assert not codes.view(torch.uint8)[:, kp:].any(), (FMT, m, k, "padding codes")
+        if FMT == "fp8-block":
+            assert torch.equal(scales[:, :kp // 128], ref.scale) and bool((scales[:, kp // 128:] == 1).all())
         y = act_quant.fake_quantize_activation(x, FMT)
         want = fake_quantize_unchecked(x, FMT, "activation")
         assert y.dtype == x.dtype and torch.equal(y, want), (FMT, m, k, "fake quantize")

@@ -51,15 +51,17 @@ def test_targets_summary_counts_shapes_and_names_slower_dispatched_kernels():
     hi = random.uniform(1.7, 2.0)
     rows = [_ranged_row("fp8", "qkv", 16, 0.8, "bf16"), _ranged_row("fp8", "down", 16, hi, "kernel"),
             _ranged_row("fp8", "o", 64, 0.95, "kernel"), _ranged_row("fp8", "gate_up", 4096, 1.8, "kernel"),
-            _ranged_row("fp8", "qkv", 256, 1.2, "kernel")]
+            _ranged_row("fp8", "qkv", 256, 1.2, "kernel"), _ranged_row("fp8", "gate_up", 1, 1.0, "kernel")]
+    rows[-1].update(time_us=math.nan, speedup=math.nan)  # a plan that failed
     lines = _targets_summary(rows).splitlines()
     decode = next(line for line in lines if line.startswith("- fp8 decode"))
     assert f"0.80x (qkv, M=16) to {hi:.3f}x (down, M=16)" in decode
-    assert "target 1.7x missed (reached at 1 of 3)" in decode
-    assert "dispatch: kernel at 2, bf16 at 1" in decode
+    assert "target 1.7x missed (reached at 1 of 4 shape/M cases)" in decode
+    assert "dispatch: kernel at 2, bf16 at 1" in decode  # over the cases that ran
     # the qkv kernel is slower too, but the dispatch runs bf16 there: only o is named
-    assert decode.endswith("dispatched kernels slower than bf16 at o/M=64 (0.95x)")
+    assert "dispatched kernels slower than bf16 at o/M=64 (0.95x)" in decode
+    assert decode.endswith("; failed at gate_up/M=1") and "nan" not in decode
     prefill = next(line for line in lines if line.startswith("- fp8 prefill"))
-    assert "target 1.6x MET (reached at 1 of 1)" in prefill and "slower" not in prefill
+    assert "target 1.6x MET (reached at 1 of 1 shape/M cases)" in prefill and "slower" not in prefill
     mid = next(line for line in lines if line.startswith("- fp8 mid"))
     assert "target" not in mid  # no target between 64 and 1024 rows

@@ -144,13 +144,15 @@ def test_division_by_a_shared_scale_is_correctly_rounded():
 def test_activation_quantization_is_exact(fmt):
     from quarl.kernels.act_quant import quantize_activation
 
-    for m, k in [(1, 512), (5, 1000), (64, 200), (300, 3584)]:
+    # one pass (K <= 4096), the unrolled two walks (18944), the counted walks (40000: over 8 blocks), rows
+    # split over programs (M < 1024) and walked by one program each (1100)
+    for m, k in [(1, 512), (5, 1000), (64, 200), (300, 3584), (3, 18944), (5, 40000), (1100, 3584), (1100, 5000)]:
         x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 10).to(torch.bfloat16)
         x[0, : k // 2] = 0  # a zero 1x128 group / half row
         if m > 1:
             x[1] = 0  # an all-zero row: scale 1
         ref = quantize(x, fmt, "activation")
-        for warps in (4, 2):  # 2: the training linear's launch (`training_gemm._quantize_rows`)
+        for warps in (None, 2):  # default; 2: the training linear's launch (`training_gemm._quantize_rows`)
             codes, scales = quantize_activation(x, fmt, ref.data.shape[-1], num_warps=warps)
             assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape
             assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), f"{fmt} scales differ (M={m} K={k})"
@@ -166,7 +168,7 @@ def test_fake_quantize_activation_is_exact(fmt, dtype):
     from quarl.formats.registry import fake_quantize_unchecked
     from quarl.kernels import fake_quantize_activation
 
-    for shape in [(1, 512), (5, 1000), (64, 200), (2, 150, 3584)]:
+    for shape in [(1, 512), (5, 1000), (64, 200), (2, 150, 3584), (3, 18944), (1100, 5000)]:
         x = (torch.randn(*shape, device="cuda") * torch.rand(*shape[:-1], 1, device="cuda") * 10).to(dtype)
         x.view(-1, shape[-1])[0, : shape[-1] // 2] = 0  # a zero 1x128 group / half row
         ref = fake_quantize_unchecked(x, fmt, "activation")

@@ -572,9 +572,9 @@ def _plan_literal(plan: dict) -> str:
 
 
 def _targets_summary(rows: list[dict]) -> str:
-    """Per format and M range (decode M <= 64, mid, prefill M >= 1024): the kernels' speed-up range over shapes,
-    at how many shapes they reach the BENCHMARKS.md target, and what the dispatch runs (the kernel or bf16;
-    "never slower than bf16" holds when no dispatched kernel is slower)."""
+    """Per format and M range (decode M <= 64, mid, prefill M >= 1024): the kernels' speed-up range over the
+    shape / M cases, at how many cases they reach the BENCHMARKS.md target, and what the dispatch runs (the kernel
+    or bf16; "never slower than bf16" holds when no dispatched kernel is slower, or failed)."""
     want = {("int8", "decode"): 1.7, ("fp8", "decode"): 1.7, ("nvfp4", "decode"): 3.0,
             ("int8", "prefill"): 1.6, ("fp8", "prefill"): 1.6}
     out = [f"targets ({TARGETS}):"]
@@ -582,23 +582,31 @@ def _targets_summary(rows: list[dict]) -> str:
     for f in fmts:
         for rng, sel in (("decode", lambda m: m <= 64), ("mid", lambda m: 64 < m < 1024),
                          ("prefill", lambda m: m >= 1024)):
-            rs = [r for r in rows if r["fmt"] == f and sel(r["m"]) and r["time_us"] == r["time_us"]]
+            cases = [r for r in rows if r["fmt"] == f and sel(r["m"])]
+            rs = [r for r in cases if r["time_us"] == r["time_us"]]  # NaN: the plan failed (see the table's note)
+            failed = [r for r in cases if r["time_us"] != r["time_us"]]
             if not rs:
+                if failed:
+                    out.append(f"- {f} {rng}: failed at every case")
                 continue
             worst = min(rs, key=lambda r: r["speedup"])
             best = max(rs, key=lambda r: r["speedup"])
+            # the best with 3 decimals: 1.698x must not read as the 1.7x target reached
             line = (f"- {f} {rng}: kernels {worst['speedup']:.2f}x ({worst['shape']}, M={worst['m']}) to "
                     f"{best['speedup']:.3f}x ({best['shape']}, M={best['m']})")
             goal = want.get((f, rng))
             if goal is not None:
                 met = sum(r["speedup"] >= goal for r in rs)
-                line += f"; target {goal}x {'MET' if met == len(rs) else 'missed'} (reached at {met} of {len(rs)})"
+                line += (f"; target {goal}x {'MET' if met == len(cases) else 'missed'} "
+                         f"(reached at {met} of {len(cases)} shape/M cases)")
             kern = [r for r in rs if r["dispatch"] == "kernel"]
             line += f"; dispatch: kernel at {len(kern)}, bf16 at {len(rs) - len(kern)}"
             slower = [r for r in kern if r["speedup"] < 1.0]
             if slower:
                 line += "; dispatched kernels slower than bf16 at " + ", ".join(
                     f"{r['shape']}/M={r['m']} ({r['speedup']:.2f}x)" for r in slower)
+            if failed:
+                line += "; failed at " + ", ".join(f"{r['shape']}/M={r['m']}" for r in failed)
             out.append(line)
     return "\n".join(out)
 

@@ -83,8 +83,8 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     """The kernel plan for x [m, k] and a weight [n, k] in `fmt` (see `quarl.kernels.tuning`).
 
     Plan("bf16") means no kernel (try_quantized_matmul returns None); prefer_kernel=True keeps the fastest
-    quantized kernel where bf16 measured faster. FP8 needs compute capability >= 8.9; the int8/fp8 tensor-core
-    ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
+    quantized kernel where it measured below `tuning.MIN_SPEEDUP` x bf16. FP8 needs compute capability >= 8.9;
+    the int8/fp8 tensor-core ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
     """
     plan = choose_plan(fmt, weight_only, m, n, k, prefer_kernel)
     if plan.kind == "bf16" or not torch.cuda.is_available():
@@ -196,8 +196,9 @@ def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torc
 
 
 def quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
-    """As `try_quantized_matmul`, but runs the fastest quantized kernel even where bf16 measured faster (for a
-    caller that holds only the quantized weight). None only where no kernel applies (CPU, no Triton, W4A4)."""
+    """As `try_quantized_matmul`, but runs the fastest quantized kernel even where it measured below
+    `tuning.MIN_SPEEDUP` x bf16 (for a caller that holds only the quantized weight). None only where no kernel
+    applies (CPU, no Triton, W4A4)."""
     return _quantized_matmul(x, qweight, weight_only, bias, prefer_kernel=True)
 
 

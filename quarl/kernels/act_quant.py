@@ -240,15 +240,17 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps:
 
 
 def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False,
-                        block: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                        block: int | None = None, num_warps: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in
     "int8", "fp8" (scales [M, 1]), "fp8-block" (scales [M, kp/128]), "fp8-tensor" (scale 0-dim).
 
     scales_column_major: fp8-block scales laid out column-major (a transposed [kp/128, M] buffer), the layout
     torch._scaled_mm's blockwise scaling expects.
-    block, num_warps: columns per program or loop step (a power of two >= 128) and warps per program. Default:
-        per-row scales the whole row (kp rounded up to a power of two, at most ROW_BLOCK_MAX; longer rows loop),
-        else 1024 columns; warps raised to block / 512 (at most 8).
+    block, num_warps: columns per program or loop step (a power of two >= 128) and warps per program. Default
+        block: kp rounded up to a power of two, at most ROW_BLOCK_MAX for per-row scales (longer rows are walked
+        in blocks) and at most 1024 otherwise. Default warps: 4, or block / 512 when larger (at most 8).
+    kp: codes per row, at least K (fp8-block: a multiple of 128; columns past K get zero codes).
     """
     is_int8 = fmt == "int8"
     codes = torch.empty((x.shape[0], kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
@@ -266,10 +268,12 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column_major: bool,
-            dequant: bool, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
+            dequant: bool, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Run `_act_quant_kernel` on x [M, K] into out (codes [M, kp], or values [M, K] with dequant); returns the
     float32 scales (see `quantize_activation`)."""
     M, K = x.shape
+    if kp < K:
+        raise ValueError(f"kp (codes per row) must be at least K={K}, got {kp}")
     if fmt == "fp8-block":
         mode = MODE_GROUP128
         if scales_column_major:
@@ -286,15 +290,20 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         # per-row scales: the whole row in one block up to ROW_BLOCK_MAX columns (every load in flight at once),
         # in blocks of that size beyond (bench/act_quant_sweep.py at decode shapes, bench/results/gemm.md)
         block = min(triton.next_power_of_2(max(kp, 128)), ROW_BLOCK_MAX if mode == MODE_ROW else 1024)
-        num_warps = max(num_warps, min(8, block // 512))
     elif block < 128 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 128 (whole 1x128 groups), got {block}")
+    if num_warps is None:
+        num_warps = max(4, min(8, block // 512))
     n_blocks = triton.cdiv(kp, block)
     amax_pass = mode == MODE_ROW and n_blocks > 1
     # a few rows: their blocks spread over programs (groups and a given scale need no whole-row amax); many
     # rows: a program per row walks its blocks (fewer, longer programs measured faster at 20480 rows)
+    # (the amax walk covers the whole row because it runs with split 1: UNROLL * block >= kp >= K)
     split = 1 if amax_pass or M >= SPLIT_ROWS_BELOW else n_blocks
-    if M > 0:
+    if kp == 0:  # no columns: nothing to launch; an empty row's scale is 1
+        if mode == MODE_ROW:
+            scales.fill_(1.0)
+    elif M > 0:
         _act_quant_kernel[(M, split)](
             x, out, scales, K, kp, n_blocks // split, x.stride(0), out.stride(0),
             scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,

@@ -23,10 +23,11 @@ Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-bl
 `MEASURED` holds, per family, weight shape (N, K) of Qwen2.5-7B and M bucket, the fastest quantized path and its
 speed-up over the bf16 GEMM (F.linear) from `quarl bench gemm --sweep` on one H200 (torch 2.11, Triton 3.6;
 activation quantization included; bench/results/gemm.md). Policy (`choose_plan`): where that speed-up is below
-1.0 the plan is "bf16" (no kernel), unless the caller asks for the kernel anyway (prefer_kernel=True: a layer
-that holds only the quantized weight has no faster bf16 path). Other shapes use the measured shape with the
-closest weight size N*K; M is rounded up to the next bucket. fp8-tensor follows the fp8 table (activation
-quantized beforehand: a per-tensor scale needs the whole tensor), w8a16 has hand-set plans (not swept).
+MIN_SPEEDUP (1.05) the plan is "bf16" (no kernel), unless the caller asks for the kernel anyway
+(prefer_kernel=True: a layer that holds only the quantized weight has no faster bf16 path). Other shapes use the
+measured shape with the closest weight size N*K; M is rounded up to the next bucket. fp8-tensor follows the fp8
+table (activation quantized beforehand: a per-tensor scale needs the whole tensor), w8a16 has hand-set plans (not
+swept).
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kern
     """The plan for an [m, k] x [n, k]^T product in `fmt`: Plan("bf16") when no kernel applies or the fastest
     measured below MIN_SPEEDUP x bf16.
 
-    prefer_kernel: return the fastest quantized plan even where it measured no faster than bf16.
+    prefer_kernel: return the fastest quantized plan even where it measured below MIN_SPEEDUP.
     """
     fam = family(fmt, weight_only)
     if fam is None:
