@@ -254,9 +254,10 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
 
 def _takes_rowwise_codes(plan: Plan) -> bool:
     """Whether `plan` is the persistent TMA W8A8 GEMM fed with prequantized codes and per-token scales (which a
-    fused kernel's rowwise FP8 codes can replace). The small-M Triton plans keep quantizing for themselves: the
-    fused decoder's unit-scale path (`fused_decode.unit_scale_matmul`) has been checked at rollout batch sizes
-    (512 rows) only."""
+    fused kernel's rowwise FP8 codes can replace). The small-M Triton plans keep quantizing for themselves, so that
+    small batches run exactly the module path's operations: handing them codes would switch the fused decoder to
+    its unit-scale cuBLAS products (`fused_decode.unit_scale_matmul`), one more bf16 rounding per product
+    (measured: logits move less than one bf16 rounding of the input moves them; bench/handoff_probe.py)."""
     return plan.kind == "w8a8" and plan.x_mode == "prequant" and plan.cfg is not None and plan.cfg.tma
 
 
