@@ -1,8 +1,8 @@
 """Activation quantization (`_act_quant_kernel`) at each block / warps against the default launch, at training
 shapes (fp8-block codes with column-major scales, as the FP8 training linear takes them) or decode shapes
 (`--fmt fp8 --m 1,16,64,512`: per-row scales; a block below K walks each row twice, as the old default did with
-1024-column blocks and 4 warps). Microseconds
-(CUDA-graph replays) and % of the measured copy bandwidth (bytes read + codes written). Codes and scales must be
+1024-column blocks and 4 warps). Microseconds per call (a CUDA graph of back-to-back calls) and % of the
+measured copy bandwidth (bytes read + codes written). Codes and scales must be
 identical to the default launch's. (A tile kernel, one program per 16-64 rows x one 128-wide group, was tried
 and dropped: it won only at K = 512, 10 us against 15; bench/results/gemm.md.)
 
@@ -15,26 +15,8 @@ import argparse
 
 import torch
 from quarl.bench.gemm import measure_ceilings
+from quarl.bench.rollout_breakdown import _graph_ms
 from quarl.kernels.act_quant import quantize_activation
-
-
-def per_call_us(fn, calls: int = 50, reps: int = 10) -> float:
-    """Mean microseconds per call of fn, from replays of one CUDA graph of `calls` back-to-back calls (the graph
-    launch spread over them, as between a decode step's kernels)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
 
 
 def main() -> None:
@@ -61,7 +43,7 @@ def main() -> None:
                         and torch.equal(scales, ref[1])):
                     print(f"| {m} | {k} | {name} | MISMATCH | |")
                     continue
-                t = per_call_us(fn, calls=50 if m <= 4096 else 5)
+                t = 1e3 * _graph_ms(torch, fn, reps=10, calls=50 if m <= 4096 else 5)
                 print(f"| {m} | {k} | {name} | {t:.1f} | {100 * floor / t:.0f}% |")
 
 

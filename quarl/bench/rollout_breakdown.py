@@ -16,13 +16,15 @@ also their compute floor, 2 * weights * batch / matrix rate.
 from __future__ import annotations
 
 
-def _graph_ms(torch, fn, reps: int = 20) -> float:
-    """Mean milliseconds of one replay of a CUDA graph of fn (one eager warm-up call first)."""
+def _graph_ms(torch, fn, reps: int = 20, calls: int = 1) -> float:
+    """Mean milliseconds of one call of fn, from replays of a CUDA graph of `calls` back-to-back calls (one eager
+    warm-up call first; several calls spread the graph launch over them, as between a decode step's kernels)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -31,7 +33,7 @@ def _graph_ms(torch, fn, reps: int = 20) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / reps
+    return start.elapsed_time(end) / (reps * calls)
 
 
 def _fused_linear_runs(decoder, model, inputs: dict, batch: int) -> list:

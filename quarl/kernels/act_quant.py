@@ -300,14 +300,15 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
     # rows: a program per row walks its blocks (fewer, longer programs measured faster at 20480 rows)
     # (the amax walk covers the whole row because it runs with split 1: UNROLL * block >= kp >= K)
     split = 1 if amax_pass or M >= SPLIT_ROWS_BELOW else n_blocks
+    steps = n_blocks // split  # blocks per program
     if kp == 0:  # no columns: nothing to launch; an empty row's scale is 1
         if mode == MODE_ROW:
             scales.fill_(1.0)
     elif M > 0:
         _act_quant_kernel[(M, split)](
-            x, out, scales, K, kp, n_blocks // split, x.stride(0), out.stride(0),
+            x, out, scales, K, kp, steps, x.stride(0), out.stride(0),
             scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,
             IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass,
-            UNROLL=n_blocks // split if n_blocks // split <= MAX_UNROLL else 0, num_warps=num_warps,
+            UNROLL=steps if steps <= MAX_UNROLL else 0, num_warps=num_warps,
         )
     return scales
