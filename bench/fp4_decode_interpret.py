@@ -48,14 +48,16 @@ CASES = [
     (3, 20, 136, "nvfp4", Cfg(1, 16, 64, split_k=2), torch.float16, True),
     (5, 33, 264, "nvfp4", Cfg(1, 8, 128, split_k=3), torch.bfloat16, True),
     (8, 16, 130, "mxfp4", Cfg(1, 8, 64, split_k=2), torch.bfloat16, False),
-    (1, 40, 256, "nvfp4", Cfg(16, 16, 128), torch.float16, True),
-    (5, 48, 300, "nvfp4", Cfg(16, 32, 128, split_k=2), torch.float16, False),
-    (37, 20, 392, "nvfp4", Cfg(16, 16, 128, split_k=3), torch.bfloat16, True),
-    (17, 16, 256, "mxfp4", Cfg(16, 16, 128), torch.bfloat16, True),
-    (64, 16, 128, "nvfp4", Cfg(16, 16, 128), torch.float16, False),
+    (1, 40, 256, "nvfp4", Cfg(16, 64, 128), torch.float16, True),
+    (5, 70, 300, "nvfp4", Cfg(16, 64, 256, split_k=2), torch.float16, False),
+    (37, 20, 392, "nvfp4", Cfg(16, 64, 128, split_k=3), torch.bfloat16, True),
+    (17, 16, 256, "mxfp4", Cfg(16, 64, 128), torch.bfloat16, True),
+    (9, 130, 600, "mxfp4", Cfg(16, 128, 256, split_k=2, warps=8), torch.bfloat16, False),
+    (64, 16, 128, "nvfp4", Cfg(16, 64, 128), torch.float16, False),
     # K a multiple of every split (the unmasked EVEN_K loads), split-K on both paths.
     (4, 24, 1024, "nvfp4", Cfg(1, 8, 128, split_k=4), torch.float16, True),
-    (16, 32, 512, "nvfp4", Cfg(16, 16, 128, split_k=2), torch.float16, True),
+    (16, 32, 512, "nvfp4", Cfg(16, 64, 128, split_k=2), torch.float16, True),
+    (16, 64, 1024, "nvfp4", Cfg(16, 64, 256, split_k=2), torch.bfloat16, True),
 ]
 QUICK = [0, 2, 4, 6]
 

@@ -54,12 +54,15 @@ CANDIDATES = {
         # two warps: more programs in flight per SM (the 1x16x256 two-warp tile leads on gate_up)
         C(1, 8, 256, warps=2), C(1, 8, 512, warps=2), C(1, 4, 512, warps=2), C(1, 16, 256, split_k=2, warps=2),
         C(1, 8, 1024, warps=2), C(1, 4, 1024, warps=2), C(1, 8, 512, split_k=2, warps=2), C(1, 32, 128, warps=2)],
-    16: [C(16, 64, 256), C(16, 64, 256, split_k=4), C(16, 128, 256, split_k=2), C(16, 128, 128, split_k=4, stages=4),
-         C(16, 64, 512, split_k=4), C(16, 32, 256, split_k=4, warps=2), C(16, 128, 256, warps=8),
-         C(16, 256, 128, split_k=2, warps=8)],
-    64: [C(16, 128, 256, split_k=2), C(16, 128, 128, split_k=4, stages=4), C(16, 256, 128, split_k=2, warps=8),
-         C(16, 64, 256, split_k=4), C(16, 128, 256, split_k=4, warps=8), C(16, 256, 256, warps=8),
-         C(16, 128, 256), C(16, 256, 128, stages=4, warps=8)],
+    # bm=16 (wgmma, register weight operand): 128-row tiles with 4 warps decode the most weights per x staging;
+    # split_k so that the small-N shapes reach ~140-220 programs on 132 SMs.
+    16: [C(16, 128, 128, split_k=4), C(16, 128, 128, split_k=4, stages=4), C(16, 64, 128, split_k=4),
+         C(16, 128, 256, split_k=2), C(16, 256, 128, split_k=2, warps=8), C(16, 128, 128, split_k=8),
+         C(16, 64, 128, split_k=8), C(16, 128, 128, split_k=2), C(16, 128, 128), C(16, 256, 128, warps=8),
+         C(16, 128, 128, split_k=6, stages=5), C(16, 128, 256, split_k=4, stages=2)],
+    64: [C(16, 128, 128, split_k=4), C(16, 256, 128, split_k=2, warps=8), C(16, 256, 128, split_k=4, warps=8),
+         C(16, 128, 128, split_k=2), C(16, 128, 256, split_k=2), C(16, 256, 128, warps=8), C(16, 128, 128),
+         C(16, 64, 128, split_k=4), C(16, 128, 128, split_k=8), C(16, 256, 256, split_k=2, warps=8, stages=2)],
 }
 
 

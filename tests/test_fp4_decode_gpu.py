@@ -23,8 +23,8 @@ TOL = {torch.bfloat16: 2.0**-8 + 2.0**-14, torch.float16: 2.0**-11 + 2.0**-14}
 # weight) or of bk, and the Qwen2.5-7B o shape.
 SHAPES = [(1, 256, 512), (5, 300, 1000), (37, 96, 272), (8, 4608 // 9, 3584), (64, 200, 200), (16, 3584, 3584)]
 FMA_CFGS = [Cfg(1, 8, 512), Cfg(1, 16, 256, warps=2), Cfg(1, 4, 1024, split_k=3), Cfg(1, 32, 64, split_k=2, warps=8)]
-MMA_CFGS = [Cfg(16, 64, 256), Cfg(16, 128, 128, split_k=4, stages=4), Cfg(16, 32, 256, split_k=3, warps=2),
-            Cfg(16, 256, 128, split_k=2, warps=8)]
+MMA_CFGS = [Cfg(16, 64, 256), Cfg(16, 128, 128, split_k=4, stages=4), Cfg(16, 64, 128, split_k=3, stages=2),
+            Cfg(16, 256, 128, split_k=2, warps=8), Cfg(16, 128, 256, warps=8)]
 
 
 def _reference(x, qw, bias):
@@ -175,6 +175,11 @@ def test_input_errors(change, match):
     (Cfg(1, 8, 96), "cfg.bk=96"),
     (Cfg(16, 64, 128, split_k=0), "split_k"),
     (Cfg(16, 64, 128, warps=3), "warps"),
+    (Cfg(16, 64, 128, warps=2), "warps=2 must be 4 or 8"),
+    (Cfg(16, 64, 128, warps=8), "cfg.bn=64 must be 64, 128 or 256 and >= 16 \\* warps"),
+    (Cfg(16, 512, 128), "cfg.bn=512"),
+    (Cfg(16, 64, 512), "cfg.bk=512"),
+    (Cfg(1, 8, 128, warps=32), "warps"),
     (Cfg(16, 64, 128, stages=0), "stages"),
 ])
 def test_config_errors(cfg, match):
@@ -183,7 +188,8 @@ def test_config_errors(cfg, match):
 
 
 def test_config_accepts_the_documented_range():
-    for cfg in FMA_CFGS + MMA_CFGS + [Cfg(1, 1, 64), Cfg(16, 16, 128), Cfg(16, 512, 4096, split_k=64, warps=16)]:
+    for cfg in FMA_CFGS + MMA_CFGS + [Cfg(1, 1, 64), Cfg(1, 512, 4096, split_k=64, warps=16), Cfg(16, 64, 128),
+                                      Cfg(16, 256, 256, split_k=64, warps=8, stages=1)]:
         check_fp4_decode_cfg(cfg)
     with pytest.raises(ValueError, match="Cfg"):
         check_fp4_decode_cfg((16, 64, 128))

@@ -15,11 +15,23 @@ are ALU-bound. Here:
 * FMA path (cfg.bm = 1, CUDA cores, M <= 8): per word the 8 products are summed first and the block scale
   multiplies that partial sum once (one FMA per 8 weights and row instead of one multiply per weight).
 * MMA path (cfg.bm = 16, tensor cores, M <= 64): swap-AB, out^T [BN, Mp] = W [BN, K] @ x^T [K, Mp], so the
-  weight rows fill the MMA's wide dimension and M pads only to Mp = 16, 32 or 64. An MMA cannot scale partial
-  sums per block, so the weight is scaled per element in fp32 and rounded to x's dtype, exactly: code (<= 2
-  significant bits) times an E4M3 scale (<= 4) times 2^-14 is >= 2^-24 and representable in bf16 and fp16.
-* 2^14 and the NVFP4 fp32 global scale multiply the fp32 result once, in the epilogue (MXFP4's E8M0 scale
-  carries the 2^14 itself, as in `fp4_gemm`; exponents above 240 would overflow it).
+  weight rows fill the wgmma's 64-row dimension and M pads only to Mp = 16, 32 or 64. The weight is the MMA's
+  register operand: its codes are copied to shared memory asynchronously (software-pipelined cp.async) and each
+  thread reads back, with one 16-byte load per row, exactly the 4 words its wgmma register fragment needs, decodes
+  them in registers and feeds the MMA with no shared-memory round trip of the decoded weight. That works because
+  a sum over K may be reordered: within every 128-element step the kernel multiplies logical position
+  kl = 16 (2 w + j1) + 8 s + 2 c + h with physical element p = 32 c + 8 w + 4 h + 2 j1 + s (c = lane % 4 of the
+  fragment, w = word of the thread's 4, nibble e = 4 h + 2 j1 + s of the word), and x is permuted the same way in
+  registers before it is staged for the MMA (x is small: Mp x 128 per step).
+  A pair (nibbles e, e + 4 of a word) becomes one 16x2 bit pattern in 2 shifts and 2 LOP3s (`_pairs16`) and is
+  scaled by one packed multiply (`_scaled_pair`), which is exact: bf16 x takes the patterns as E2M1 x 2^-126 and
+  the block scale folded with 2^118 (NVFP4's E4M3) or 2^-25 (MXFP4's 2^(e-127)); fp16 x takes E2M1 x 2^-14 and the
+  E4M3 scale as it is. A code has <= 2 significant bits and an E4M3 scale 4, so every product is exact in 16
+  bits; the powers of two go back into the fp32 result in the epilogue.
+* The NVFP4 fp32 global scale and the folded power of two multiply the fp32 result once, in the epilogue: 2^14
+  on the FMA path (MXFP4's E8M0 scale carries the 2^14 itself, as in `fp4_gemm`; exponents above 240 would
+  overflow it), 2^8 / 2^14 / 2^24 on the MMA path for bf16 NVFP4 / fp16 NVFP4 / MXFP4 (MXFP4 is exact there for
+  scale exponents e <= 152, block scales up to 2^25; real weights are far below).
 * Split-K (cfg.split_k > 1, for small N) stays one launch: every program stores its fp32 partial tile, takes a
   ticket from a per-tile atomic counter, and the program that draws the last ticket sums all partials in split
   order (deterministic) and writes the output, then resets the counter to 0 (no memset per call). The counters
@@ -102,11 +114,14 @@ def _scale_f32(sc, IS_MX: tl.constexpr):
 
 @triton.jit
 def _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX: tl.constexpr,
-            HAS_BIAS: tl.constexpr):
+            HAS_BIAS: tl.constexpr, POST: tl.constexpr):
     """acc fp32 (any 2-D orientation; idx_m / idx_n broadcast to its shape) -> out[m, n] in out's dtype, after
-    the folded 2^14 * global scale (nvfp4) and the bias."""
-    if not IS_MX:
-        acc = acc * (tl.load(gs_ptr) * 16384.0)
+    the folded power of two POST, the global scale (nvfp4) and the bias."""
+    if IS_MX:
+        if POST != 1.0:
+            acc = acc * POST
+    else:
+        acc = acc * (tl.load(gs_ptr) * POST)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + idx_n, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + idx_m * stride_om + idx_n, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -114,11 +129,11 @@ def _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX: 
 
 @triton.jit
 def _epilogue(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, stride_om, pid_n, pid_k,
-              IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+              IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, POST: tl.constexpr):
     """Write the tile, directly (SPLIT_K == 1) or through the fp32 partials [SPLIT_K, M, N] and the ticket of
     tile pid_n: the last of the SPLIT_K programs sums the partials in split order and writes the output."""
     if SPLIT_K == 1:
-        _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS)
+        _finish(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS, POST)
     else:
         part = part_ptr + idx_m * N + idx_n
         tl.store(part + pid_k * M * N, acc, mask=ok)
@@ -130,7 +145,7 @@ def _epilogue(acc, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_pt
             for s in tl.static_range(1, SPLIT_K):
                 # .cg: read from L2, where the other SMs' partials are (this SM's L1 is not coherent).
                 tot += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            _finish(tot, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS)
+            _finish(tot, idx_m, idx_n, ok, gs_ptr, bias_ptr, out_ptr, stride_om, IS_MX, HAS_BIAS, POST)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
@@ -210,7 +225,7 @@ def _fp4_dec_fma_kernel(
     y = tl.sum(acc, axis=2)  # [BM, BN]
     ok = m_ok[:, None] & n_ok[None, :]
     _epilogue(y, offs_m[:, None], offs_n[None, :], ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
-              stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K)
+              stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K, 1.0 if IS_MX else 16384.0)
 
 
 @triton.jit
@@ -224,12 +239,81 @@ def _dot(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(t, xa, xb, sf, acc, DT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc [BN, BMX] += (lo * sf) @ xa^T + (hi * sf) @ xb^T for the fp16x2 patterns t [BN, BKW]; the scaled
-    weights are exact in DT (see the module docstring), xa / xb are x's own values."""
-    lo, hi = _halves_f32(t, INTERPRETED)
-    acc = _dot((lo * sf).to(DT), tl.trans(xa.to(DT)), acc, INTERPRETED)
-    return _dot((hi * sf).to(DT), tl.trans(xb.to(DT)), acc, INTERPRETED)
+def _pairs16(v, E: tl.constexpr, BF16: tl.constexpr):
+    """int32 code words [...] -> int32 16x2 patterns [...]: low half nibble E, high half nibble E + 4 of the word.
+    BF16: each half is the E2M1 value times 2^-126 as a bf16 (sign -> bit 15, e1 e0 m -> bits 8..6, the E2M1
+    subnormal 0.5 landing on the bf16 subnormal 2^-127); else times 2^-14 as an fp16 (e1 e0 m -> bits 11..9)."""
+    if BF16:
+        MAG: tl.constexpr = 6 - 4 * E
+        MAG_BITS: tl.constexpr = 0x01C001C0
+    else:
+        MAG: tl.constexpr = 9 - 4 * E
+        MAG_BITS: tl.constexpr = 0x0E000E00
+    if MAG >= 0:
+        mag = v << MAG
+    else:
+        mag = v >> (-MAG)  # arithmetic shift: the sign-extended top bits fall outside the mask
+    SIGN: tl.constexpr = 12 - 4 * E
+    if SIGN == 0:
+        sg = v
+    else:
+        sg = v << SIGN
+    # -2147450880 is the int32 0x80008000 (the two sign bits), written signed to stay an int32 constant.
+    return (mag & MAG_BITS) | (sg & -2147450880)
+
+
+@triton.jit
+def _halves16_f32(t, DT: tl.constexpr):
+    """int32 16x2 patterns of DT (bf16 / fp16) -> (low, high) halves as float32, exactly (interpreter route of
+    `_scaled_pair`; a bf16 pattern is the top half of its float32)."""
+    if DT == tl.bfloat16:
+        return (t << 16).to(tl.float32, bitcast=True), (t & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+
+@triton.jit
+def _scaled_pair(t, s2, DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """16x2 patterns t times packed 16x2 scales s2 (both int32 [...]) -> the (low, high) products as DT tensors,
+    exact (see the module docstring). One mul.rn.bf16x2 / f16x2 per pair on the GPU; Triton's CPU interpreter
+    runs no PTX, so there the halves are multiplied in float32 (the same exact products)."""
+    if INTERPRETED:
+        lo, hi = _halves16_f32(t, DT)
+        slo, shi = _halves16_f32(s2, DT)
+        return (lo * slo).to(DT), (hi * shi).to(DT)
+    elif DT == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 p; mul.rn.bf16x2 p, $2, $3; mov.b32 {$0, $1}, p; }",
+            "=h,=h,r,r", [t, s2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 p; mul.rn.f16x2 p, $2, $3; mov.b32 {$0, $1}, p; }",
+            "=h,=h,r,r", [t, s2], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _packed_scales(sc, BN: tl.constexpr, Q: tl.constexpr, IS_MX: tl.constexpr, DT: tl.constexpr):
+    """Block-scale bytes [BN, Q * 8] (nvfp4) / [BN, Q * 4] (mxfp4) of one K step -> int32 [BN, Q, 4, 4]: for
+    every code word (c, w) of a thread's fragment the scale of its block as DT, duplicated into both halves.
+    bf16: E4M3 value * 2^118 or 2^(e-127) * 2^102; fp16: the E4M3 value (all exact)."""
+    if IS_MX:
+        sf = ((sc.to(tl.int32) + 102) << 23).to(tl.float32, bitcast=True)
+    else:
+        sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if DT == tl.bfloat16:
+            sf = sf * 3.32306998946228968226e35  # 2^118
+    if DT == tl.bfloat16:
+        h = (sf.to(tl.int32, bitcast=True) >> 16) & 0xFFFF  # exact in bf16: the low 16 bits are zero
+    else:
+        h = sf.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    s2 = h | (h << 16)
+    # Physical word 4 c + w of a 128-element step lies in block (4 c + w) // words per block.
+    if IS_MX:
+        return tl.broadcast_to(tl.reshape(s2, (BN, Q, 4, 1)), (BN, Q, 4, 4))
+    else:
+        return tl.reshape(tl.broadcast_to(tl.reshape(s2, (BN, Q, 4, 2, 1)), (BN, Q, 4, 2, 2)), (BN, Q, 4, 4))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -237,38 +321,63 @@ def _fp4_dec_mma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, KW, words_per_split, stride_xm, stride_wn, stride_sn, stride_om,
     IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    BMX: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, INTERPRETED: tl.constexpr,
+    BMX: tl.constexpr, BN: tl.constexpr, Q: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Tensor-core path (swap-AB): same arguments as `_fp4_dec_fma_kernel`; BMX >= M (16, 32 or 64) is the
-    MMA's narrow dimension, BKW >= 16 words per K step (8 dots of depth BKW, one per element position)."""
-    WPG: tl.constexpr = 4 if IS_MX else 2
+    MMA's narrow dimension, Q steps of 128 elements (16 code words per row) per pipeline stage."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    WPG: tl.constexpr = 4 if IS_MX else 2  # code words per block scale
+    BKW: tl.constexpr = 16 * Q
+    BK: tl.constexpr = 128 * Q
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BMX)
     n_ok = offs_n < N
     m_ok = offs_m < M
+    w0 = pid_k * words_per_split
     ar_w = tl.arange(0, BKW)
-    ar_e = tl.arange(0, 8)
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    s_rows = s_ptr + offs_n[:, None] * stride_sn
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm
+    ar_s = tl.arange(0, BKW // WPG)
+    ar_k = tl.arange(0, BK)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (w0 + ar_w)[None, :]
+    s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (w0 // WPG + ar_s)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (w0 * 8 + ar_k)[None, :]
     acc = tl.zeros((BN, BMX), dtype=tl.float32)
     for it in range(0, words_per_split // BKW):
-        wi = pid_k * words_per_split + it * BKW + ar_w
-        kx = wi[:, None] * 8 + ar_e[None, :]  # element index [BKW, 8]
-        v, sc, x3 = _load_step(w_rows + wi[None, :], s_rows + (wi // WPG)[None, :], x_rows + kx[None, :, :],
-                               n_ok[:, None], m_ok[:, None, None], (wi < KW)[None, :], (kx < K)[None, :, :], EVEN_K)
-        sf = _scale_f32(sc, IS_MX)
-        x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BMX, BKW)
-        acc = _scaled_dot(_pair_bits(v, 0), x0, x4, sf, acc, DT, INTERPRETED)
-        acc = _scaled_dot(_pair_bits(v, 1), x1, x5, sf, acc, DT, INTERPRETED)
-        acc = _scaled_dot(_pair_bits(v, 2), x2, x6, sf, acc, DT, INTERPRETED)
-        acc = _scaled_dot(_pair_bits(v, 3), x3_, x7, sf, acc, DT, INTERPRETED)
+        if EVEN_K:
+            v = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            sc = tl.load(s_ptrs, mask=n_ok[:, None], other=0)
+            xl = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            wi = w0 + it * BKW
+            v = tl.load(w_ptrs, mask=n_ok[:, None] & (wi + ar_w < KW)[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=n_ok[:, None] & (wi + ar_s * WPG < KW)[None, :], other=0)
+            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
+            xl = tl.load(x_ptrs, mask=m_ok[:, None] & (wi * 8 + ar_k < K)[None, :], other=0.0)
+        w_ptrs += BKW
+        s_ptrs += BKW // WPG
+        x_ptrs += BK
+        v = tl.reshape(v, (BN, Q, 4, 4))  # [row, step, c, w]
+        s2 = _packed_scales(sc, BN, Q, IS_MX, DT)
+        l0, h0 = _scaled_pair(_pairs16(v, 0, DT == tl.bfloat16), s2, DT, INTERPRETED)
+        l1, h1 = _scaled_pair(_pairs16(v, 1, DT == tl.bfloat16), s2, DT, INTERPRETED)
+        l2, h2 = _scaled_pair(_pairs16(v, 2, DT == tl.bfloat16), s2, DT, INTERPRETED)
+        l3, h3 = _scaled_pair(_pairs16(v, 3, DT == tl.bfloat16), s2, DT, INTERPRETED)
+        # nibble e = 4 h + 2 j1 + s -> [row, step, c, w, h, s, j1] -> logical [row, step, w, j1, s, c, h]
+        t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+        wt = tl.reshape(tl.permute(t, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))
+        # x physical [m, step, c, w, h, j1, s] -> the same logical order, transposed for the MMA's K x Mp operand
+        xt = tl.permute(tl.reshape(xl, (BMX, Q, 4, 4, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))
+        acc = _dot(wt, tl.trans(tl.reshape(xt, (BMX, BK))), acc, INTERPRETED)
     ok = n_ok[:, None] & m_ok[None, :]
+    if IS_MX:
+        POST: tl.constexpr = 16777216.0  # 2^24
+    elif DT == tl.bfloat16:
+        POST: tl.constexpr = 256.0
+    else:
+        POST: tl.constexpr = 16384.0
     _epilogue(acc, offs_m[None, :], offs_n[:, None], ok, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
-              stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K)
+              stride_om, pid_n, pid_k, IS_MX, HAS_BIAS, SPLIT_K, POST)
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -363,11 +472,10 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
         part = cnt = out  # unused
     args = (x, words, scale, gs, bias if bias is not None else out, out, part, cnt,
             m, n, k, kw, wps, x.stride(0), words.stride(0), scale.stride(0), out.stride(0))
-    meta = dict(IS_MX=is_mx, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, BN=cfg.bn, BKW=bkw,
-                num_warps=cfg.warps, num_stages=cfg.stages)
+    meta = dict(IS_MX=is_mx, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, BN=cfg.bn,
+                INTERPRETED=_INTERPRETED, num_warps=cfg.warps, num_stages=cfg.stages)
     if cfg.bm == 1:
-        _fp4_dec_fma_kernel[(n_tiles, split)](*args, BM=triton.next_power_of_2(m), INTERPRETED=_INTERPRETED, **meta)
+        _fp4_dec_fma_kernel[(n_tiles, split)](*args, BM=triton.next_power_of_2(m), BKW=bkw, **meta)
     else:
-        _fp4_dec_mma_kernel[(n_tiles, split)](*args, BMX=max(16, triton.next_power_of_2(m)), INTERPRETED=_INTERPRETED,
-                                              **meta)
+        _fp4_dec_mma_kernel[(n_tiles, split)](*args, BMX=max(16, triton.next_power_of_2(m)), Q=cfg.bk // 128, **meta)
     return out

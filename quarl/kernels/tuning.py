@@ -87,9 +87,11 @@ def _pow2(v: int) -> bool:
 def check_fp4_decode_cfg(cfg: Cfg) -> None:
     """Raise ValueError when `cfg` cannot drive `quarl.kernels.fp4_decode` (Triton-free, so it runs anywhere).
 
-    bm: 1 (CUDA-core FMA path) or 16 (tensor-core path); bn: power of two, >= 16 for bm = 16 (an MMA tile);
-    bk: power of two >= 64 (whole int32 code words, 8 per thread row at least), >= 128 for bm = 16 (each of
-    the 8 per-position dots needs K >= 16); split_k >= 1; warps a power of two <= 16; stages >= 1.
+    bm = 1 (CUDA-core FMA path): bn a power of two <= 512; bk a power of two in [64, 4096] (whole int32 code
+    words, 8 per thread row at least); warps a power of two <= 16.
+    bm = 16 (tensor-core path): warps 4 or 8 (one or two wgmma warp groups); bn 64, 128 or 256 and >= 16 * warps
+    (each warp owns 16 weight rows of the wgmma); bk 128 or 256 (one or two 128-element steps per stage).
+    Both: split_k in [1, 64], stages >= 1.
     """
     if not isinstance(cfg, Cfg):
         raise ValueError(f"fp4_decode needs a quarl.kernels.tuning.Cfg, got {type(cfg).__name__}")
@@ -98,18 +100,24 @@ def check_fp4_decode_cfg(cfg: Cfg) -> None:
             f"fp4_decode cfg.bm={cfg.bm} selects no path; use bm=1 (CUDA-core FMA, M <= {FP4_DECODE_FMA_MAX_M}) "
             f"or bm=16 (tensor cores, M <= {FP4_DECODE_MAX_M})"
         )
-    min_bn, min_bk = (16, 128) if cfg.bm == 16 else (1, 64)
-    if not _pow2(cfg.bn) or cfg.bn < min_bn or cfg.bn > 512:
-        raise ValueError(f"fp4_decode cfg.bn={cfg.bn} must be a power of two in [{min_bn}, 512] for bm={cfg.bm}")
-    if not _pow2(cfg.bk) or cfg.bk < min_bk or cfg.bk > 4096:
-        raise ValueError(
-            f"fp4_decode cfg.bk={cfg.bk} must be a power of two in [{min_bk}, 4096] for bm={cfg.bm} "
-            "(K steps of whole 8-element code words)"
-        )
+    if cfg.bm == 1:
+        if not _pow2(cfg.bn) or cfg.bn > 512:
+            raise ValueError(f"fp4_decode cfg.bn={cfg.bn} must be a power of two <= 512 for bm=1")
+        if not _pow2(cfg.bk) or cfg.bk < 64 or cfg.bk > 4096:
+            raise ValueError(f"fp4_decode cfg.bk={cfg.bk} must be a power of two in [64, 4096] for bm=1 "
+                             "(K steps of whole 8-element code words)")
+        if not _pow2(cfg.warps) or cfg.warps > 16:
+            raise ValueError(f"fp4_decode cfg.warps={cfg.warps} must be a power of two <= 16 for bm=1")
+    else:
+        if cfg.warps not in (4, 8):
+            raise ValueError(f"fp4_decode cfg.warps={cfg.warps} must be 4 or 8 for bm=16 (wgmma warp groups)")
+        if cfg.bn not in (64, 128, 256) or cfg.bn < 16 * cfg.warps:
+            raise ValueError(f"fp4_decode cfg.bn={cfg.bn} must be 64, 128 or 256 and >= 16 * warps "
+                             f"({16 * cfg.warps}) for bm=16")
+        if cfg.bk not in (128, 256):
+            raise ValueError(f"fp4_decode cfg.bk={cfg.bk} must be 128 or 256 for bm=16 (128-element MMA steps)")
     if cfg.split_k < 1 or cfg.split_k > 64:
         raise ValueError(f"fp4_decode cfg.split_k={cfg.split_k} must be in [1, 64]")
-    if not _pow2(cfg.warps) or cfg.warps > 16:
-        raise ValueError(f"fp4_decode cfg.warps={cfg.warps} must be a power of two <= 16")
     if cfg.stages < 1:
         raise ValueError(f"fp4_decode cfg.stages={cfg.stages} must be >= 1")
 
