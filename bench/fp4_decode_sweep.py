@@ -47,22 +47,22 @@ C = Cfg
 CANDIDATES = {
     1: [C(1, 8, 512), C(1, 16, 512), C(1, 8, 1024), C(1, 4, 1024), C(1, 16, 256, warps=2),
         C(1, 8, 512, split_k=4), C(1, 16, 512, split_k=2), C(1, 32, 512, split_k=4, warps=8),
-        C(16, 64, 256, split_k=4), C(16, 128, 256, split_k=2),
+        C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=4), C(16, 128, 128, split_k=4),
         # wider FMA tiles: each K step's x split is shared by more weight rows
         C(1, 16, 1024), C(1, 32, 512, split_k=2), C(1, 32, 1024, split_k=2), C(1, 64, 512, split_k=4, warps=8),
         C(1, 32, 1024, split_k=4, warps=8),
         # two warps: more programs in flight per SM (the 1x16x256 two-warp tile leads on gate_up)
         C(1, 8, 256, warps=2), C(1, 8, 512, warps=2), C(1, 4, 512, warps=2), C(1, 16, 256, split_k=2, warps=2),
         C(1, 8, 1024, warps=2), C(1, 4, 1024, warps=2), C(1, 8, 512, split_k=2, warps=2), C(1, 32, 128, warps=2)],
-    # bm=16 (wgmma, register weight operand): 128-row tiles with 4 warps decode the most weights per x staging;
-    # split_k so that the small-N shapes reach ~140-220 programs on 132 SMs.
-    16: [C(16, 128, 128, split_k=4), C(16, 128, 128, split_k=4, stages=4), C(16, 64, 128, split_k=4),
-         C(16, 128, 256, split_k=2), C(16, 256, 128, split_k=2, warps=8), C(16, 128, 128, split_k=8),
-         C(16, 64, 128, split_k=8), C(16, 128, 128, split_k=2), C(16, 128, 128), C(16, 256, 128, warps=8),
-         C(16, 128, 128, split_k=6, stages=5), C(16, 128, 256, split_k=4, stages=2)],
-    64: [C(16, 128, 128, split_k=4), C(16, 256, 128, split_k=2, warps=8), C(16, 256, 128, split_k=4, warps=8),
-         C(16, 128, 128, split_k=2), C(16, 128, 256, split_k=2), C(16, 256, 128, warps=8), C(16, 128, 128),
-         C(16, 64, 128, split_k=4), C(16, 128, 128, split_k=8), C(16, 256, 256, split_k=2, warps=8, stages=2)],
+    # bm=16 (wgmma, register weight operand): split_k so that the small-N shapes reach ~200-450 programs on 132
+    # SMs (K = 3584 is 28 steps of 128: splits 4, 7, 14 are even; K = 18944 is 148 steps).
+    16: [C(16, 64, 128, split_k=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=8), C(16, 64, 128, split_k=14),
+         C(16, 128, 128, split_k=2), C(16, 128, 128, split_k=4), C(16, 128, 128, split_k=7), C(16, 128, 128),
+         C(16, 64, 128, split_k=7, stages=4), C(16, 64, 128, split_k=7, stages=2), C(16, 64, 128, split_k=2),
+         C(16, 128, 128, split_k=8, warps=8), C(16, 64, 256, split_k=4, stages=2), C(16, 64, 128)],
+    64: [C(16, 64, 128, split_k=2), C(16, 64, 128, split_k=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=8),
+         C(16, 64, 128, split_k=14), C(16, 64, 128), C(16, 128, 128, split_k=4), C(16, 128, 128, split_k=7),
+         C(16, 64, 128, split_k=7, stages=2), C(16, 64, 128, split_k=4, stages=4), C(16, 128, 128, split_k=8, warps=8)],
 }
 
 

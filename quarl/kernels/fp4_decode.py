@@ -316,6 +316,27 @@ def _packed_scales(sc, BN: tl.constexpr, Q: tl.constexpr, IS_MX: tl.constexpr, D
         return tl.reshape(tl.broadcast_to(tl.reshape(s2, (BN, Q, 4, 2, 1)), (BN, Q, 4, 2, 2)), (BN, Q, 4, 4))
 
 
+@triton.jit
+def _mma_step(v, sc, xl, acc, BN: tl.constexpr, BMX: tl.constexpr, Q: tl.constexpr, IS_MX: tl.constexpr,
+              DT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc [BN, BMX] fp32 += one K step: code words v int32 [BN, 16 Q], scale bytes sc [BN, 16 Q / words per
+    block], x [BMX, 128 Q] in DT, all in physical order (see the module docstring for the K permutation)."""
+    BK: tl.constexpr = 128 * Q
+    BF16: tl.constexpr = DT == tl.bfloat16
+    v = tl.reshape(v, (BN, Q, 4, 4))  # [row, step, c, w]
+    s2 = _packed_scales(sc, BN, Q, IS_MX, DT)
+    l0, h0 = _scaled_pair(_pairs16(v, 0, BF16), s2, DT, INTERPRETED)
+    l1, h1 = _scaled_pair(_pairs16(v, 1, BF16), s2, DT, INTERPRETED)
+    l2, h2 = _scaled_pair(_pairs16(v, 2, BF16), s2, DT, INTERPRETED)
+    l3, h3 = _scaled_pair(_pairs16(v, 3, BF16), s2, DT, INTERPRETED)
+    # nibble e = 4 h + 2 j1 + s -> [row, step, c, w, h, s, j1] -> logical [row, step, w, j1, s, c, h]
+    t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    wt = tl.reshape(tl.permute(t, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))
+    # x physical [m, step, c, w, h, j1, s] -> the same logical order, transposed for the MMA's K x Mp operand
+    xt = tl.permute(tl.reshape(xl, (BMX, Q, 4, 4, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))
+    return _dot(wt, tl.trans(tl.reshape(xt, (BMX, BK))), acc, INTERPRETED)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp4_dec_mma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -324,7 +345,11 @@ def _fp4_dec_mma_kernel(
     BMX: tl.constexpr, BN: tl.constexpr, Q: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Tensor-core path (swap-AB): same arguments as `_fp4_dec_fma_kernel`; BMX >= M (16, 32 or 64) is the
-    MMA's narrow dimension, Q steps of 128 elements (16 code words per row) per pipeline stage."""
+    MMA's narrow dimension, Q steps of 128 elements (16 code words per row) per pipeline stage.
+
+    The steps that lie wholly inside the split's words and x's K run unmasked; the one step at the end of a
+    split that reaches past them runs masked after the loop (EVEN_K: there is none), so a ragged K or split
+    costs only that step."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     WPG: tl.constexpr = 4 if IS_MX else 2  # code words per block scale
     BKW: tl.constexpr = 16 * Q
@@ -343,32 +368,30 @@ def _fp4_dec_mma_kernel(
     s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (w0 // WPG + ar_s)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (w0 * 8 + ar_k)[None, :]
     acc = tl.zeros((BN, BMX), dtype=tl.float32)
-    for it in range(0, words_per_split // BKW):
-        if EVEN_K:
-            v = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-            sc = tl.load(s_ptrs, mask=n_ok[:, None], other=0)
-            xl = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        else:
-            wi = w0 + it * BKW
-            v = tl.load(w_ptrs, mask=n_ok[:, None] & (wi + ar_w < KW)[None, :], other=0)
-            sc = tl.load(s_ptrs, mask=n_ok[:, None] & (wi + ar_s * WPG < KW)[None, :], other=0)
-            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
-            xl = tl.load(x_ptrs, mask=m_ok[:, None] & (wi * 8 + ar_k < K)[None, :], other=0.0)
+    if EVEN_K:
+        n_full = words_per_split // BKW
+    else:
+        w_end = tl.minimum(w0 + words_per_split, KW)  # this split's words
+        n_full = tl.maximum(tl.minimum(w_end, K // 8) - w0, 0) // BKW  # steps needing no mask
+    for it in range(0, n_full):
+        v = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        sc = tl.load(s_ptrs, mask=n_ok[:, None], other=0)
+        xl = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         w_ptrs += BKW
         s_ptrs += BKW // WPG
         x_ptrs += BK
-        v = tl.reshape(v, (BN, Q, 4, 4))  # [row, step, c, w]
-        s2 = _packed_scales(sc, BN, Q, IS_MX, DT)
-        l0, h0 = _scaled_pair(_pairs16(v, 0, DT == tl.bfloat16), s2, DT, INTERPRETED)
-        l1, h1 = _scaled_pair(_pairs16(v, 1, DT == tl.bfloat16), s2, DT, INTERPRETED)
-        l2, h2 = _scaled_pair(_pairs16(v, 2, DT == tl.bfloat16), s2, DT, INTERPRETED)
-        l3, h3 = _scaled_pair(_pairs16(v, 3, DT == tl.bfloat16), s2, DT, INTERPRETED)
-        # nibble e = 4 h + 2 j1 + s -> [row, step, c, w, h, s, j1] -> logical [row, step, w, j1, s, c, h]
-        t = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
-        wt = tl.reshape(tl.permute(t, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))
-        # x physical [m, step, c, w, h, j1, s] -> the same logical order, transposed for the MMA's K x Mp operand
-        xt = tl.permute(tl.reshape(xl, (BMX, Q, 4, 4, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))
-        acc = _dot(wt, tl.trans(tl.reshape(xt, (BMX, BK))), acc, INTERPRETED)
+        acc = _mma_step(v, sc, xl, acc, BN, BMX, Q, IS_MX, DT, INTERPRETED)
+    if not EVEN_K:
+        for it in range(n_full, tl.cdiv(w_end - w0, BKW)):
+            wi = w0 + it * BKW
+            v = tl.load(w_ptrs, mask=n_ok[:, None] & (wi + ar_w < w_end)[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=n_ok[:, None] & (wi + ar_s * WPG < w_end)[None, :], other=0)
+            # x's last dim is the unpadded K: the weight's zero padding meets x's masked zeros.
+            xl = tl.load(x_ptrs, mask=m_ok[:, None] & (wi * 8 + ar_k < K)[None, :], other=0.0)
+            w_ptrs += BKW
+            s_ptrs += BKW // WPG
+            x_ptrs += BK
+            acc = _mma_step(v, sc, xl, acc, BN, BMX, Q, IS_MX, DT, INTERPRETED)
     ok = n_ok[:, None] & m_ok[None, :]
     if IS_MX:
         POST: tl.constexpr = 16777216.0  # 2^24
