@@ -47,7 +47,8 @@ C = Cfg
 CANDIDATES = {
     1: [C(1, 8, 512), C(1, 16, 512), C(1, 8, 1024), C(1, 4, 1024), C(1, 16, 256, warps=2),
         C(1, 8, 512, split_k=4), C(1, 16, 512, split_k=2), C(1, 32, 512, split_k=4, warps=8),
-        C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=4), C(16, 128, 128, split_k=4),
+        C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=7, stages=4), C(16, 64, 128, split_k=14, stages=4),
+        C(16, 128, 128, split_k=4), C(16, 64, 128, stages=4),
         # wider FMA tiles: each K step's x split is shared by more weight rows
         C(1, 16, 1024), C(1, 32, 512, split_k=2), C(1, 32, 1024, split_k=2), C(1, 64, 512, split_k=4, warps=8),
         C(1, 32, 1024, split_k=4, warps=8),
@@ -55,14 +56,19 @@ CANDIDATES = {
         C(1, 8, 256, warps=2), C(1, 8, 512, warps=2), C(1, 4, 512, warps=2), C(1, 16, 256, split_k=2, warps=2),
         C(1, 8, 1024, warps=2), C(1, 4, 1024, warps=2), C(1, 8, 512, split_k=2, warps=2), C(1, 32, 128, warps=2)],
     # bm=16 (wgmma, register weight operand): split_k so that the small-N shapes reach ~200-450 programs on 132
-    # SMs (K = 3584 is 28 steps of 128: splits 4, 7, 14 are even; K = 18944 is 148 steps).
-    16: [C(16, 64, 128, split_k=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=8), C(16, 64, 128, split_k=14),
-         C(16, 128, 128, split_k=2), C(16, 128, 128, split_k=4), C(16, 128, 128, split_k=7), C(16, 128, 128),
-         C(16, 64, 128, split_k=7, stages=4), C(16, 64, 128, split_k=7, stages=2), C(16, 64, 128, split_k=2),
-         C(16, 128, 128, split_k=8, warps=8), C(16, 64, 256, split_k=4, stages=2), C(16, 64, 128)],
-    64: [C(16, 64, 128, split_k=2), C(16, 64, 128, split_k=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=8),
-         C(16, 64, 128, split_k=14), C(16, 64, 128), C(16, 128, 128, split_k=4), C(16, 128, 128, split_k=7),
-         C(16, 64, 128, split_k=7, stages=2), C(16, 64, 128, split_k=4, stages=4), C(16, 128, 128, split_k=8, warps=8)],
+    # SMs (K = 3584 is 28 steps of 128: splits 4, 7, 14 are even; K = 18944 is 148 steps); deeper pipelines keep
+    # more code bytes in flight per SM (one 64-row stage is ~8.5 KB with x).
+    16: [C(16, 64, 128), C(16, 64, 128, stages=4), C(16, 64, 128, stages=5), C(16, 64, 128, split_k=2, stages=4),
+         C(16, 64, 128, split_k=4, stages=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=7, stages=4),
+         C(16, 64, 128, split_k=7, stages=5), C(16, 64, 128, split_k=8, stages=4), C(16, 64, 128, split_k=14, stages=4),
+         C(16, 128, 128, warps=8), C(16, 128, 128, warps=8, stages=4), C(16, 128, 128, split_k=4, warps=8, stages=4),
+         C(16, 128, 128, split_k=7, warps=8, stages=4), C(16, 128, 128, split_k=4),
+         C(16, 64, 256), C(16, 64, 256, stages=4), C(16, 64, 256, split_k=4), C(16, 64, 256, split_k=7, stages=4),
+         C(16, 64, 256, split_k=4, stages=4)],
+    64: [C(16, 64, 128), C(16, 64, 128, stages=4), C(16, 64, 128, split_k=2, stages=4), C(16, 64, 128, split_k=4),
+         C(16, 64, 128, split_k=4, stages=4), C(16, 128, 128, warps=8), C(16, 128, 128, warps=8, stages=4),
+         C(16, 128, 128, split_k=2, warps=8, stages=4), C(16, 128, 128, split_k=4, warps=8, stages=4),
+         C(16, 128, 128), C(16, 256, 128, warps=8)],
 }
 
 

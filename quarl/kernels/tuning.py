@@ -12,10 +12,10 @@ A `Plan` names the path:
   "gemv"       one-launch FMA kernels (`quarl.kernels.gemv`: fp4 M <= 4 rows, 8-bit M = 1; cfg.bn/bk/warps/stages,
                bm unused);
   "fp4_decode" M <= 64 rows, nvfp4/mxfp4 weights (`quarl.kernels.fp4_decode`): cfg.bm = 1 selects the CUDA-core
-               FMA path (M <= 8), cfg.bm = 16 the tensor-core swap-AB path (M padded to 16/32/64); cfg.bn/bk
-               (bk: elements, a multiple of 64; >= 128 for bm = 16), split_k (one launch: the last program of
-               a tile sums the fp32 partials), warps, stages; group_m, native, swap_ab and tma unused
-               (`check_fp4_decode_cfg` says what is allowed);
+               FMA path (M <= 8), cfg.bm = 16 the tensor-core swap-AB path (wgmma with the decoded weight as
+               the register operand, M padded to 16/32/64); cfg.bn/bk (bk: elements; 128 or 256 for bm = 16),
+               split_k (one launch: the last program of a tile sums the fp32 partials), warps, stages; group_m,
+               native, swap_ab and tma unused (`check_fp4_decode_cfg` says what is allowed);
   "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster.
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"
 (8-bit formats with weight_only=True).
@@ -136,36 +136,36 @@ C, P = Cfg, Plan
 MEASURED = {
     "w4a16": {
         (4608, 3584): {  # qkv
-            1: (P("fp4_decode", C(1, 4, 512, warps=2)), 1.01),  # bench/fp4_decode_sweep.py
-            16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.76),
-            64: (P("deq_mm"), 0.53),
+            1: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.25),  # bench/fp4_decode_sweep.py
+            16: (P("fp4_decode", C(16, 64, 128, split_k=8)), 1.17),
+            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.61),
             256: (P("deq_mm"), 0.55),
             512: (P("deq_mm"), 0.68),
             1024: (P("deq_mm"), 0.81),
             4096: (P("deq_mm"), 0.94),
         },
         (3584, 3584): {  # o
-            1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.38),
-            16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.96),
-            64: (P("fp4", C(64, 64, 128, split_k=4, warps=8)), 0.57),
+            1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.50),
+            16: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.33),
+            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.69),
             256: (P("deq_mm"), 0.57),
             512: (P("deq_mm"), 0.67),
             1024: (P("deq_mm"), 0.79),
             4096: (P("deq_mm"), 0.90),
         },
         (37888, 3584): {  # gate_up
-            1: (P("fp4_decode", C(1, 16, 256, warps=2)), 1.65),
-            16: (P("fp4", C(16, 64, 256, split_k=2, stages=4)), 0.99),
-            64: (P("fp4", C(64, 64, 128, split_k=2)), 0.71),
+            1: (P("fp4_decode", C(16, 64, 128, stages=4)), 2.02),
+            16: (P("fp4_decode", C(16, 64, 128)), 2.03),
+            64: (P("fp4_decode", C(16, 64, 128)), 0.98),
             256: (P("deq_mm"), 0.50),
             512: (P("deq_mm"), 0.66),
             1024: (P("deq_mm"), 0.74),
             4096: (P("deq_mm"), 0.94),
         },
         (3584, 18944): {  # down
-            1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.27),
-            16: (P("fp4", C(16, 32, 128, split_k=8, stages=4)), 0.92),
-            64: (P("fp4", C(64, 64, 128, split_k=4, warps=8)), 0.65),
+            1: (P("fp4_decode", C(16, 64, 128, split_k=7, stages=4)), 1.71),
+            16: (P("fp4_decode", C(16, 64, 128, split_k=7, stages=4)), 1.75),
+            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.96),
             256: (P("deq_mm"), 0.53),
             512: (P("deq_mm"), 0.68),
             1024: (P("deq_mm"), 0.78),
