@@ -81,6 +81,32 @@ def test_mxfp4_matches_reference(cfg):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_extreme_block_scales_are_exact(fmt):
+    """Rows whose block scales are tiny (E4M3 subnormals for nvfp4, low E8M0 exponents for mxfp4) or large, and
+    all-zero blocks: the tensor-core path folds powers of two into the scales (bf16 patterns, 2^118 / 2^-25) and
+    must stay exact over the whole range real weights use."""
+    from quarl.kernels.fp4_decode import fp4_decode_matmul
+
+    n, k = 192, 1024
+    w = torch.randn(n, k, device="cuda") * 0.05
+    row_scale = torch.ones(n, 1, device="cuda")
+    row_scale[0::3] = 1e-5 if fmt == "nvfp4" else 2.0**-40  # nvfp4: block scales below 2^-6 (E4M3 subnormal)
+    row_scale[1::3] = 1.0 if fmt == "nvfp4" else 2.0**10
+    w = w * row_scale
+    w.view(n, k // 32, 32)[2::5, 3::4] = 0.0  # zero blocks (nvfp4: scale 0, codes 0)
+    qw = quantize(w, fmt)
+    if fmt == "nvfp4":
+        s = qw.scale.float()
+        assert ((s > 0) & (s < 2.0**-6)).any(), "the test needs subnormal E4M3 block scales"
+    for m, cfg in [(16, Cfg(16, 64, 128, split_k=2)), (3, Cfg(16, 128, 256, warps=8))]:
+        x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
+        y = fp4_decode_matmul(x, qw, None, cfg)
+        err = _row_err(y, _reference(x, qw, None))
+        assert err <= TOL[torch.bfloat16], f"{fmt} {cfg.name()} M={m}: err {err:.2e}"
+
+
+@gpu
 def test_split_k_is_deterministic_and_reusable():
     """The last program of a tile sums the partials in split order: repeated calls (tickets reset themselves)
     give bit-identical results, also between calls with different tile counts."""
