@@ -58,6 +58,9 @@ CASES = [
     (4, 24, 1024, "nvfp4", Cfg(1, 8, 128, split_k=4), torch.float16, True),
     (16, 32, 512, "nvfp4", Cfg(16, 64, 128, split_k=2), torch.float16, True),
     (16, 64, 1024, "nvfp4", Cfg(16, 64, 256, split_k=2), torch.bfloat16, True),
+    # x permuted beforehand (cfg.native, K a multiple of 128)
+    (16, 70, 512, "nvfp4", Cfg(16, 64, 128, split_k=2, native=True), torch.bfloat16, True),
+    (37, 64, 384, "mxfp4", Cfg(16, 128, 256, warps=8, native=True), torch.bfloat16, False),
 ]
 QUICK = [0, 2, 4, 6]
 

@@ -24,6 +24,7 @@ literal in the layout of `quarl.kernels.tuning.MEASURED["w4a16"]`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -58,17 +59,14 @@ CANDIDATES = {
     # bm=16 (wgmma, register weight operand): split_k so that the small-N shapes reach ~200-450 programs on 132
     # SMs (K = 3584 is 28 steps of 128: splits 4, 7, 14 are even; K = 18944 is 148 steps); deeper pipelines keep
     # more code bytes in flight per SM (one 64-row stage is ~8.5 KB with x).
-    16: [C(16, 64, 128), C(16, 64, 128, stages=4), C(16, 64, 128, stages=5), C(16, 64, 128, split_k=2, stages=4),
-         C(16, 64, 128, split_k=4, stages=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=7, stages=4),
-         C(16, 64, 128, split_k=7, stages=5), C(16, 64, 128, split_k=8, stages=4), C(16, 64, 128, split_k=14, stages=4),
-         C(16, 128, 128, warps=8), C(16, 128, 128, warps=8, stages=4), C(16, 128, 128, split_k=4, warps=8, stages=4),
-         C(16, 128, 128, split_k=7, warps=8, stages=4), C(16, 128, 128, split_k=4),
-         C(16, 64, 256), C(16, 64, 256, stages=4), C(16, 64, 256, split_k=4), C(16, 64, 256, split_k=7, stages=4),
-         C(16, 64, 256, split_k=4, stages=4)],
-    64: [C(16, 64, 128), C(16, 64, 128, stages=4), C(16, 64, 128, split_k=2, stages=4), C(16, 64, 128, split_k=4),
-         C(16, 64, 128, split_k=4, stages=4), C(16, 128, 128, warps=8), C(16, 128, 128, warps=8, stages=4),
-         C(16, 128, 128, split_k=2, warps=8, stages=4), C(16, 128, 128, split_k=4, warps=8, stages=4),
-         C(16, 128, 128), C(16, 256, 128, warps=8)],
+    16: [C(16, 64, 128), C(16, 64, 128, stages=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=7, stages=4),
+         C(16, 64, 128, native=True), C(16, 64, 128, stages=4, native=True), C(16, 64, 128, split_k=7, native=True),
+         C(16, 64, 128, split_k=7, stages=4, native=True), C(16, 64, 128, split_k=8, native=True)],
+    64: [C(16, 64, 128), C(16, 64, 128, split_k=4), C(16, 64, 128, split_k=7), C(16, 64, 128, native=True),
+         C(16, 64, 128, split_k=2, native=True), C(16, 64, 128, split_k=4, native=True),
+         C(16, 64, 128, split_k=7, native=True), C(16, 64, 128, split_k=8, native=True), C(16, 128, 128, native=True),
+         C(16, 128, 128, split_k=2, native=True), C(16, 128, 128, split_k=4, native=True),
+         C(16, 256, 128, warps=8, native=True), C(16, 128, 128, split_k=4, warps=8, native=True)],
 }
 
 
@@ -98,7 +96,7 @@ def baseline_plan(m: int, n: int, k: int) -> Plan:
 
 def cfg_literal(c: Cfg) -> str:
     """Cfg as source text with only the non-default fields, e.g. C(16, 128, 256, split_k=2)."""
-    extra = [f"{f}={getattr(c, f)!r}" for f, d in (("split_k", 1), ("warps", 4), ("stages", 3)) if getattr(c, f) != d]
+    extra = [f"{f.name}={getattr(c, f.name)!r}" for f in dataclasses.fields(c)[3:] if getattr(c, f.name) != f.default]
     return f"C({', '.join([str(c.bm), str(c.bn), str(c.bk)] + extra)})"
 
 

@@ -24,7 +24,7 @@ TOL = {torch.bfloat16: 2.0**-8 + 2.0**-14, torch.float16: 2.0**-11 + 2.0**-14}
 SHAPES = [(1, 256, 512), (5, 300, 1000), (37, 96, 272), (8, 4608 // 9, 3584), (64, 200, 200), (16, 3584, 3584)]
 FMA_CFGS = [Cfg(1, 8, 512), Cfg(1, 16, 256, warps=2), Cfg(1, 4, 1024, split_k=3), Cfg(1, 32, 64, split_k=2, warps=8)]
 MMA_CFGS = [Cfg(16, 64, 256), Cfg(16, 128, 128, split_k=4, stages=4), Cfg(16, 64, 128, split_k=3, stages=2),
-            Cfg(16, 256, 128, split_k=2, warps=8), Cfg(16, 128, 256, warps=8)]
+            Cfg(16, 256, 128, split_k=2, warps=8), Cfg(16, 128, 256, warps=8), Cfg(16, 64, 128, split_k=2, native=True)]
 
 
 def _reference(x, qw, bias):

@@ -14,8 +14,9 @@ A `Plan` names the path:
   "fp4_decode" M <= 64 rows, nvfp4/mxfp4 weights (`quarl.kernels.fp4_decode`): cfg.bm = 1 selects the CUDA-core
                FMA path (M <= 8), cfg.bm = 16 the tensor-core swap-AB path (wgmma with the decoded weight as
                the register operand, M padded to 16/32/64); cfg.bn/bk (bk: elements; 128 or 256 for bm = 16),
-               split_k (one launch: the last program of a tile sums the fp32 partials), warps, stages; group_m,
-               native, swap_ab and tma unused (`check_fp4_decode_cfg` says what is allowed);
+               split_k (one launch: the last program of a tile sums the fp32 partials), warps, stages, native
+               (x permuted beforehand, see Cfg); group_m, swap_ab and tma unused (`check_fp4_decode_cfg` says
+               what is allowed);
   "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster.
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"
 (8-bit formats with weight_only=True).
@@ -45,10 +46,13 @@ class Cfg:
     bm/bn/bk: tile rows (tokens), columns (output features), reduction depth; split_k: programs sharing one
     output tile along K (fp32 partials summed by `splitk_reduce`); warps/stages: Triton's num_warps /
     num_stages (software pipelining depth); group_m: output tiles of one column band visited together (L2 reuse
-    of the weight in prefill). native: W8A8 only, multiply the int8/fp8 codes on the int8/fp8 tensor cores
-    (needs bm >= 64, or bn >= 64 with swap_ab); otherwise the codes are converted exactly to fp16 and multiplied
-    there. swap_ab: W8A8 only, the product runs transposed (weight tile [bn, bk] as the MMA's first operand, the
-    few token rows as its narrow second one), so decode's 16-64 rows need not fill a 64-row MMA side.
+    of the weight in prefill). native: W8A8: multiply the int8/fp8 codes on the int8/fp8 tensor cores (needs
+    bm >= 64, or bn >= 64 with swap_ab); otherwise the codes are converted exactly to fp16 and multiplied there.
+    fp4_decode's tensor-core path (bm = 16): x is permuted into the kernel's K order by one copy before the
+    launch and streams into the MMA's shared-memory operand as it is (K a multiple of 128; measured faster at 64
+    rows, slower at 16). swap_ab: W8A8 only, the product runs transposed (weight tile [bn, bk] as the MMA's
+    first operand, the few token rows as its narrow second one), so decode's 16-64 rows need not fill a 64-row
+    MMA side.
     tma: W8A8 prefill only (prequantized rowwise / per-tensor codes, native, no split-K): the persistent kernel
     whose operands arrive by TMA (Hopper or newer; elsewhere the regular kernel runs the same tile).
     """
@@ -138,7 +142,7 @@ MEASURED = {
         (4608, 3584): {  # qkv
             1: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.25),  # bench/fp4_decode_sweep.py
             16: (P("fp4_decode", C(16, 64, 128, split_k=8)), 1.17),
-            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.61),
+            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.59),
             256: (P("deq_mm"), 0.55),
             512: (P("deq_mm"), 0.68),
             1024: (P("deq_mm"), 0.81),
@@ -147,7 +151,7 @@ MEASURED = {
         (3584, 3584): {  # o
             1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.50),
             16: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.33),
-            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.69),
+            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.68),
             256: (P("deq_mm"), 0.57),
             512: (P("deq_mm"), 0.67),
             1024: (P("deq_mm"), 0.79),
@@ -156,7 +160,7 @@ MEASURED = {
         (37888, 3584): {  # gate_up
             1: (P("fp4_decode", C(16, 64, 128, stages=4)), 2.02),
             16: (P("fp4_decode", C(16, 64, 128)), 2.03),
-            64: (P("fp4_decode", C(16, 64, 128)), 0.98),
+            64: (P("fp4_decode", C(16, 64, 128, native=True)), 1.23),
             256: (P("deq_mm"), 0.50),
             512: (P("deq_mm"), 0.66),
             1024: (P("deq_mm"), 0.74),
@@ -165,7 +169,7 @@ MEASURED = {
         (3584, 18944): {  # down
             1: (P("fp4_decode", C(16, 64, 128, split_k=7, stages=4)), 1.71),
             16: (P("fp4_decode", C(16, 64, 128, split_k=7, stages=4)), 1.75),
-            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.96),
+            64: (P("fp4_decode", C(16, 128, 128, split_k=4, warps=8, native=True)), 1.03),
             256: (P("deq_mm"), 0.53),
             512: (P("deq_mm"), 0.68),
             1024: (P("deq_mm"), 0.78),
