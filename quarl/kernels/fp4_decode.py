@@ -322,8 +322,9 @@ def _packed_scales(sc, BN: tl.constexpr, Q: tl.constexpr, IS_MX: tl.constexpr, D
 @triton.jit
 def _mma_step(v, sc, xl, acc, BN: tl.constexpr, BMX: tl.constexpr, Q: tl.constexpr, IS_MX: tl.constexpr,
               DT: tl.constexpr, XP: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc [BN, BMX] fp32 += one K step: code words v int32 [BN, 16 Q], scale bytes sc [BN, 16 Q / words per
-    block], x [BMX, 128 Q] in DT, all in physical order (see the module docstring for the K permutation)."""
+    """acc [BN, BMX] fp32 += one K step: code words v int32 [BN, 16 Q] and scale bytes sc [BN, 16 Q / words per
+    block] in physical order, x [BMX, 128 Q] in DT, physical order or (XP) already permuted into the logical
+    order (see the module docstring for the K permutation)."""
     BK: tl.constexpr = 128 * Q
     BF16: tl.constexpr = DT == tl.bfloat16
     v = tl.reshape(v, (BN, Q, 4, 4))  # [row, step, c, w]
@@ -469,7 +470,7 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
     x.dtype, = x @ dequantize(W)^T (+ bias [N]) up to fp32 summation order and the final rounding.
 
     cfg (a `quarl.kernels.tuning.Cfg`): bm = 1 CUDA-core FMA path (M <= 8) or 16 tensor-core path; bn output
-    features per program; bk K elements per step (power of two, >= 64 / >= 128); split_k programs per output
+    features per program; bk K elements per step (a power of two >= 64 / 128 or 256); split_k programs per output
     tile along K; warps, stages as Triton's num_warps / num_stages; native (bm = 16): x permuted beforehand
     (module docstring). Raises ValueError on unsupported input.
     """
