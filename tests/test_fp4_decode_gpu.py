@@ -24,7 +24,8 @@ TOL = {torch.bfloat16: 2.0**-8 + 2.0**-14, torch.float16: 2.0**-11 + 2.0**-14}
 SHAPES = [(1, 256, 512), (5, 300, 1000), (37, 96, 272), (8, 4608 // 9, 3584), (64, 200, 200), (16, 3584, 3584)]
 FMA_CFGS = [Cfg(1, 8, 512), Cfg(1, 16, 256, warps=2), Cfg(1, 4, 1024, split_k=3), Cfg(1, 32, 64, split_k=2, warps=8)]
 MMA_CFGS = [Cfg(16, 64, 256), Cfg(16, 128, 128, split_k=4, stages=4), Cfg(16, 64, 128, split_k=3, stages=2),
-            Cfg(16, 256, 128, split_k=2, warps=8), Cfg(16, 128, 256, warps=8), Cfg(16, 64, 128, split_k=2, native=True)]
+            Cfg(16, 256, 128, split_k=2, warps=8), Cfg(16, 128, 256, warps=8), Cfg(16, 64, 128, split_k=2, native=True),
+            Cfg(16, 64, 256, native=True)]
 
 
 def _reference(x, qw, bias):
@@ -84,26 +85,44 @@ def test_mxfp4_matches_reference(cfg):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_extreme_block_scales_are_exact(fmt):
     """Rows whose block scales are tiny (E4M3 subnormals for nvfp4, low E8M0 exponents for mxfp4) or large, and
-    all-zero blocks: the tensor-core path folds powers of two into the scales (bf16 patterns, 2^118 / 2^-25) and
-    must stay exact over the whole range real weights use."""
+    all-zero blocks: the tensor-core path folds powers of two into the scales (bf16 patterns; NVFP4 x 2^118,
+    MXFP4 2^(e-25)) and must stay exact over the range it documents (MXFP4 exponents 19..152)."""
     from quarl.kernels.fp4_decode import fp4_decode_matmul
 
     n, k = 192, 1024
     w = torch.randn(n, k, device="cuda") * 0.05
     row_scale = torch.ones(n, 1, device="cuda")
-    row_scale[0::3] = 1e-5 if fmt == "nvfp4" else 2.0**-40  # nvfp4: block scales below 2^-6 (E4M3 subnormal)
-    row_scale[1::3] = 1.0 if fmt == "nvfp4" else 2.0**10
+    # nvfp4: block scales below 2^-6 (E4M3 subnormals); mxfp4: exponents near both ends of 19..152
+    row_scale[0::3] = 1e-5 if fmt == "nvfp4" else 2.0**-100
+    row_scale[1::3] = 1.0 if fmt == "nvfp4" else 2.0**22
     w = w * row_scale
     w.view(n, k // 32, 32)[2::5, 3::4] = 0.0  # zero blocks (nvfp4: scale 0, codes 0)
     qw = quantize(w, fmt)
     if fmt == "nvfp4":
         s = qw.scale.float()
         assert ((s > 0) & (s < 2.0**-6)).any(), "the test needs subnormal E4M3 block scales"
+    else:
+        e = qw.scale.view(torch.uint8).int()
+        assert e.min() <= 25 and e.max() >= 145 and e.min() >= 19 and e.max() <= 152, (e.min(), e.max())
     for m, cfg in [(16, Cfg(16, 64, 128, split_k=2)), (3, Cfg(16, 128, 256, warps=8))]:
         x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
         y = fp4_decode_matmul(x, qw, None, cfg)
         err = _row_err(y, _reference(x, qw, None))
         assert err <= TOL[torch.bfloat16], f"{fmt} {cfg.name()} M={m}: err {err:.2e}"
+
+
+@gpu
+def test_row_strided_x():
+    """x may be a column slice of a wider tensor (row stride > K), on both paths and with x permuted."""
+    from quarl.kernels.fp4_decode import fp4_decode_matmul
+
+    w = quantize(torch.randn(200, 512, device="cuda") * 0.05, "nvfp4")
+    wide = (torch.randn(16, 600, device="cuda") * 2).to(torch.bfloat16)
+    for m, cfg in [(16, Cfg(16, 64, 128, split_k=2)), (16, Cfg(16, 64, 128, native=True)), (3, Cfg(1, 8, 128))]:
+        x = wide[:m, :512]
+        assert not x.is_contiguous()
+        err = _row_err(fp4_decode_matmul(x, w, None, cfg), _reference(x, w, None))
+        assert err <= TOL[torch.bfloat16], f"{cfg.name()} M={m}: err {err:.2e}"
 
 
 @gpu
@@ -170,7 +189,7 @@ def _cpu_inputs(m=4, n=32, k=64, fmt="nvfp4", dtype=torch.bfloat16):
     (dict(fmt="int8"), "nvfp4 / mxfp4"),
     (dict(dtype=torch.float32), "bfloat16 or float16"),
     (dict(fmt="mxfp4", dtype=torch.float16), "bfloat16 x"),
-    (dict(noncontig=True), "contiguous x"),
+    (dict(noncontig=True), "contiguous along K"),
     (dict(k_mismatch=True), "input features"),
     (dict(bias=torch.zeros(31)), "bias must be"),
     (dict(cfg=Cfg(32, 64, 128)), "selects no path"),

@@ -9,9 +9,9 @@ are ALU-bound. Here:
   (little-endian bytes, low nibble first). Two shifts and one mask/or (one LOP3) give an fp16x2 bit pattern
   holding elements e and e+4: sign -> bit 15 / 31, (e1 e0 m) -> bits 11..9 / 27..25. Each half is exactly the
   E2M1 value times 2^-14 (see `fp4_gemm`), so a word decodes in 4 such steps with no byte unpacking.
-* x is loaded contiguously as [rows, words, 8] and split in registers into its 8 element positions; the dot
-  product is then taken position by position over the words (a sum over K may be reordered), so nothing is
-  re-interleaved.
+* FMA path: x is loaded contiguously as [rows, words, 8] and split in registers into its 8 element positions;
+  the dot product is then taken position by position over the words (a sum over K may be reordered), so
+  nothing is re-interleaved. (The MMA path instead permutes K within each step, below.)
 * FMA path (cfg.bm = 1, CUDA cores, M <= 8): per word the 8 products are summed first and the block scale
   multiplies that partial sum once (one FMA per 8 weights and row instead of one multiply per weight).
 * MMA path (cfg.bm = 16, tensor cores, M <= 64): swap-AB, out^T [BN, Mp] = W [BN, K] @ x^T [K, Mp], so the
@@ -28,13 +28,16 @@ are ALU-bound. Here:
   measured faster at 64 rows (gate_up 1.23x instead of 1.02x bf16) and slower at 16.
   A pair (nibbles e, e + 4 of a word) becomes one 16x2 bit pattern in 2 shifts and 2 LOP3s (`_pairs16`) and is
   scaled by one packed multiply (`_scaled_pair`), which is exact: bf16 x takes the patterns as E2M1 x 2^-126 and
-  the block scale folded with 2^118 (NVFP4's E4M3) or 2^-25 (MXFP4's 2^(e-127)); fp16 x takes E2M1 x 2^-14 and the
-  E4M3 scale as it is. A code has <= 2 significant bits and an E4M3 scale 4, so every product is exact in 16
-  bits; the powers of two go back into the fp32 result in the epilogue.
+  the block scale folded with 2^118 (NVFP4's E4M3 value x 2^118; MXFP4's 2^(e-127) x 2^102 = 2^(e-25)); fp16 x
+  takes E2M1 x 2^-14 and the E4M3 scale as it is. A code has <= 2 significant bits and an E4M3 scale 4, so
+  every product is exact in 16 bits; the powers of two go back into the fp32 result in the epilogue.
 * The NVFP4 fp32 global scale and the folded power of two multiply the fp32 result once, in the epilogue: 2^14
   on the FMA path (MXFP4's E8M0 scale carries the 2^14 itself, as in `fp4_gemm`; exponents above 240 would
-  overflow it), 2^8 / 2^14 / 2^24 on the MMA path for bf16 NVFP4 / fp16 NVFP4 / MXFP4 (MXFP4 is exact there for
-  scale exponents e <= 152, block scales up to 2^25; real weights are far below).
+  overflow it), 2^8 / 2^14 / 2^24 on the MMA path for bf16 NVFP4 / fp16 NVFP4 / MXFP4. MXFP4 on the MMA path is
+  exact for E8M0 exponents 19 <= e <= 152 (block scales 2^-108 .. 2^25; weights use about 2^-15 .. 2^3): below,
+  products of E2M1 codes with the folded scale leave bf16's range and lose bits or flush to zero (values under
+  ~1e-31); above, the scale is made +inf, so such a block turns the output into inf / NaN instead of silently
+  wrong numbers.
 * Split-K (cfg.split_k > 1, for small N) stays one launch: every program stores its fp32 partial tile, takes a
   ticket from a per-tile atomic counter, and the program that draws the last ticket sums all partials in split
   order (deterministic) and writes the output, then resets the counter to 0 (no memset per call). The counters
@@ -302,7 +305,8 @@ def _packed_scales(sc, BN: tl.constexpr, Q: tl.constexpr, IS_MX: tl.constexpr, D
     every code word (c, w) of a thread's fragment the scale of its block as DT, duplicated into both halves.
     bf16: E4M3 value * 2^118 or 2^(e-127) * 2^102; fp16: the E4M3 value (all exact)."""
     if IS_MX:
-        sf = ((sc.to(tl.int32) + 102) << 23).to(tl.float32, bitcast=True)
+        # 2^(e - 25) as float32 bits; e >= 153 saturates to +inf (exponent field 255), see the module docstring.
+        sf = ((tl.minimum(sc.to(tl.int32), 153) + 102) << 23).to(tl.float32, bitcast=True)
     else:
         sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if DT == tl.bfloat16:
@@ -350,8 +354,9 @@ def _fp4_dec_mma_kernel(
     IS_MX: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BMX: tl.constexpr, BN: tl.constexpr, Q: tl.constexpr, XP: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Tensor-core path (swap-AB): same arguments as `_fp4_dec_fma_kernel`; BMX >= M (16, 32 or 64) is the
-    MMA's narrow dimension, Q steps of 128 elements (16 code words per row) per pipeline stage.
+    """Tensor-core path (swap-AB): same arguments as `_fp4_dec_fma_kernel` (with XP, x is the host's permuted
+    copy); BMX >= M (16, 32 or 64) is the MMA's narrow dimension, Q steps of 128 elements (16 code words per row)
+    per pipeline stage.
 
     The steps that lie wholly inside the split's words and x's K run unmasked; the one step at the end of a
     split that reaches past them runs masked after the loop (EVEN_K: there is none), so a ragged K or split
@@ -413,7 +418,7 @@ def _fp4_dec_mma_kernel(
 
 _TICKETS: dict[tuple, torch.Tensor] = {}
 # Triton's CPU interpreter (used to check these kernels without a GPU) runs no inline PTX and needs the float32
-# dot: see `_halves_f32` and `_dot`.
+# dot: see `_halves_f32`, `_scaled_pair` and `_dot`.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -450,8 +455,9 @@ def check_fp4_decode_inputs(x: torch.Tensor, qweight, bias: torch.Tensor | None,
     if cfg.bm == 1 and m > FP4_DECODE_FMA_MAX_M:
         raise ValueError(f"the CUDA-core path (cfg.bm=1) takes M <= {FP4_DECODE_FMA_MAX_M} rows, got M={m}; "
                          "use the tensor-core path (cfg.bm=16)")
-    if not x.is_contiguous():
-        raise ValueError(f"fp4_decode_matmul needs a contiguous x, got strides {x.stride()}; pass x.contiguous()")
+    if x.stride(1) != 1:
+        raise ValueError(f"fp4_decode_matmul needs x contiguous along K, got strides {x.stride()}; "
+                         "pass x.contiguous()")
     if k != qweight.shape[1]:
         raise ValueError(f"x has K={k} input features but the weight is {tuple(qweight.shape)}; x must be [M, K]")
     if not (qweight.data.is_contiguous() and qweight.scale.is_contiguous()):
@@ -466,7 +472,7 @@ def check_fp4_decode_inputs(x: torch.Tensor, qweight, bias: torch.Tensor | None,
 
 
 def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: Cfg) -> torch.Tensor:
-    """x [M <= 64, K] bf16/fp16 (contiguous) times an nvfp4/mxfp4 weight QuantizedTensor [N, K] -> [M, N] in
+    """x [M <= 64, K] bf16/fp16 (unit stride along K) times an nvfp4/mxfp4 weight QuantizedTensor [N, K] -> [M, N] in
     x.dtype, = x @ dequantize(W)^T (+ bias [N]) up to fp32 summation order and the final rounding.
 
     cfg (a `quarl.kernels.tuning.Cfg`): bm = 1 CUDA-core FMA path (M <= 8) or 16 tensor-core path; bn output
@@ -500,6 +506,9 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
         cnt = _tickets(x.device, n_tiles)
     else:
         part = cnt = out  # unused
+    xp = cfg.bm == 16 and cfg.native and k % 128 == 0
+    if xp:  # x permuted once, by one copy, into the MMA path's K order (see the module docstring)
+        x = x.unflatten(1, (k // 128, 4, 4, 2, 2, 2)).permute(0, 1, 3, 5, 6, 2, 4).reshape(m, k)
     args = (x, words, scale, gs, bias if bias is not None else out, out, part, cnt,
             m, n, k, kw, wps, x.stride(0), words.stride(0), scale.stride(0), out.stride(0))
     meta = dict(IS_MX=is_mx, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, BN=cfg.bn,
@@ -507,10 +516,6 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
     if cfg.bm == 1:
         _fp4_dec_fma_kernel[(n_tiles, split)](*args, BM=triton.next_power_of_2(m), BKW=bkw, **meta)
     else:
-        xp = cfg.native and k % 128 == 0
-        if xp:  # x permuted once, by one copy, into the kernel's K order (see the module docstring)
-            x = x.view(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(m, k)
-            args = (x,) + args[1:]
         _fp4_dec_mma_kernel[(n_tiles, split)](*args, BMX=max(16, triton.next_power_of_2(m)), Q=cfg.bk // 128, XP=xp,
                                               **meta)
     return out
