@@ -34,10 +34,10 @@ are ALU-bound. Here:
 * The NVFP4 fp32 global scale and the folded power of two multiply the fp32 result once, in the epilogue: 2^14
   on the FMA path (MXFP4's E8M0 scale carries the 2^14 itself, as in `fp4_gemm`; exponents above 240 would
   overflow it), 2^8 / 2^14 / 2^24 on the MMA path for bf16 NVFP4 / fp16 NVFP4 / MXFP4. MXFP4 on the MMA path is
-  exact for E8M0 exponents 19 <= e <= 152 (block scales 2^-108 .. 2^25; weights use about 2^-15 .. 2^3): below,
-  products of E2M1 codes with the folded scale leave bf16's range and lose bits or flush to zero (values under
-  ~1e-31); above, the scale is made +inf, so such a block turns the output into inf / NaN instead of silently
-  wrong numbers.
+  exact for E8M0 exponents 26 <= e <= 152 (block scales 2^-101 .. 2^25; weights use about 2^-15 .. 2^3), where
+  every scaled code is a normal bf16. Below, the products become bf16 subnormals (exact only as far as the
+  hardware keeps them; from e < 19 bits are lost, values under ~1e-31); above, the scale is made +inf, so such
+  a block turns the output into inf / NaN instead of silently wrong numbers.
 * Split-K (cfg.split_k > 1, for small N) stays one launch: every program stores its fp32 partial tile, takes a
   ticket from a per-tile atomic counter, and the program that draws the last ticket sums all partials in split
   order (deterministic) and writes the output, then resets the counter to 0 (no memset per call). The counters
