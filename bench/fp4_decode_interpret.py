@@ -5,7 +5,9 @@
 Compares each result with the float64 reference x.double() @ dequantize(W).double().T (+ bias) as the max over
 rows of max_n |y - ref| / max_n |ref|. Tolerances: fp16 output 2^-10 (rounding is 2^-11 relative); bf16 output
 2^-7, because the interpreter converts float32 to bfloat16 by truncation (1 ulp = 2^-7), not round-to-nearest
-as the GPU does (2^-8, the bound the GPU tests and the sweep use). Exits non-zero on any failure.
+as the GPU does (2^-8, the bound the GPU tests and the sweep use). Also checks the tensor-core path's MXFP4
+scale range (exact for E8M0 exponents 26..152, a larger exponent makes its output column non-finite). Exits
+non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -84,6 +86,29 @@ def check(m, n, k, fmt, cfg, dtype, with_bias, gen) -> tuple[float, float]:
     return rel_row_err(y, ref), TOL[dtype]
 
 
+def check_mxfp4_scale_range(gen) -> bool:
+    """The tensor-core path's MXFP4 folding (module docstring of `quarl.kernels.fp4_decode`): exact for E8M0
+    exponents 26..152, and a block above 152 makes its output column non-finite rather than silently wrong."""
+    n, k, cfg = 96, 256, Cfg(16, 64, 128)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    row_scale = torch.ones(n, 1)
+    row_scale[0::3], row_scale[1::3] = 2.0**-94, 2.0**29  # exponents about 26 and 151
+    qw = quantize(w * row_scale, "mxfp4")
+    e = qw.scale.view(torch.uint8).int()
+    x = (torch.randn(5, k, generator=gen) * 2).to(torch.bfloat16)
+    err = rel_row_err(fp4_decode_matmul(x, qw, None, cfg), x.double() @ qw.dequantize(torch.float64).T)
+    in_range = 26 <= int(e.min()) and int(e.max()) <= 152 and err <= TOL[torch.bfloat16]
+    w_big = w.clone()
+    w_big[7] *= 2.0**32  # exponent about 154: past the exact range
+    qb = quantize(w_big, "mxfp4")
+    y = fp4_decode_matmul(x, qb, None, cfg)
+    loud = int(qb.scale.view(torch.uint8).max()) > 152 and not torch.isfinite(y[:, 7]).any() and \
+        bool(torch.isfinite(torch.cat([y[:, :7], y[:, 8:]], 1)).all())
+    print(f"mxfp4 exponents {int(e.min())}..{int(e.max())}: err={err:.2e} {'ok' if in_range else 'FAIL'}; "
+          f"exponent {int(qb.scale.view(torch.uint8).max())}: output column non-finite {'ok' if loud else 'FAIL'}")
+    return in_range and loud
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="only a few cases")
@@ -112,6 +137,7 @@ def main() -> int:
         bad += not ok
         print(f"M={m:2d} N={n:3d} K={k:3d} {fmt} {cfg.name():20s} {str(dtype)[6:]:8s} bias={bias!s:5s} "
               f"err={err:.2e} tol={tol:.1e} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    bad += not check_mxfp4_scale_range(gen)
     print(f"all ok (seed {seed})" if not bad else f"{bad} FAILED (seed {seed}: rerun with --seed {seed})")
     return 1 if bad else 0
 
