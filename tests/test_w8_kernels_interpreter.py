@@ -9,6 +9,7 @@ in tests/test_kernels_gpu.py (test_gemv_matches_reference, test_w8a8_gemm_matche
 """
 
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -187,6 +188,25 @@ def test_plans_drop_tma_and_native_codes_before_hopper(monkeypatch):
         plan = kernels.plan_for(fmt, False, 4096, 37888, 3584)
         assert plan.kind == "w8a8" and not plan.cfg.tma and not plan.cfg.native, plan
         assert choose_plan(fmt, False, 4096, 37888, 3584).cfg.tma  # the measured plan was TMA
+
+
+def test_nvfp4_has_no_kernel_before_ada(monkeypatch):
+    """nvfp4's E4M3 block scales need FP8 in Triton (compute capability >= 8.9): on Ampere the dispatch runs bf16
+    (the caller's dequantize path) instead of a kernel that cannot compile; mxfp4 (E8M0 scales) keeps its kernels."""
+    pytest.importorskip("triton")
+    import torch
+
+    from quarl import kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    for m in (1, 16, 64, 1024):
+        assert kernels.plan_for("nvfp4", True, m, 37888, 3584, prefer_kernel=True).kind == "bf16"
+        assert kernels.plan_for("mxfp4", True, m, 37888, 3584, prefer_kernel=True).kind != "bf16"
+    # the dense-weight kernel (E4M3 scales too) is skipped the same way: the caller dequantizes in torch
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    on_gpu = SimpleNamespace(fmt="nvfp4", role="weight", data=SimpleNamespace(is_cuda=True, device="cuda:0"))
+    assert kernels.try_dequantize(on_gpu, torch.bfloat16) is None
 
 
 def test_w8_gemv_takes_one_row():

@@ -83,14 +83,15 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     """The kernel plan for x [m, k] and a weight [n, k] in `fmt` (see `quarl.kernels.tuning`).
 
     Plan("bf16") means no kernel (try_quantized_matmul returns None); prefer_kernel=True keeps the fastest
-    quantized kernel where it measured below `tuning.MIN_SPEEDUP` x bf16. FP8 needs compute capability >= 8.9;
-    the int8/fp8 tensor-core ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
+    quantized kernel where it measured below `tuning.MIN_SPEEDUP` x bf16. FP8 needs compute capability >= 8.9,
+    and so does nvfp4 (its block scales are E4M3, which Triton decodes only from 8.9 on); the int8/fp8
+    tensor-core ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
     """
     plan = choose_plan(fmt, weight_only, m, n, k, prefer_kernel)
     if plan.kind == "bf16" or not torch.cuda.is_available():
         return plan
     cap = torch.cuda.get_device_capability(device)
-    if fmt.startswith("fp8") and cap < (8, 9):
+    if (fmt.startswith("fp8") or fmt == "nvfp4") and cap < (8, 9):
         return Plan("bf16")
     if plan.kind == "scaled_mm" and (cap < (9, 0) or n % 16 or k % 16 or (fmt == "fp8-block" and not
                                                                      _blockwise_cublas_ok(n, k))):
@@ -111,7 +112,8 @@ def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not qweight.data.is_cuda:
         return None
-    if not kernels_available(qweight.data.device):
+    available = fp8_kernels_available if qweight.fmt == "nvfp4" else kernels_available  # E4M3 block scales
+    if not available(qweight.data.device):
         return None
     from quarl.kernels.dequant import dequantize_fp4_weight
 

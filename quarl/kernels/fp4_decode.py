@@ -283,15 +283,17 @@ def _halves16_f32(t, DT: tl.constexpr):
 @triton.jit
 def _scaled_pair(t, s2, DT: tl.constexpr, INTERPRETED: tl.constexpr):
     """16x2 patterns t times packed 16x2 scales s2 (both int32 [...]) -> the (low, high) products as DT tensors,
-    exact (see the module docstring). One mul.rn.bf16x2 / f16x2 per pair on the GPU; Triton's CPU interpreter
+    exact (see the module docstring). One packed bf16x2 / f16x2 multiply per pair on the GPU; Triton's CPU interpreter
     runs no PTX, so there the halves are multiplied in float32 (the same exact products)."""
     if INTERPRETED:
         lo, hi = _halves16_f32(t, DT)
         slo, shi = _halves16_f32(s2, DT)
         return (lo * slo).to(DT), (hi * shi).to(DT)
     elif DT == tl.bfloat16:
+        # fma with a -0 addend is the rounded product (sign of zero included) and, unlike mul.rn.bf16x2 (sm_90+),
+        # exists from sm_80 on.
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 p; mul.rn.bf16x2 p, $2, $3; mov.b32 {$0, $1}, p; }",
+            "{ .reg .b32 p, z; mov.b32 z, 0x80008000; fma.rn.bf16x2 p, $2, $3, z; mov.b32 {$0, $1}, p; }",
             "=h,=h,r,r", [t, s2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise(
