@@ -6,7 +6,7 @@ unpack, an fp32 scale multiply per weight, re-interleaving even/odd elements thr
 are ALU-bound. Here:
 
 * Codes are loaded as int32 words: word w of a row holds elements 8w..8w+7, element 8w+e in bits 4e..4e+3
-  (little-endian bytes, low nibble first). Two shifts and one mask/or (one LOP3) give an fp16x2 bit pattern
+  (little-endian bytes, low nibble first). Two shifts and one mask/or (`_pairs16`) give an fp16x2 bit pattern
   holding elements e and e+4: sign -> bit 15 / 31, (e1 e0 m) -> bits 11..9 / 27..25. Each half is exactly the
   E2M1 value times 2^-14 (see `fp4_gemm`), so a word decodes in 4 such steps with no byte unpacking.
 * FMA path: x is loaded contiguously as [rows, words, 8] and split in registers into its 8 element positions;
@@ -67,15 +67,27 @@ _FORMATS = ("nvfp4", "mxfp4")
 
 
 @triton.jit
-def _pair_bits(v, I: tl.constexpr):
-    """int32 code words [...] -> int32 fp16x2 patterns [...]: low half element 8w+I, high half element 8w+I+4,
-    each the E2M1 value times 2^-14 (magnitude bits to 11..9 / 27..25, sign bit to 15 / 31)."""
-    if I == 3:
-        mag = v >> 3  # arithmetic shift: the sign-extended top bits fall outside the mask
+def _pairs16(v, E: tl.constexpr, BF16: tl.constexpr):
+    """int32 code words [...] -> int32 16x2 patterns [...]: low half nibble E, high half nibble E + 4 of the word.
+    BF16: each half is the E2M1 value times 2^-126 as a bf16 (sign -> bit 15, e1 e0 m -> bits 8..6, the E2M1
+    subnormal 0.5 landing on the bf16 subnormal 2^-127); else times 2^-14 as an fp16 (e1 e0 m -> bits 11..9)."""
+    if BF16:
+        MAG: tl.constexpr = 6 - 4 * E
+        MAG_BITS: tl.constexpr = 0x01C001C0
     else:
-        mag = v << (9 - 4 * I)
+        MAG: tl.constexpr = 9 - 4 * E
+        MAG_BITS: tl.constexpr = 0x0E000E00
+    if MAG >= 0:
+        mag = v << MAG
+    else:
+        mag = v >> (-MAG)  # arithmetic shift: the sign-extended top bits fall outside the mask
+    SIGN: tl.constexpr = 12 - 4 * E
+    if SIGN == 0:
+        sg = v
+    else:
+        sg = v << SIGN
     # -2147450880 is the int32 0x80008000 (the two sign bits), written signed to stay an int32 constant.
-    return (mag & 0x0E000E00) | ((v << (12 - 4 * I)) & -2147450880)
+    return (mag & MAG_BITS) | (sg & -2147450880)
 
 
 @triton.jit
@@ -214,16 +226,16 @@ def _fp4_dec_fma_kernel(
         x_ptrs += BKW * 8
         x0, x4, x1, x5, x2, x6, x3_, x7 = _split8(x3, BM, BKW)
         # One chain of fused multiply-adds per word (p + a * b contracts to one FMA).
-        lo, hi = _halves_f32(_pair_bits(v, 0), INTERPRETED)
+        lo, hi = _halves_f32(_pairs16(v, 0, False), INTERPRETED)
         p = x0[:, None, :] * lo
         p = p + x4[:, None, :] * hi
-        lo, hi = _halves_f32(_pair_bits(v, 1), INTERPRETED)
+        lo, hi = _halves_f32(_pairs16(v, 1, False), INTERPRETED)
         p = p + x1[:, None, :] * lo
         p = p + x5[:, None, :] * hi
-        lo, hi = _halves_f32(_pair_bits(v, 2), INTERPRETED)
+        lo, hi = _halves_f32(_pairs16(v, 2, False), INTERPRETED)
         p = p + x2[:, None, :] * lo
         p = p + x6[:, None, :] * hi
-        lo, hi = _halves_f32(_pair_bits(v, 3), INTERPRETED)
+        lo, hi = _halves_f32(_pairs16(v, 3, False), INTERPRETED)
         p = p + x3_[:, None, :] * lo
         p = p + x7[:, None, :] * hi
         # One scale per word's partial sum (a word lies inside one block).
@@ -245,39 +257,13 @@ def _dot(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _pairs16(v, E: tl.constexpr, BF16: tl.constexpr):
-    """int32 code words [...] -> int32 16x2 patterns [...]: low half nibble E, high half nibble E + 4 of the word.
-    BF16: each half is the E2M1 value times 2^-126 as a bf16 (sign -> bit 15, e1 e0 m -> bits 8..6, the E2M1
-    subnormal 0.5 landing on the bf16 subnormal 2^-127); else times 2^-14 as an fp16 (e1 e0 m -> bits 11..9)."""
-    if BF16:
-        MAG: tl.constexpr = 6 - 4 * E
-        MAG_BITS: tl.constexpr = 0x01C001C0
-    else:
-        MAG: tl.constexpr = 9 - 4 * E
-        MAG_BITS: tl.constexpr = 0x0E000E00
-    if MAG >= 0:
-        mag = v << MAG
-    else:
-        mag = v >> (-MAG)  # arithmetic shift: the sign-extended top bits fall outside the mask
-    SIGN: tl.constexpr = 12 - 4 * E
-    if SIGN == 0:
-        sg = v
-    else:
-        sg = v << SIGN
-    # -2147450880 is the int32 0x80008000 (the two sign bits), written signed to stay an int32 constant.
-    return (mag & MAG_BITS) | (sg & -2147450880)
-
-
-@triton.jit
 def _halves16_f32(t, DT: tl.constexpr):
     """int32 16x2 patterns of DT (bf16 / fp16) -> (low, high) halves as float32, exactly (interpreter route of
     `_scaled_pair`; a bf16 pattern is the top half of its float32)."""
     if DT == tl.bfloat16:
         return (t << 16).to(tl.float32, bitcast=True), (t & -65536).to(tl.float32, bitcast=True)
     else:
-        lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
+        return _halves_f32(t, True)
 
 
 @triton.jit
