@@ -21,7 +21,6 @@ import triton.language as tl
 from quarl.formats.base import div_const
 from quarl.formats.base import safe_scale as safe_scale_t
 from quarl.kernels.quant_utils import quantize_tile, safe_scale
-from quarl.kernels.pdl import let_dependents_launch, pdl_enabled
 
 MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
 # per-row scales: rows up to this many columns are quantized in one pass from registers (8 warps: 16 values a
@@ -73,7 +72,7 @@ def _quantize_step(x_row, q_row, s_ptr, s, k, offs, row, K, KP, stride_sm, strid
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, stride_sm, stride_sg,
                       IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, DEQUANT: tl.constexpr,
-                      AMAX_PASS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+                      AMAX_PASS: tl.constexpr, UNROLL: tl.constexpr):
     """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
     (MODE 0: [M] at stride_sm, written; 1: [M, KP/128] at strides (stride_sm, stride_sg), written;
     2: one scale read from s_ptr).
@@ -84,11 +83,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
     MODE 0 with AMAX_PASS (rows longer than one block): one program per row first walks the row for its amax
     (the second walk, for the codes, hits L1/L2); without it the block is the whole row, quantized in one pass.
     UNROLL: `steps` known when compiling (0: not), the walks unrolled so that their loads are issued together
-    instead of one block's round trip to memory after the other.
-    PDL: let the next kernel launch now (`quarl.kernels.pdl`: a decode GEMM prefetches its weight meanwhile)."""
+    instead of one block's round trip to memory after the other."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
-    if PDL:
-        let_dependents_launch()
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 for long training batches
     ar = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
@@ -313,6 +309,6 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
             x, out, scales, K, kp, steps, x.stride(0), out.stride(0),
             scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,
             IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass,
-            UNROLL=steps if steps <= MAX_UNROLL else 0, PDL=pdl_enabled(x.device), num_warps=num_warps,
+            UNROLL=steps if steps <= MAX_UNROLL else 0, num_warps=num_warps,
         )
     return scales

@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.pdl import pdl_enabled, wait_for_producer
 from quarl.kernels.tuning import Cfg
 
 
@@ -43,9 +42,7 @@ def pid_to_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched as a programmatic dependent of the GEMM whose partials it sums: no launch gap
-        wait_for_producer()
+                          BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -60,8 +57,7 @@ def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.
     """out [M, N] (contiguous) = sum over s of partials [S, M, N] float32 (+ bias [N]), cast to out.dtype."""
     split, m, n = partials.shape
     block = 1024
-    pdl = pdl_enabled(out.device)
     _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
         partials, bias if bias is not None else out, out, m * n, n,
-        SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
     )

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.pdl import pdl_enabled, prefetch_cols, prefetch_rows_l2, wait_for_producer
 from quarl.kernels.quant_utils import codes_to_f16, quantize_tile, safe_scale
 
 MAX_ROWS = 4
@@ -82,8 +81,7 @@ def _fp4_gemv_kernel(
 def _w8_gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, KP, stride_wn, stride_wsn,
     W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XC: tl.constexpr, PDL: tl.constexpr,
-    PF_COLS: tl.constexpr,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, XC: tl.constexpr,
 ):
     """One row x [K] (bf16/fp16, or codes [KP] with X_MODE 2 and scales xs: one float32, or [KP/128] for
     fp8-block) times the 8-bit weight codes w [N, KP] (int8, or fp8 as uint8 bytes; scales ws float32 [N] with
@@ -94,7 +92,7 @@ def _w8_gemv_kernel(
     128 and BN dividing 128: a program's rows lie in one 128-row weight tile, so each 128-column group of a K step
     has one weight scale, applied to x's BK values before the product (not to BN * BK weights). XC: columns per
     load of the fused per-row amax pass (a few wide loads: that pass runs before the weight stream starts, so
-    its latency is not hidden). PDL / PF_COLS as in `w8a8_gemm._w8a8_kernel` (prefetch, then wait)."""
+    its latency is not hidden)."""
     QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
     G: tl.constexpr = BK // 128  # fp8-block scale groups per K step
     pid = tl.program_id(0)
@@ -102,10 +100,6 @@ def _w8_gemv_kernel(
     n_ok = offs_n < N
     ar_k = tl.arange(0, BK)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + ar_k[None, :]
-    if PDL:  # nothing before the wait may read what the kernel before writes
-        if PF_COLS > 0:
-            prefetch_rows_l2(w_ptr, offs_n, n_ok, stride_wn, 0, KP, PF_COLS)
-        wait_for_producer()
     if X_MODE == 1 and not BLOCKWISE:
         ar_x = tl.arange(0, XC)
         amax = tl.max(tl.abs(tl.load(x_ptr + ar_x, mask=ar_x < K, other=0.0).to(tl.float32)), axis=0)
@@ -201,11 +195,9 @@ def w8_gemv(x: torch.Tensor, qweight, bias: torch.Tensor | None, bn: int, bk: in
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     # XC: columns per load of the fused amax pass (1 for the modes without it: no extra compiled variants).
     xc = min(triton.next_power_of_2(K), 4096) if x_mode == 1 and not blockwise else 1
-    pdl = pdl_enabled(x.device)
     _w8_gemv_kernel[(triton.cdiv(N, bn),)](
         xin, xs, w, ws, bias if bias is not None else out, out, N, K, kp, w.stride(0), stride_wsn,
         W_INT8=fmt == "int8", BLOCKWISE=blockwise, X_MODE=x_mode, HAS_BIAS=bias is not None,
-        EVEN_K=K == kp and kp % bk == 0, BN=bn, BK=bk, XC=xc, PDL=pdl, PF_COLS=prefetch_cols(kp, bk) if pdl else 0,
-        num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        EVEN_K=K == kp and kp % bk == 0, BN=bn, BK=bk, XC=xc, num_warps=warps, num_stages=stages,
     )
     return out

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from quarl.kernels.common import GemmConfig, num_sms, pid_to_tile, splitk_reduce
-from quarl.kernels.pdl import pdl_enabled, prefetch_cols, prefetch_rows_l2, wait_for_producer
 from quarl.kernels.quant_utils import codes_to, codes_to_f16, quantize_tile, safe_scale
 
 X_RAW, X_FUSED, X_PREQUANT = 0, 1, 2
@@ -42,7 +41,6 @@ def _w8a8_kernel(
     W_INT8: tl.constexpr, BLOCKWISE: tl.constexpr, X_MODE: tl.constexpr, NATIVE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, W_GROUP_ROWS: tl.constexpr,
-    PDL: tl.constexpr, PF_COLS: tl.constexpr,
 ):
     """x: [M, K] bf16/fp16 (X_MODE 0/1) or codes [M, KP] (X_MODE 2; fp8 as uint8 bytes); xs: activation
     scales float32 ([M] with stride stride_xsm, or [M, KP/128] for fp8-block; X_MODE 2 only);
@@ -51,9 +49,7 @@ def _w8a8_kernel(
     or with W_GROUP_ROWS = 1 1x128 groups of each row, as an activation-role second operand);
     out: [M, N] in the output dtype, or float32 partials [SPLIT_K, M, N] (scaled, without bias).
     SWAP_AB: accumulate the transposed tile [BN, BM] = W_tile @ x_tile^T (the weight on the MMA's 64-row side),
-    transposed back once before the epilogue.
-    PDL: launched as a programmatic dependent (`quarl.kernels.pdl`): prefetch the first PF_COLS weight columns
-    of this program's rows into L2, then wait for the kernel before (the activation quantization) to finish."""
+    transposed back once before the epilogue."""
     QMAX: tl.constexpr = 127.0 if W_INT8 else 448.0
     pid_m, pid_n = pid_to_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
@@ -65,10 +61,6 @@ def _w8a8_kernel(
     k0 = pid_k * k_per_split
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + ar_k)[None, :]
-    if PDL:  # nothing before the wait may read what the kernel before writes (x, its codes or scales)
-        if PF_COLS > 0:
-            prefetch_rows_l2(w_ptr, offs_n, n_ok, stride_wn, k0, KP, PF_COLS)
-        wait_for_producer()
 
     if X_MODE == 1 and not BLOCKWISE:
         # Per-token scale needs the amax of the whole row before the first code.
@@ -296,7 +288,6 @@ def w8a8_matmul(
     # Split-K partials are summed by a second kernel: summing them in the GEMM's last program per tile (tickets,
     # as fp4_decode does) measured no faster at M = 16 and 64 on an H200 (bench/results/gemm.md, 2026-11-30).
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device)
     _w8a8_kernel[grid](
         xin, xs, w, ws, bias if bias is not None else out, target,
         M, N, K, kp, k_per_split,
@@ -306,8 +297,7 @@ def w8a8_matmul(
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
         BM=cfg.bm, BN=cfg.bn, BK=bk, GROUP_M=cfg.group_m,
         W_GROUP_ROWS=1 if blockwise and qweight.role == "activation" else 128,
-        PDL=pdl, PF_COLS=prefetch_cols(k_per_split, bk) if pdl else 0,
-        num_warps=cfg.warps, num_stages=cfg.stages, launch_pdl=pdl,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if split > 1:
         splitk_reduce(target, bias, out)
