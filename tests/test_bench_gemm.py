@@ -65,3 +65,29 @@ def test_targets_summary_counts_shapes_and_names_slower_dispatched_kernels():
     assert "target 1.6x MET (reached at 1 of 1 shape/M cases)" in prefill and "slower" not in prefill
     mid = next(line for line in lines if line.startswith("- fp8 mid"))
     assert "target" not in mid  # no target between 64 and 1024 rows
+
+
+def test_sustained_bench_reads_nvidia_smi_samples(tmp_path):
+    """bench/gemm_sustained.py keeps each well-formed nvidia-smi sample (time, MHz, W, reasons) and skips headers,
+    partial lines and N/A fields instead of failing the run."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gemm_sustained.py")
+    spec = importlib.util.spec_from_file_location("gemm_sustained", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mhz = random.randint(300, 1980)
+    watts = round(random.uniform(50, 700), 2)
+    log = tmp_path / "smi.csv"
+    log.write_text(
+        "timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active\n"
+        f"2026/11/30 05:01:02.250, {mhz} MHz, {watts} W, 0x0000000000000004\n"
+        "2026/11/30 05:01:02.300, [N/A], [N/A], [N/A]\n"
+        "2026/11/30 05:01:02.3\n"
+        f"2026/11/30 05:01:02.350, {mhz + 15} MHz, {watts} W, 0x0000000000000000\n"
+    )
+    rows = mod._parse_smi(str(log))
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        (float(mhz), watts, "0x0000000000000004"), (float(mhz + 15), watts, "0x0000000000000000")]
+    assert math.isclose(rows[1][0] - rows[0][0], 0.1, abs_tol=1e-6)
