@@ -26,6 +26,7 @@ import datetime
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -65,10 +66,15 @@ def main(argv=None) -> int:
     from quarl.kernels.act_quant import quantize_activation
     from quarl.kernels.dispatch import run_plan
 
-    smi_path = "/tmp/quarl_gemm_sustained_smi.csv"
-    with open(smi_path, "w") as log:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
-                                "--format=csv,noheader", "-lms", "50"], stdout=log)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gemm_sustained.py needs a CUDA GPU")
+    smi_path = os.path.join(tempfile.gettempdir(), "quarl_gemm_sustained_smi.csv")
+    try:
+        with open(smi_path, "w") as log:
+            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,"
+                                    "clocks_event_reasons.active", "--format=csv,noheader", "-lms", "50"], stdout=log)
+    except FileNotFoundError:
+        raise SystemExit("bench/gemm_sustained.py samples clocks with nvidia-smi, which is not on PATH") from None
     windows = []
     failures = 0
 
