@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from quarl.bench.gemm import _rel_err, _reference, time_graph
+    from quarl.bench.gemm import _rel_err, _reference
+    from quarl.bench.rollout_breakdown import _graph_ms
     from quarl.formats import quantize
     from quarl.kernels import plan_for
     from quarl.kernels.act_quant import quantize_activation
@@ -87,33 +88,16 @@ def main(argv=None) -> int:
             fn()
         host_us = (time.perf_counter() - h0) / 20 * 1e6
         torch.cuda.synchronize()
-        # the timed calls replay a CUDA graph (no host gaps between calls, as in B1)
-        est = time_graph(torch, lambda i: fn(), 1, 3)
-        per_graph = max(1, min(200, int(2e-3 / max(est, 1e-7))))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(per_graph):
-                    fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        end = time.time() + 0.5
-        while time.time() < end:
-            graph.replay()
-            torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # the timed calls replay a CUDA graph of ~2 ms of calls (no host gaps between calls, as in B1)
+        est_ms = _graph_ms(torch, fn, reps=3)
+        calls = max(1, min(200, int(2.0 / max(est_ms, 1e-4))))
+
+        def reps(seconds: float) -> int:
+            return max(1, int(seconds * 1e3 / (est_ms * calls)))
+
+        _graph_ms(torch, fn, reps(0.5), calls)  # warm-up: clocks and power settle
         t0 = time.time()
-        s.record()
-        replays = 0
-        while time.time() - t0 < args.seconds:
-            for _ in range(4):
-                graph.replay()
-            replays += 4
-            torch.cuda.synchronize()
-        e.record()
-        e.synchronize()
-        us = s.elapsed_time(e) * 1e3 / (replays * per_graph)
+        us = _graph_ms(torch, fn, reps(args.seconds), calls) * 1e3
         windows.append((label, t0, time.time(), us, flops / us / 1e6, host_us))
 
     try:

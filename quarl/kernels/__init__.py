@@ -317,8 +317,8 @@ def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bi
 
     if qweight.fmt == "fp8" and codes.is_cuda:  # (torch._scaled_mm also takes CPU tensors; the kernels do not)
         n, k = qweight.shape
-        plan = _codes_plan("fp8", codes.shape[0], n, k, codes.device)
-        if plan is not None and _takes_rowwise_codes(plan):
+        plan = plan_for("fp8", False, codes.shape[0], n, k, codes.device)
+        if _takes_rowwise_codes(plan):
             return codes_matmul(plan, codes, scales, qweight, bias, out_dtype)
     return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)
 
