@@ -37,7 +37,7 @@ def scaled_rope(y0, sx, sw, bias, cos, sin):
 def main() -> None:
     from quarl.bench.rollout_breakdown import _graph_ms
     from quarl.formats import quantize
-    from quarl.kernels import fp8_matmul_from_codes
+    from quarl.kernels import matmul_from_codes
     from quarl.kernels.decode_fused import rms_norm_rows, rope_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,7 +62,7 @@ def main() -> None:
         cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
 
         def rowwise():
-            y = fp8_matmul_from_codes(codes, sx, qw, bias, torch.bfloat16)
+            y = matmul_from_codes(codes, sx, qw, bias, torch.bfloat16)
             q, k = rope_rows(y, cos, sin, HQ, HKV, D)
             return q, k, y[:, (HQ + HKV) * D:].view(m, HKV, D)
 
@@ -75,7 +75,7 @@ def main() -> None:
         want, got = rowwise(), epilogue()
         err = max(float(((a.float() - b.float()).abs() / (b.float().abs() * 2.0**-8 + 1e-6)).max())
                   for a, b in zip(got, want))
-        t_row = 1e3 * _graph_ms(torch, lambda: fp8_matmul_from_codes(codes, sx, qw, bias, torch.bfloat16), 50)
+        t_row = 1e3 * _graph_ms(torch, lambda: matmul_from_codes(codes, sx, qw, bias, torch.bfloat16), 50)
         t_row_all = 1e3 * _graph_ms(torch, rowwise, 50)
         t_ten = 1e3 * _graph_ms(torch, unscaled, 50)
         t_ten_all = 1e3 * _graph_ms(torch, epilogue, 50)
@@ -91,7 +91,7 @@ def main() -> None:
         wq = quantize(torch.randn(n_out, k_in, device="cuda", generator=g).bfloat16() * 0.02, "fp8", "weight")
         for m in args.m:
             xq = quantize(torch.randn(m, k_in, device="cuda", generator=g).bfloat16(), "fp8", "activation")
-            t_r = 1e3 * _graph_ms(torch, lambda: fp8_matmul_from_codes(xq.data, xq.scale, wq, None,
+            t_r = 1e3 * _graph_ms(torch, lambda: matmul_from_codes(xq.data, xq.scale, wq, None,
                                                                         torch.bfloat16), 50)
             t_u = 1e3 * _graph_ms(torch, lambda: torch._scaled_mm(xq.data, wq.data.t(), scale_a=one, scale_b=one,
                                                                    out_dtype=torch.bfloat16), 50)

@@ -66,7 +66,7 @@ def test_breakdown_times_the_fused_step_gemms_on_codes_where_the_step_hands_code
 
         monkeypatch.setattr(FusedProjection, "codes_handoff", lambda self, m: "fp8")
         monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m: "fp8")
-        monkeypatch.setattr(kernels, "fp8_matmul_from_codes", fake_matmul)
+        monkeypatch.setattr(kernels, "matmul_from_codes", fake_matmul)
         runs = _fused_linear_runs(decoder, model, inputs, batch)
         for run in runs:
             run()

@@ -321,6 +321,7 @@ def test_fused_kernels_serve_bf16_without_fp8_support(monkeypatch):
 
 def _deferred_setup(monkeypatch, dtype):
     """A tiny fp8 Qwen2 model with a filled cache, and the fused decoder with codes handed over as on a GPU."""
+    from quarl import kernels
     from quarl.rollout import fused_decode
 
     torch.manual_seed(0)
@@ -332,6 +333,7 @@ def _deferred_setup(monkeypatch, dtype):
     decoder.prepare()
     monkeypatch.setattr(FusedProjection, "codes_handoff", lambda self, m: "fp8")
     monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m: "fp8")
+    monkeypatch.setattr(kernels, "unit_scales_ok", lambda qweight, m: True)  # as for cuBLAS plans on a GPU
     return model, engine, decoder
 
 
@@ -360,7 +362,7 @@ def test_deferred_scales_match_the_module_path(monkeypatch, which):
         y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
         return (y if bias is None else y + bias.float()).to(out_dtype)
 
-    monkeypatch.setattr(kernels, "fp8_matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul_f32)
     cfg = model.config
     q_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     out_rows = {"qkv": q_out, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size}
@@ -551,7 +553,7 @@ def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, 
         y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
         return (y if bias is None else y + bias.float()).to(out_dtype)
 
-    monkeypatch.setattr(kernels, "fp8_matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul_f32)
     monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: pytest.fail("a unit-scale GEMM with LoRA"))
     want, got = _step_logits(model, engine, decoder, deferred)
     cfg = model.config

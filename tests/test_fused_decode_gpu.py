@@ -99,21 +99,42 @@ def test_rope_kernel_is_bit_exact(hq, hkv, d):
     assert torch.equal(k, apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(m, hkv, 1, d), c, s)[:, :, 0])
 
 
-@pytest.mark.parametrize("m,n", [(16, 3584), (512, 3584), (1000, 3584), (512, 37888), (4096, 4608)])
-def test_fp8_matmul_from_codes_equals_the_quantizing_matmul(m, n):
-    """Rowwise FP8 codes handed over give the quantizing matmul's result bit for bit, whichever GEMM the plan
-    names at that shape (cuBLAS FP8, or the persistent TMA W8A8 kernel from 512 rows of gate/up and in prefill);
-    the small-M Triton plans (transposed tiles at 16 rows) take no codes."""
-    x = torch.randn(m, 3584, device=DEV, dtype=BF16)
-    qw = quantize(torch.randn(n, 3584, device=DEV, dtype=BF16) * 0.02, "fp8", "weight")
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m,n,k", [(1, 37888, 3584), (3, 3584, 18944), (16, 3584, 3584), (64, 4608, 3584),
+                                   (512, 3584, 3584), (1000, 3584, 3584), (512, 37888, 3584), (4096, 4608, 3584)])
+def test_matmul_from_codes_equals_the_quantizing_matmul(fmt, m, n, k):
+    """Per-token int8 / FP8 codes handed over give the quantizing matmul's result bit for bit, whichever GEMM the
+    plan names at that shape (cuBLAS FP8, the persistent TMA W8A8 kernel, the small-M transposed tiles, the GEMV
+    at a few rows), wherever `codes_handoff` says the plan takes codes. Where it does not (bf16, or a kernel
+    quantizing inside), the call still gives the dequantized product within one bf16 rounding."""
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    qw = quantize(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, fmt, "weight")
     bias = torch.randn(n, device=DEV, dtype=BF16)
-    if m == 16:
-        assert not kernels.fp8_codes_handoff(qw, False, m)
-        return
-    assert kernels.fp8_codes_handoff(qw, False, m)
-    qx = quantize(x, "fp8", "activation")
-    got = kernels.fp8_matmul_from_codes(qx.data, qx.scale, qw, bias, BF16)
-    assert torch.equal(got, kernels.try_quantized_matmul(x, qw, False, bias))
+    qx = quantize(x, fmt, "activation")
+    got = kernels.matmul_from_codes(qx.data, qx.scale, qw, bias, BF16)
+    if kernels.codes_handoff(qw, False, m):
+        assert torch.equal(got, kernels.try_quantized_matmul(x, qw, False, bias))
+    want = (qx.dequantize(torch.float64) @ qw.dequantize(torch.float64).T + bias.double())
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_small_batches_hand_codes_to_the_triton_plans(fmt):
+    """At decode batch sizes the dispatched int8 / fp8 plans of the 7B shapes that run a separate quantization
+    pass (prequant W8A8 tiles or GEMV) all take handed codes; the deferred unit-scale cuBLAS product is left to
+    cuBLAS / TMA plans."""
+    taken = 0
+    for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)):
+        qw = quantize(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, fmt, "weight")
+        for m in (1, 16, 64):
+            plan = kernels.plan_for(fmt, False, m, n, k, torch.device(DEV))
+            prequant = plan.kind in ("w8a8", "gemv") and plan.x_mode == "prequant"
+            assert kernels.codes_handoff(qw, False, m) == (prequant or plan.kind == "scaled_mm"), (n, k, m, plan)
+            taken += prequant
+            if plan.kind != "scaled_mm" and not (plan.cfg is not None and plan.cfg.tma):
+                assert not kernels.unit_scales_ok(qw, m)
+    assert taken > 0
 
 
 def test_fp8_block_matmul_from_group_codes_equals_the_quantizing_matmul():
@@ -124,13 +145,13 @@ def test_fp8_block_matmul_from_group_codes_equals_the_quantizing_matmul():
     x, w = torch.randn(512, 3584, device=DEV, dtype=BF16), 1 + 0.1 * torch.randn(3584, device=DEV, dtype=BF16)
     qw = quantize(torch.randn(3584, 3584, device=DEV, dtype=BF16) * 0.02, "fp8-block", "weight")
     bias = torch.randn(3584, device=DEV, dtype=BF16)
-    assert kernels.fp8_codes_handoff(qw, False, 512)
-    assert not kernels.fp8_codes_handoff(qw, False, 504)  # rows not a multiple of 16: no blockwise handoff
+    assert kernels.codes_handoff(qw, False, 512)
+    assert not kernels.codes_handoff(qw, False, 504)  # rows not a multiple of 16: no blockwise handoff
     _, h, codes, scales = rms_norm_rows(x, None, w, None, 1e-6, "fp8-block", write_h=True)
-    got = kernels.fp8_matmul_from_codes(codes, scales, qw, bias, BF16)
+    got = kernels.matmul_from_codes(codes, scales, qw, bias, BF16)
     assert torch.equal(got, kernels.try_quantized_matmul(h, qw, False, bias))
     with pytest.raises(ValueError, match="column-major"):
-        kernels.fp8_matmul_from_codes(codes, scales.contiguous(), qw, bias, BF16)
+        kernels.matmul_from_codes(codes, scales.contiguous(), qw, bias, BF16)
 
 
 def _small_model(fmt):
@@ -151,13 +172,38 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
     FusedDecoder.for_model(model).deferred_scales = False
     engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
     engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
-    for batch in (3, 512):  # codes handoff at 512 rows (cuBLAS FP8), the quantizing kernels at 3
+    for batch in (3, 512):  # codes handed to cuBLAS FP8 at 512 rows, to the small-M Triton plans at 3
         tokens = torch.randint(0, 4096, (batch,), device=DEV)
         positions = torch.randint(0, 60, (batch,), device=DEV)
         want, got = both_decode_logits(model, engine, tokens, positions)
         scale = float(want.float().abs().max())
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_small_batches_take_handed_codes_with_the_module_paths_logits(monkeypatch, fmt):
+    """At decode batch sizes the int8 / fp8 Triton plans take the codes written by the norm and SiLU·mul kernels
+    (counted), with their own scales (the default deferred scales stay with cuBLAS / TMA plans): the codes are
+    those the GEMM would have made from the kernels' bf16 outputs, so the logits equal the module path's bit for
+    bit."""
+    from quarl.rollout import fused_decode
+
+    model = _small_model(fmt)
+    assert fused_decode.FusedDecoder.for_model(model).deferred_scales == frozenset(fused_decode.DEFAULT_DEFERRED)
+    engine = FastRolloutEngine(model, None, max_batch_size=64)
+    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
+    handed = []
+    real = kernels.matmul_from_codes
+    monkeypatch.setattr(kernels, "matmul_from_codes", lambda *a: handed.append(a[0].dtype) or real(*a))
+    for batch in (3, 16):
+        tokens = torch.randint(0, 4096, (batch,), device=DEV)
+        positions = torch.randint(0, 60, (batch,), device=DEV)
+        handed.clear()
+        want, got = both_decode_logits(model, engine, tokens, positions)
+        assert len(handed) == 3 * 3, handed  # q/k/v, gate/up and down of each of the 3 layers
+        assert set(handed) == {torch.int8 if fmt == "int8" else torch.float8_e4m3fn}
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kv", ["fp8", "auto"])
@@ -341,8 +387,8 @@ def test_lora_codes_handoff_matches_the_module_path(monkeypatch, fmt):
     engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype="fp8")
     engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
     handed = []
-    real = kernels.fp8_matmul_from_codes
-    monkeypatch.setattr(kernels, "fp8_matmul_from_codes", lambda *a: handed.append(1) or real(*a))
+    real = kernels.matmul_from_codes
+    monkeypatch.setattr(kernels, "matmul_from_codes", lambda *a: handed.append(1) or real(*a))
     tokens = torch.randint(0, 4096, (512,), device=DEV)
     positions = torch.randint(0, 60, (512,), device=DEV)
     want, got = both_decode_logits(model, engine, tokens, positions)

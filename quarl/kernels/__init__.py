@@ -21,7 +21,8 @@ from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
            "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
-           "fp8_kernels_available", "plan_for", "fp8_codes_handoff", "fp8_matmul_from_codes", "decode_fused_ok"]
+           "fp8_kernels_available", "plan_for", "codes_handoff", "matmul_from_codes", "unit_scales_ok",
+           "decode_fused_ok"]
 
 _FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
@@ -254,40 +255,38 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
     return run_plan(plan, x, qweight, bias)
 
 
-def _takes_rowwise_codes(plan: Plan) -> bool:
-    """Whether `plan` is the persistent TMA W8A8 GEMM fed with prequantized codes and per-token scales (which a
-    fused kernel's rowwise FP8 codes can replace). The small-M Triton plans keep quantizing for themselves, so that
-    small batches run exactly the module path's operations: handing them codes would switch the fused decoder to
-    its unit-scale cuBLAS products (`fused_decode.unit_scale_matmul`), one more bf16 rounding per product
-    (measured: logits move less than one bf16 rounding of the input moves them; bench/handoff_probe.py)."""
-    return plan.kind == "w8a8" and plan.x_mode == "prequant" and plan.cfg is not None and plan.cfg.tma
+def _takes_codes(fmt: str, plan: Plan) -> bool:
+    """Whether `plan` starts from activation codes made beforehand, so that a fused norm / SiLU·mul kernel's codes
+    can replace its quantization pass: cuBLAS FP8 ("fp8", "fp8-block"), or for "int8" / "fp8" a W8A8 GEMM or
+    GEMV in prequant mode. (The Triton fp8-block kernel reads row-major group scales, the fused kernels write
+    them column-major for cuBLAS; the plans quantizing inside the GEMM ("fused") have no pass to save.)"""
+    if plan.kind == "scaled_mm":
+        return fmt in ("fp8", "fp8-block")
+    return fmt in ("int8", "fp8") and plan.kind in ("w8a8", "gemv") and plan.x_mode == "prequant"
 
 
 def _codes_plan(fmt: str, m: int, n: int, k: int, device) -> Plan | None:
-    """The FP8 GEMM plan at m rows when it can take activation codes (`fp8_codes_handoff`), else None. The same
+    """The 8-bit GEMM plan at m rows when it can take activation codes (`codes_handoff`), else None. The same
     plan the quantizing matmul (`try_quantized_matmul`) would run, so that handing codes over never changes which
-    linears run in FP8 (the handed codes only skip the GEMM's own quantization pass). The fused decoder's
-    deferred-scale linears then run their own unit-scale cuBLAS product whatever GEMM the plan names
-    (`fused_decode.unit_scale_matmul`)."""
+    linears run quantized, nor their values: the handed codes only skip the GEMM's own quantization pass."""
     plan = plan_for(fmt, False, m, n, k, device)
-    if plan.kind == "scaled_mm" or (fmt == "fp8" and _takes_rowwise_codes(plan)):
-        return plan
-    return None
+    return plan if _takes_codes(fmt, plan) else None
 
 
-def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
-    """Whether a GEMM of m activation rows with this weight takes FP8 activation codes, so that a fused norm /
-    SiLU·mul kernel can hand them over (`fp8_matmul_from_codes`) instead of the bf16 activations the GEMM would
-    quantize itself: the plan at m rows is cuBLAS FP8 (`torch._scaled_mm`), rowwise ("fp8") or blockwise
-    ("fp8-block"), or for "fp8" a W8A8 Triton GEMM on prequantized codes. fp8-block also needs K a multiple of
-    512 (whole groups, and the group count cuBLAS takes unpadded), m a multiple of 16 (the rows cuBLAS blockwise
-    was seen correct with; `dispatch._scaled_mm` pads others, codes are not padded) and the fused kernels' group
-    codes to have passed their check (`decode_fused_group_ok`)."""
+def codes_handoff(qweight, weight_only: bool, m: int) -> bool:
+    """Whether a GEMM of m activation rows with this weight takes 8-bit activation codes, so that a fused norm /
+    SiLU·mul kernel can hand them over (`matmul_from_codes`) instead of the bf16 activations the GEMM would
+    quantize itself (one pass over the activations less per linear): the plan at m rows is cuBLAS FP8
+    (`torch._scaled_mm`), rowwise ("fp8") or blockwise ("fp8-block"), or for "int8" / "fp8" a W8A8 Triton GEMM /
+    GEMV on prequantized codes. fp8-block also needs K a multiple of 512 (whole groups, and the group count cuBLAS
+    takes unpadded), m a multiple of 16 (the rows cuBLAS blockwise was seen correct with; `dispatch._scaled_mm`
+    pads others, codes are not padded) and the fused kernels' group codes to have passed their check
+    (`decode_fused_group_ok`)."""
     fmt = getattr(qweight, "fmt", None)
-    if fmt not in ("fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
+    if fmt not in ("int8", "fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
         return False
     device = qweight.data.device
-    if not fp8_kernels_available(device):
+    if fmt != "int8" and not fp8_kernels_available(device):
         return False
     n, k = qweight.shape
     if fmt == "fp8-block" and (k % 512 or m % 16 or not decode_fused_group_ok(device)):
@@ -295,31 +294,50 @@ def fp8_codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     return _codes_plan(fmt, m, n, k, device) is not None
 
 
-def fp8_matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: torch.Tensor | None,
-                          out_dtype: torch.dtype) -> torch.Tensor:
-    """Q(x) @ deq(W)^T (+ bias) from FP8 activation codes [M, K] (float8_e4m3fn) and float32 scales, for an "fp8"
-    (rowwise) weight QuantizedTensor [N, K] with per-token scales [M, 1], or an "fp8-block" weight with 1x128-group
-    scales [M, K/128] laid out column-major (stride 1 along M) -> [M, N] in out_dtype. Where
-    `fp8_codes_handoff` holds, the same values as `try_quantized_matmul(x, qweight, False, bias)` when
-    (codes, scales) = quantize(x, fmt, "activation"); elsewhere the product runs on cuBLAS FP8."""
-    if (qweight.fmt not in ("fp8", "fp8-block") or codes.dtype != torch.float8_e4m3fn or codes.dim() != 2
-            or codes.shape[1] != qweight.data.shape[1]):
-        raise ValueError(f"fp8_matmul_from_codes needs float8_e4m3fn codes [M, {qweight.data.shape[1]}] and an "
-                         f"'fp8' or 'fp8-block' weight; got codes {codes.dtype} {tuple(codes.shape)}, weight "
-                         f"{qweight.fmt!r}")
-    groups = qweight.data.shape[1] // 128 if qweight.fmt == "fp8-block" else 1
+def unit_scales_ok(qweight, m: int) -> bool:
+    """Whether the fused decoder may run this "fp8" (rowwise) GEMM at m rows as its unit-scale cuBLAS product,
+    the next kernel applying the scales (`fused_decode.unit_scale_matmul`): where the plan is cuBLAS FP8 or the
+    persistent TMA kernel on codes (rollout batches, where cuBLAS with per-tensor scales measured faster). The
+    small-M Triton plans take the handed codes with their own scales, so that small batches compute exactly the
+    module path's values (the unit-scale product rounds once more: bench/results/rollout.md, session 13)."""
+    if getattr(qweight, "fmt", None) != "fp8" or not qweight.data.is_cuda:
+        return False
+    n, k = qweight.shape
+    plan = _codes_plan("fp8", m, n, k, qweight.data.device)
+    return plan is not None and (plan.kind == "scaled_mm" or (plan.cfg is not None and plan.cfg.tma))
+
+
+def matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """Q(x) @ deq(W)^T (+ bias) from 8-bit activation codes [M, K] and float32 scales -> [M, N] in out_dtype:
+    int8 codes for an "int8" weight QuantizedTensor [N, K], float8_e4m3fn codes for an "fp8" (rowwise) one, both
+    with per-token scales [M, 1], or float8_e4m3fn codes for an "fp8-block" weight with 1x128-group scales
+    [M, K/128] laid out column-major (stride 1 along M). Where `codes_handoff` holds, the same values as
+    `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, fmt, "activation");
+    elsewhere FP8 runs on cuBLAS and int8 on the dequantized operands in float32 (a reference, not a fast path)."""
+    fmt = qweight.fmt
+    want = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    if fmt not in ("int8", "fp8", "fp8-block") or codes.dtype != want or codes.dim() != 2 \
+            or codes.shape[1] != qweight.data.shape[1]:
+        raise ValueError(f"matmul_from_codes needs int8 codes [M, {qweight.data.shape[1]}] for an 'int8' weight, "
+                         "float8_e4m3fn codes for an 'fp8' or 'fp8-block' one; got codes "
+                         f"{codes.dtype} {tuple(codes.shape)}, weight {fmt!r}")
+    groups = qweight.data.shape[1] // 128 if fmt == "fp8-block" else 1
     if scales.dtype != torch.float32 or tuple(scales.shape) != (codes.shape[0], groups) or \
             (groups > 1 and scales.stride(0) != 1):
-        raise ValueError(f"fp8_matmul_from_codes needs float32 scales [{codes.shape[0]}, {groups}]"
+        raise ValueError(f"matmul_from_codes needs float32 scales [{codes.shape[0]}, {groups}]"
                          f"{' column-major' if groups > 1 else ''}, got {scales.dtype} {tuple(scales.shape)} "
                          f"strides {scales.stride()}")
     from quarl.kernels.dispatch import codes_matmul, scaled_mm_codes
 
-    if qweight.fmt == "fp8" and codes.is_cuda:  # (torch._scaled_mm also takes CPU tensors; the kernels do not)
+    if fmt != "fp8-block" and codes.is_cuda:  # (torch._scaled_mm also takes CPU tensors; the kernels do not)
         n, k = qweight.shape
-        plan = plan_for("fp8", False, codes.shape[0], n, k, codes.device)
-        if _takes_rowwise_codes(plan):
+        plan = _codes_plan(fmt, codes.shape[0], n, k, codes.device)
+        if plan is not None:
             return codes_matmul(plan, codes, scales, qweight, bias, out_dtype)
+    if fmt == "int8":
+        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
+        return (y if bias is None else y + bias.float()).to(out_dtype)
     return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)
 
 
@@ -369,7 +387,7 @@ def decode_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
     bf16 (their roundings are bf16's), kernels available and, on first use there, each kernel within one rounding
     of its PyTorch definition on random rows (`kernel_passes_check`; a failure warns and keeps torch). FP8 codes
     are part of the check only where FP8 kernels run (compute capability >= 8.9): on an Ampere GPU the kernels
-    serve bf16 rollouts, and no FP8 GEMM asks them for codes (`fp8_codes_handoff` is False there)."""
+    serve bf16 rollouts, and no FP8 GEMM asks them for codes (`codes_handoff` is False there)."""
     key = (str(device), dtype)
     if key not in _DECODE_FUSED_OK:
         ok = dtype == torch.bfloat16 and kernels_available(device)
@@ -382,7 +400,7 @@ def decode_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = True) -> bool:
     """The three fused decode kernels against their torch definitions (values within one rounding in dtype, and
-    with fp8, FP8 codes of the kernel's own values bit for bit)."""
+    the int8 codes of the kernel's own values bit for bit, with fp8 also the FP8 codes)."""
     import torch.nn.functional as F
 
     from quarl.formats import quantize
@@ -390,24 +408,29 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
 
     randn = _seeded_randn(device, dtype)
 
-    def codes_match(h, c, s) -> bool:
-        if not fp8:
-            return True
-        ref = quantize(h, "fp8", "activation")
-        return torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(s, ref.scale)
+    quants = ("int8", "fp8") if fp8 else ("int8",)
+
+    def codes_match(h, make_codes) -> bool:
+        """The kernel's per-token codes of its own values h, bit for bit those of `quarl.formats`."""
+        for quant in quants:
+            c, s = make_codes(quant)
+            ref = quantize(h, quant, "activation")
+            if not (torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(s, ref.scale)):
+                return False
+        return True
 
     x, d, w, noise = randn(6, 200), randn(6, 200), randn(200), randn(200) * 0.01
     r, h, _, _ = rms_norm_rows(x, d, w, noise, 1e-6)
     r_ref = x + d
     rf = r_ref.float()
     h_ref = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + noise).float()).to(dtype)
-    _, _, c, s = rms_norm_rows(x, d, w, noise, 1e-6, "fp8", write_h=True) if fp8 else (None, None, None, None)
-    ok = torch.equal(r, r_ref) and _one_rounding_close(h, h_ref) and codes_match(h, c, s)
+    ok = torch.equal(r, r_ref) and _one_rounding_close(h, h_ref) and codes_match(
+        h, lambda quant: rms_norm_rows(x, d, w, noise, 1e-6, quant, write_h=True)[2:])
 
     gu = randn(6, 2 * 300)
     a, _, _ = silu_mul_rows(gu[:, :300], gu[:, 300:])
-    _, c, s = silu_mul_rows(gu[:, :300], gu[:, 300:], "fp8") if fp8 else (None, None, None)
-    ok = ok and _one_rounding_close(a, F.silu(gu[:, :300]) * gu[:, 300:]) and codes_match(a, c, s)
+    ok = ok and _one_rounding_close(a, F.silu(gu[:, :300]) * gu[:, 300:]) and codes_match(
+        a, lambda quant: silu_mul_rows(gu[:, :300], gu[:, 300:], quant)[1:])
 
     qkv, cos, sin = randn(5, 6 * 16), randn(5, 16), randn(5, 16)
     q, k = rope_rows(qkv, cos, sin, 3, 1, 16)

@@ -4,12 +4,13 @@ The same math as `fast_step.decode_logits` (the module-by-module forward), compu
 (on a CPU the same values; on a GPU the stacked GEMMs may take another cuBLAS algorithm than the per-projection
 ones, which rounds bf16 outputs differently, and the norm's mean square sums in another order):
   - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
-  - residual add + RMSNorm (+ the next linear's FP8 activation quantization), rotary embedding of q and k, and
+  - residual add + RMSNorm (+ the next linear's 8-bit activation quantization), rotary embedding of q and k, and
     SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`).
-Where the next linear's FP8 GEMM takes codes (`kernels.fp8_codes_handoff`: cuBLAS rowwise, or fp8-block with K a
-multiple of 512, or the persistent TMA W8A8 kernel for rowwise codes), the norm or SiLU·mul kernel hands it the
-activation codes and scales (per token, or per 1x128 group) directly, so no separate quantization pass reads the
-activations again.
+Where the next linear's 8-bit GEMM takes codes (`kernels.codes_handoff`: cuBLAS FP8 rowwise, or fp8-block with K
+a multiple of 512, or an int8 / fp8 W8A8 Triton GEMM or GEMV on prequantized codes), the norm or SiLU·mul kernel
+hands it the activation codes and scales (per token, or per 1x128 group) directly, so no separate quantization
+pass reads the activations again. The codes are those `quarl.formats` makes from the kernel's bf16 output, so the
+GEMM computes what it would have computed from the bf16 activations.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
 `decode_logits` picks this forward when `fused_decode_supported(model)`.
@@ -24,7 +25,7 @@ from quarl import kernels
 from quarl.model.layers import apply_rope
 from quarl.model.qlinear import QuantLinear
 
-# With LoRA adapters, the fused norm / SiLU·mul kernels still hand FP8 codes to the base GEMM and also write the
+# With LoRA adapters, the fused norm / SiLU·mul kernels still hand 8-bit codes to the base GEMM and also write the
 # bf16 activations for the adapters. Set False to turn the handoff off for linears with adapters.
 LORA_CODES_HANDOFF = True
 
@@ -177,8 +178,8 @@ class FusedProjection:
                           for p, n in zip(self.parts, self.sizes)])
 
     def codes_handoff(self, m: int) -> str | None:
-        """"fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take FP8
-        activation codes directly (see `kernels.fp8_codes_handoff`), else None (it wants the bf16 activations)."""
+        """"int8" / "fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take
+        activation codes directly (see `kernels.codes_handoff`), else None (it wants the bf16 activations)."""
         qw = self.fused_qweight
         if qw is None or (self.has_lora and not LORA_CODES_HANDOFF):
             return None
@@ -191,9 +192,9 @@ class FusedProjection:
 
     def __call__(self, x: torch.Tensor | None, codes: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> torch.Tensor:
-        """x [M, K] (compute dtype; may be None when codes are given), codes (float8 [M, K], float32 scales [M, 1]
-        or, fp8-block, [M, K/128]) from a fused norm when `codes_handoff(M)` said so -> [M, sum N] in the compute
-        dtype."""
+        """x [M, K] (compute dtype; may be None when codes are given), codes (int8 / float8 [M, K], float32 scales
+        [M, 1] or, fp8-block, [M, K/128]) from a fused norm when `codes_handoff(M)` said so -> [M, sum N] in the
+        compute dtype."""
         qw = self.fused_qweight
         if qw is None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
@@ -201,7 +202,7 @@ class FusedProjection:
         dtype = x.dtype if x is not None else self.parts[0].compute_dtype
         bias = self._bias(dtype, ref.device)
         if codes is not None:
-            y = kernels.fp8_matmul_from_codes(codes[0], codes[1], qw, bias, dtype)
+            y = kernels.matmul_from_codes(codes[0], codes[1], qw, bias, dtype)
             if self.has_lora:
                 if x is None:
                     raise ValueError("FusedProjection with LoRA adapters needs the activations x along with the codes")
@@ -290,11 +291,11 @@ class FusedProjection:
 
 
 def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Tensor:
-    """One linear on x [M, K], or on FP8 activation codes when `linear_codes_handoff` allowed them."""
+    """One linear on x [M, K], or on 8-bit activation codes when `linear_codes_handoff` allowed them."""
     if codes is None:
         return linear(x)
     bias = None if linear.bias is None else linear.bias.to(linear.compute_dtype)
-    y = kernels.fp8_matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
+    y = kernels.matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
     if linear.lora_rank:  # the adapter reads the activations the codes came from (LORA_CODES_HANDOFF)
         if x is None:
             raise ValueError("a linear with a LoRA adapter needs the activations x along with the codes")
@@ -321,26 +322,26 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
     """As `FusedProjection.codes_handoff` for a single linear in rollout mode."""
-    if not linear.rollout or linear.rollout_format not in ("fp8", "fp8-block") or \
+    if not linear.rollout or linear.rollout_format not in ("int8", "fp8", "fp8-block") or \
             (linear.lora_rank and not LORA_CODES_HANDOFF) or linear.qweight_data is None:
         return None
     return linear.rollout_format if _handoff(linear.qweight, linear, m) else None
 
 
 def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
-    """Codes go from a fused kernel straight to the FP8 GEMM only when both run: the fused kernels for this dtype
-    (else the activations take the torch pieces, which hand over bf16) and an FP8 GEMM that takes codes at m
+    """Codes go from a fused kernel straight to the 8-bit GEMM only when both run: the fused kernels for this
+    dtype (else the activations take the torch pieces, which hand over bf16) and a GEMM that takes codes at m
     rows."""
     return (qweight.data.is_cuda and kernels.decode_fused_ok(qweight.data.device, linear.compute_dtype)
-            and kernels.fp8_codes_handoff(qweight, linear.weight_only, m))
+            and kernels.codes_handoff(qweight, linear.weight_only, m))
 
 
 # ------------------------------------------------------------------------------------------ elementwise pieces
 def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None, delta_scales=None,
              keep_h: bool = False):
-    """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (FP8 codes [M, H],
-    scales [M, 1]) of the normed values when quant == "fp8", (codes, 1x128-group scales [M, H/128] column-major)
-    when quant == "fp8-block" (then the normed values themselves are None).
+    """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (int8 / FP8 codes [M, H],
+    scales [M, 1]) of the normed values when quant == "int8" / "fp8", (codes, 1x128-group scales [M, H/128]
+    column-major) when quant == "fp8-block" (then the normed values themselves are None).
     delta_scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale FP8 product
     (`unit_scale_matmul`): delta * scales, rounded to x's dtype, is added."""
     noise = norm.rollout_noise if norm.rollout else None
@@ -508,7 +509,8 @@ class FusedDecoder:
             Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             handoff = qkv_proj.codes_handoff(B)
             x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending, keep_h=qkv_proj.has_lora)
-            if "qkv" in deferred and handoff == "fp8" and not qkv_proj.has_lora:  # unit scales: codes only
+            if "qkv" in deferred and handoff == "fp8" and not qkv_proj.has_lora \
+                    and kernels.unit_scales_ok(qkv_proj.fused_qweight, B):  # unit scales: codes only
                 y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
                 q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
             else:
@@ -521,7 +523,8 @@ class FusedDecoder:
             o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B)
             handoff = gate_up.codes_handoff(B)
             x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora)
-            if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora:
+            if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora \
+                    and kernels.unit_scales_ok(gate_up.fused_qweight, B):
                 gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
             else:
                 gu, gu_scales = gate_up(h, codes), None
@@ -541,11 +544,12 @@ def _unit_product(codes, qweight, unit: torch.Tensor, dtype: torch.dtype) -> tup
 
 def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tensor | None, batch: int) -> tuple:
     """(output, None) of one linear on x or on handed-over codes; with deferred scales (unit given), where the
-    linear takes rowwise FP8 codes without a bias or adapter, (unit-scale cuBLAS product, its scales) instead,
-    whichever codes-taking GEMM its plan names. Handed codes already mean the FP8 GEMM runs; without them the
-    handoff test decides, and x is quantized here."""
+    linear takes rowwise FP8 codes without a bias or adapter and its plan allows (`kernels.unit_scales_ok`),
+    (unit-scale cuBLAS product, its scales) instead. Handed codes already mean the 8-bit GEMM runs; without them
+    the handoff test decides, and x is quantized here."""
     if unit is None or linear.bias is not None or linear.rollout_format != "fp8" or linear.lora_rank or \
-            (codes is None and linear_codes_handoff(linear, batch) is None):
+            (codes is None and linear_codes_handoff(linear, batch) is None) or \
+            not kernels.unit_scales_ok(linear.qweight, batch):
         return linear_from(linear, x, codes), None
     return _unit_product(codes if codes is not None else _activation_codes(x), linear.qweight, unit,
                          linear.compute_dtype)
