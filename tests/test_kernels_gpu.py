@@ -268,6 +268,45 @@ def test_w8a8_gemm_matches_reference(fmt, x_mode, cfg):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor"])
+def test_tma_decode_w8a8_matches_reference(fmt):
+    """The transposed TMA decode kernel (swap_ab + tma, all rows in one tile of bm): M = 1 .. bm, N not a multiple
+    of bn, K not a multiple of bk, split-K 1 / 3, with and without bias, also on handed-over codes; and it is the
+    kernel that ran (a launch counter), except for K = 200, whose 200-byte rows TMA cannot address."""
+    from quarl.kernels import w8a8_gemm
+    from quarl.kernels.dispatch import codes_matmul, run_plan
+
+    launches = []
+    real = w8a8_gemm._w8a8_tma_swap
+
+    def counted(*a):
+        launches.append(1)
+        return real(*a)
+
+    w8a8_gemm._w8a8_tma_swap = counted
+    try:
+        for m, n, k, cfg in [(1, 300, 1008, Cfg(16, 64, 128, split_k=3, stages=4, native=True, swap_ab=True, tma=True)),
+                             (16, 4608, 3584, Cfg(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True)),
+                             (7, 200, 2064, Cfg(16, 128, 256, split_k=2, native=True, swap_ab=True, tma=True)),
+                             (64, 520, 1024, Cfg(64, 64, 256, split_k=2, stages=4, native=True, swap_ab=True,
+                                                 tma=True)),
+                             (33, 96, 200, Cfg(64, 64, 128, split_k=2, native=True, swap_ab=True, tma=True))]:
+            w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
+            qw = quantize(w, fmt)
+            before = len(launches)
+            plan = Plan("w8a8", cfg, "prequant")
+            y = run_plan(plan, x, qw, b)
+            assert (len(launches) > before) == (k % 16 == 0), (m, n, k)
+            err = _rel_err(y, _reference(x, qw, False, b))
+            assert y.shape == (m, n) and err < EXACT_TOL, f"{fmt} {cfg} M={m} N={n} K={k}: rel err {err:.2e}"
+            if fmt != "fp8-tensor":
+                qx = quantize(x, fmt, "activation")
+                assert torch.equal(codes_matmul(plan, qx.data, qx.scale, qw, b, x.dtype), y)
+    finally:
+        w8a8_gemm._w8a8_tma_swap = real
+
+
+@gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int8", "fp8", "fp8-block", "fp8-tensor"])
 @pytest.mark.parametrize("x_mode", ["raw", "fused", "prequant"])
 def test_gemv_matches_reference(fmt, x_mode):
@@ -431,7 +470,7 @@ def test_tuning_tables_are_consistent(family):
         if family == "w4a16":
             assert p.kind == "fp4" and c.bk % 32 == 0
         if c.tma:
-            assert p.kind == "w8a8" and p.x_mode == "prequant" and c.native and c.split_k == 1, p
+            assert p.kind == "w8a8" and p.x_mode == "prequant" and c.native and (c.split_k == 1 or c.swap_ab), p
             assert family in ("int8", "fp8"), f"{family}: the TMA kernel takes rowwise / per-tensor scales"
         if c.native:
             # the tile side the codes' MMA puts on its 64-row side: bn when transposed (swap_ab), else bm

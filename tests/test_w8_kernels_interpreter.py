@@ -139,6 +139,22 @@ _TMA_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
             codes = xq.data.t().contiguous().t()
             y2 = dispatch.codes_matmul(Plan("w8a8", cfg, "prequant"), codes, xq.scale, qw, b, torch.float16)
             assert torch.equal(y2, y), (FMT, m, n, k)
+    # The transposed decode kernel (swap_ab): all M rows in one tile of bm rows, N not a multiple of bn, K not a
+    # multiple of BK, split-K (partials reduced by splitk_reduce) or not; K = 200 again falls back.
+    swap_launches = []
+    swap = w8a8_gemm._w8a8_tma_swap
+    w8a8_gemm._w8a8_tma_swap = lambda *a: swap_launches.append(a[-2]) or swap(*a)
+    for m, n, k, cfg, by_tma in [(5, 200, 1008, Cfg(16, 64, 128, split_k=3, native=True, swap_ab=True, tma=True), True),
+                                 (1, 72, 400, Cfg(16, 64, 128, native=True, swap_ab=True, tma=True), True),
+                                 (40, 100, 384, Cfg(64, 64, 128, split_k=2, native=True, swap_ab=True, tma=True),
+                                  True),
+                                 (9, 24, 200, Cfg(16, 64, 128, split_k=2, native=True, swap_ab=True, tma=True),
+                                  False)]:
+        x, b, qw, xq, ref, _ = operands(m, n, k, bias=m % 2 == 1)
+        before = len(swap_launches)
+        y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, 2, (xq.data, xq.scale))
+        assert (len(swap_launches) > before) == by_tma, (m, n, k, swap_launches)
+        assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, m, n, k, cfg, rel_err(y, ref))
     # no rows: an empty result, not a TMA descriptor of shape 0
     x, b, qw, xq, ref, _ = operands(1, 40, 384)
     sx = xq.scale if xq.scale.dim() == 0 else xq.scale[:0]  # (fp8-tensor: one scale for the whole tensor)
@@ -166,9 +182,12 @@ def test_tma_w8a8_refuses_what_it_cannot_run():
     for fmt, mode, cfg in [("fp8", X_FUSED, tma), ("fp8-block", X_PREQUANT, tma),
                            ("int8", X_PREQUANT, Cfg(64, 64, 128, split_k=2, native=True, tma=True))]:
         xq = quantize(x, fmt, "activation")
-        with pytest.raises(ValueError, match="TMA W8A8 kernel takes prequantized"):
+        with pytest.raises(ValueError, match="TMA W8A8 kernels take prequantized"):
             w8a8_matmul(x, quantize(torch.randn(8, 128), fmt), None, cfg, mode, (xq.data, xq.scale))
     xq = quantize(x, "int8", "activation")
+    with pytest.raises(ValueError, match="covers all M rows in one tile"):  # 4 rows, a 2-row tile
+        w8a8_matmul(x, quantize(torch.randn(8, 128), "int8"), None,
+                    Cfg(2, 64, 128, native=True, swap_ab=True, tma=True), X_PREQUANT, (xq.data, xq.scale))
     with pytest.raises(ValueError, match="at most 256 rows and 256 columns"):
         w8a8_matmul(x, quantize(torch.randn(8, 128), "int8"), None, Cfg(64, 64, 512, native=True, tma=True),
                     X_PREQUANT, (xq.data, xq.scale))

@@ -96,7 +96,17 @@ def _sweep_candidates():
     w8_[1024] += w8("prequant", Cfg(128, 256, 128, warps=8, stages=4, **tma),
                     Cfg(128, 256, 128, warps=8, stages=3, **tma), Cfg(128, 128, 128, warps=8, stages=4, **tma),
                     Cfg(128, 128, 128, warps=4, stages=4, **tma), Cfg(256, 128, 128, warps=8, stages=3, **tma))
-    w8_[16] = w8_[1]
+    # The transposed decode kernel fed by TMA (rowwise / per-tensor scales only): bm covers the bucket's rows.
+    tsw = dict(native=True, swap_ab=True, tma=True)
+    tma16 = w8("prequant", *[Cfg(16, 64, 128, split_k=s, stages=4, **tsw) for s in (1, 2, 4, 8)],
+               Cfg(16, 128, 128, stages=4, **tsw), Cfg(16, 128, 128, split_k=8, stages=4, **tsw),
+               Cfg(16, 64, 256, split_k=2, stages=4, **tsw), Cfg(16, 64, 256, split_k=4, stages=4, **tsw),
+               Cfg(16, 64, 128, split_k=4, stages=6, **tsw))
+    w8_[64] += w8("prequant", *[Cfg(64, 64, 128, split_k=s, stages=4, **tsw) for s in (1, 2, 4)],
+                  Cfg(64, 64, 256, stages=6, **tsw), Cfg(64, 64, 256, split_k=2, stages=6, **tsw),
+                  Cfg(64, 64, 128, split_k=4, stages=6, **tsw), Cfg(64, 128, 256, split_k=2, stages=4, **tsw),
+                  Cfg(64, 128, 256, split_k=4, stages=4, **tsw))
+    w8_[16] = w8_[1] + tma16
     w8_[512] = w8_[256] + w8_[1024]  # decode at rollout batch sizes: the tile count decides
     w8_[4096] = w8_[1024]
     g8 = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
@@ -106,7 +116,7 @@ def _sweep_candidates():
     gq = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 1), (8, 1024, 4, 3), (16, 512, 8, 3)]
     w8_[1] = ([Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "fused") for bn, bk, wp, st in g8]
               + [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st), "prequant") for bn, bk, wp, st in gq]
-              + dec[:2] + dec[5:6])
+              + dec[:2] + dec[5:6] + tma16)
     fp8 = {b: list(v) + ([Plan("scaled_mm")] if b >= 16 else []) for b, v in w8_.items()}
     blk_dec = (w8("prequant", Cfg(64, 64, 128, split_k=2, stages=4, **nat),
                   Cfg(64, 64, 128, split_k=4, stages=4, **nat), Cfg(64, 32, 128, split_k=4, stages=4, **nat),

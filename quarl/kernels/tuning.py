@@ -53,8 +53,9 @@ class Cfg:
     rows, slower at 16). swap_ab: W8A8 only, the product runs transposed (weight tile [bn, bk] as the MMA's
     first operand, the few token rows as its narrow second one), so decode's 16-64 rows need not fill a 64-row
     MMA side.
-    tma: W8A8 prefill only (prequantized rowwise / per-tensor codes, native, no split-K): the persistent kernel
-    whose operands arrive by TMA (Hopper or newer; elsewhere the regular kernel runs the same tile).
+    tma: W8A8 on prequantized rowwise / per-tensor codes, native, operands arriving by TMA (Hopper or newer;
+    elsewhere the regular kernel runs the same tile): in prefill the persistent kernel (no split-K); with swap_ab
+    the decode kernel (M <= bm, bn >= 64, split-K allowed).
     """
 
     bm: int

@@ -19,6 +19,8 @@ product by s_x[m, kb] * s_w[n // 128, kb] (BK must be 128).
 Prefill (GemmConfig.tma): `_w8a8_tma_kernel`, persistent (one program per SM walking the output tiles), both
 operands copied by TMA; prequantized rowwise / per-tensor codes on the 8-bit tensor cores, Hopper or newer
 (elsewhere, or where TMA cannot address the rows, the kernel above runs the same tile).
+Decode (GemmConfig.tma with swap_ab, M <= bm <= 64): `_w8a8_tma_swap_kernel`, the transposed product fed by TMA,
+one program per (bn weight rows, K split).
 """
 
 from __future__ import annotations
@@ -199,6 +201,71 @@ def _w8a8_tma_kernel(
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_tma_swap_kernel(
+    x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, KP, k_per_split, stride_xsm, stride_wsn, stride_om, stride_os,
+    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Decode W8A8 (M <= BM <= 64 rows) from prequantized codes, transposed and fed by TMA: the program's [BN, BK]
+    weight block sits on the wgmma's 64-row side, the [BM, BK] block of token codes on its narrow side, and both
+    arrive by TMA. Streaming the weight is the whole cost at these sizes, and a TMA copy is one instruction per
+    block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step: on an H200 this measured 2.0-2.2x
+    bf16 on the 7B gate/up and down shapes at 1-16 rows against 1.7-1.8x (bench/results/gemm.md, session 16).
+
+    x_desc: codes [M, KP] in [BM, BK] blocks (rows past M read as zeros); w_desc: weight codes [N, KP] in [BN, BK]
+    blocks; xs float32 [M] (stride stride_xsm, 0: one per tensor); ws float32 [N] (stride stride_wsn); bias [N];
+    out [M, N] in the output dtype (SPLIT_K == 1), or float32 partials [SPLIT_K, M, N] (scaled, without bias).
+    Grid (cdiv(N, BN), SPLIT_K)."""
+    ACC_DTYPE: tl.constexpr = tl.int32 if W_INT8 else tl.float32
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k0 = pid_k * k_per_split
+    acc = tl.zeros((BN, BM), dtype=ACC_DTYPE)
+    for it in range(0, tl.cdiv(tl.minimum(k_per_split, KP - k0), BK)):
+        kk = k0 + it * BK
+        w = w_desc.load([pid_n * BN, kk])
+        x = x_desc.load([0, kk])
+        acc = tl.dot(w, x.T, acc, out_dtype=ACC_DTYPE)
+    acc = tl.trans(acc)  # [BM, BN]: stores run along N
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
+    res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], res, mask=ok)
+
+
+def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
+    """Launch `_w8a8_tma_swap_kernel` on xin codes [M, KP] (M <= cfg.bm) and w codes [N, KP] (int8, or
+    float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n = out.shape
+    kp = w.shape[1]
+    k_per_split = triton.cdiv(triton.cdiv(kp, cfg.split_k), cfg.bk) * cfg.bk
+    split = triton.cdiv(kp, k_per_split)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    _w8a8_tma_swap_kernel[(triton.cdiv(n, cfg.bn), split)](
+        TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
+        xs, ws, bias if bias is not None else out, target,
+        m, n, kp, k_per_split, 0 if xs.dim() == 0 else xs.stride(0), 0 if ws.dim() == 0 else ws.stride(0),
+        target.stride(-2), target.stride(0) if split > 1 else 0,
+        W_INT8=w_int8, HAS_BIAS=bias is not None, SPLIT_K=split, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if split > 1:
+        splitk_reduce(target, bias, out)
+
+
 def _tma_usable(xin: torch.Tensor, w: torch.Tensor) -> bool:
     """TMA needs Hopper or newer, 16-byte aligned bases and row strides, unit stride along K, and rows (a
     descriptor's shape must be positive)."""
@@ -264,14 +331,19 @@ def w8a8_matmul(
         stride_wsn = ws.stride(0)
     else:
         stride_wsn = 0 if ws.dim() == 0 else ws.stride(0)
-    if cfg.tma and (x_mode != X_PREQUANT or blockwise or cfg.split_k != 1 or not cfg.native):
-        raise ValueError(f"the TMA W8A8 kernel takes prequantized rowwise / per-tensor codes on the 8-bit tensor "
-                         f"cores without split-K, got x_mode={x_mode}, fmt={fmt}, cfg={cfg}")
+    if cfg.tma and (x_mode != X_PREQUANT or blockwise or not cfg.native
+                    or (cfg.split_k != 1 and not cfg.swap_ab)):
+        raise ValueError(f"the TMA W8A8 kernels take prequantized rowwise / per-tensor codes on the 8-bit tensor "
+                         f"cores (split-K only transposed, swap_ab), got x_mode={x_mode}, fmt={fmt}, cfg={cfg}")
     if cfg.tma and max(cfg.bm, cfg.bn, cfg.bk) > 256:
         raise ValueError(f"TMA copies blocks of at most 256 rows and 256 columns, got cfg={cfg}")
+    if cfg.tma and cfg.swap_ab and (M > cfg.bm or cfg.bn < 64):
+        raise ValueError(f"the transposed TMA kernel covers all M rows in one tile of bm rows, on an MMA side of "
+                         f"bn >= 64 weight rows; got M={M}, cfg={cfg}")
     if cfg.tma and _tma_usable(xq[0], qweight.data):
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        _w8a8_tma(xq[0], xq[1], qweight.data, ws, bias, out, cfg, w_int8)
+        launch = _w8a8_tma_swap if cfg.swap_ab else _w8a8_tma
+        launch(xq[0], xq[1], qweight.data, ws, bias, out, cfg, w_int8)
         return out
     if x_mode == X_PREQUANT:
         xin, xs = xq
