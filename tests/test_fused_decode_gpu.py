@@ -123,7 +123,7 @@ def test_matmul_from_codes_equals_the_quantizing_matmul(fmt, m, n, k):
 def test_small_batches_hand_codes_to_the_triton_plans(fmt):
     """At decode batch sizes the dispatched int8 / fp8 plans of the 7B shapes that run a separate quantization
     pass (prequant W8A8 tiles or GEMV) all take handed codes; the deferred unit-scale cuBLAS product is left to
-    cuBLAS / TMA plans."""
+    cuBLAS and the persistent (prefill) TMA plans."""
     taken = 0
     for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)):
         qw = quantize(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, fmt, "weight")
@@ -132,8 +132,8 @@ def test_small_batches_hand_codes_to_the_triton_plans(fmt):
             prequant = plan.kind in ("w8a8", "gemv") and plan.x_mode == "prequant"
             assert kernels.codes_handoff(qw, False, m) == (prequant or plan.kind == "scaled_mm"), (n, k, m, plan)
             taken += prequant
-            if plan.kind != "scaled_mm" and not (plan.cfg is not None and plan.cfg.tma):
-                assert not kernels.unit_scales_ok(qw, m)
+            persistent_tma = plan.cfg is not None and plan.cfg.tma and not plan.cfg.swap_ab
+            assert kernels.unit_scales_ok(qw, m) == (fmt == "fp8" and (plan.kind == "scaled_mm" or persistent_tma))
     assert taken > 0
 
 
