@@ -179,8 +179,10 @@ MEASURED = {
     },
     "int8": {
         (4608, 3584): {  # qkv
-            1: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.07),
-            16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.05),
+            # mean of the sweep and the B1 run (1.07, 0.99x), session 16: within noise of bf16
+            1: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.03),
+            # mean of the sweep and the B1 run (1.05, 0.99x), session 16: within noise of bf16
+            16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.02),
             64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.11),
             256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.79),
             512: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 0.93),
@@ -219,7 +221,8 @@ MEASURED = {
     "fp8": {
         (4608, 3584): {  # qkv
             1: (P("gemv", C(1, 4, 512)), 1.19),
-            16: (P("w8a8", C(16, 64, 256, split_k=2, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.06),
+            # mean of the sweep and the B1 run (1.06, 1.01x), session 16: within noise of bf16
+            16: (P("w8a8", C(16, 64, 256, split_k=2, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.04),
             64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.18),
             256: (P("scaled_mm"), 0.94),
             512: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 0.94),
@@ -229,7 +232,8 @@ MEASURED = {
         (3584, 3584): {  # o
             1: (P("gemv", C(1, 8, 1024)), 1.42),
             16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.25),
-            64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.06),
+            # mean of the sweep and the B1 run (1.06, 1.02x), session 16: within noise of bf16
+            64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.04),
             256: (P("w8a8", C(64, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.87),
             512: (P("scaled_mm"), 1.14),
             1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.22),
