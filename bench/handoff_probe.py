@@ -34,7 +34,7 @@ def restricted(fmt, plan) -> bool:
     if plan.kind == "scaled_mm":
         return fmt in ("fp8", "fp8-block")
     return fmt == "fp8" and plan.kind == "w8a8" and plan.x_mode == "prequant" and plan.cfg is not None \
-        and plan.cfg.tma
+        and plan.cfg.tma and not plan.cfg.swap_ab  # the persistent (prefill) TMA kernel only
 
 
 RULES = {"restricted": restricted, "shipped": kernels._takes_codes}
