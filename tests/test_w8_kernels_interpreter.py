@@ -155,15 +155,6 @@ _TMA_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
         y = w8a8_gemm.w8a8_matmul(x, qw, b, cfg, 2, (xq.data, xq.scale))
         assert (len(swap_launches) > before) == by_tma, (m, n, k, swap_launches)
         assert y.shape == (m, n) and rel_err(y, ref) < 2e-3, (FMT, m, n, k, cfg, rel_err(y, ref))
-        # split-K summed by a second launch instead of the tickets: the same sums in the same order
-        w8a8_gemm.TMA_DECODE_TICKETS = False
-        try:
-            assert torch.equal(w8a8_gemm.w8a8_matmul(x, qw, b, cfg, 2, (xq.data, xq.scale)), y), (m, n, k)
-        finally:
-            w8a8_gemm.TMA_DECODE_TICKETS = True
-        if cfg.split_k > 1 and by_tma:  # every ticket counter was reset for the next launch
-            from quarl.kernels.common import tile_tickets
-            assert int(tile_tickets(x.device, 1).abs().sum()) == 0
     # no rows: an empty result, not a TMA descriptor of shape 0
     x, b, qw, xq, ref, _ = operands(1, 40, 384)
     sx = xq.scale if xq.scale.dim() == 0 else xq.scale[:0]  # (fp8-tensor: one scale for the whole tensor)

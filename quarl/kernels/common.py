@@ -53,25 +53,6 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexp
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_TICKETS: dict[tuple, torch.Tensor] = {}
-
-
-def tile_tickets(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros [>= n], one split-K ticket counter per output tile, cached per (device, stream); the kernels
-    that take tickets leave them at 0 (the last program of a tile resets its counter), so no memset per call.
-    Launches of such kernels must not run concurrently on one stream's counters (one stream, graph replays
-    included, runs them one after the other).
-
-    The first call for a device/stream (or a larger n) allocates: make it outside CUDA-graph capture (a warm-up
-    call, which also compiles the kernel)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    t = _TICKETS.get(key)
-    if t is None or t.numel() < n:
-        t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return t
-
-
 def splitk_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [M, N] (contiguous) = sum over s of partials [S, M, N] float32 (+ bias [N]), cast to out.dtype."""
     split, m, n = partials.shape

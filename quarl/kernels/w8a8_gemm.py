@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.common import GemmConfig, num_sms, pid_to_tile, splitk_reduce, tile_tickets
+from quarl.kernels.common import GemmConfig, num_sms, pid_to_tile, splitk_reduce
 from quarl.kernels.quant_utils import codes_to, codes_to_f16, quantize_tile, safe_scale
 
 X_RAW, X_FUSED, X_PREQUANT = 0, 1, 2
@@ -203,9 +203,9 @@ def _w8a8_tma_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_tma_swap_kernel(
-    x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, KP, k_per_split, stride_xsm, stride_wsn, stride_om,
-    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, TICKETS: tl.constexpr,
+    x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, KP, k_per_split, stride_xsm, stride_wsn, stride_om, stride_os,
+    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Decode W8A8 (M <= BM <= 64 rows) from prequantized codes, transposed and fed by TMA: the program's [BN, BK]
@@ -216,11 +216,8 @@ def _w8a8_tma_swap_kernel(
 
     x_desc: codes [M, KP] in [BM, BK] blocks (rows past M read as zeros); w_desc: weight codes [N, KP] in [BN, BK]
     blocks; xs float32 [M] (stride stride_xsm, 0: one per tensor); ws float32 [N] (stride stride_wsn); bias [N];
-    out [M, N] in the output dtype (row stride stride_om). SPLIT_K > 1: every program stores its float32 partial
-    tile in part [SPLIT_K, M, N] (scaled, without bias); with TICKETS the program that draws the last ticket of
-    its tile's counter (cnt [>= cdiv(N, BN)] int32, zeros) sums the partials in split order, adds the bias, writes
-    out and resets the counter, otherwise `splitk_reduce` does that in a second launch (the same sums, in the same
-    order). Grid (cdiv(N, BN), SPLIT_K)."""
+    out [M, N] in the output dtype (SPLIT_K == 1), or float32 partials [SPLIT_K, M, N] (scaled, without bias).
+    Grid (cdiv(N, BN), SPLIT_K)."""
     ACC_DTYPE: tl.constexpr = tl.int32 if W_INT8 else tl.float32
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -236,60 +233,37 @@ def _w8a8_tma_swap_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    ok = m_ok[:, None] & n_ok[None, :]
     res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
     res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K > 1:
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part + pid_k * M * N, res, mask=ok)
-        if TICKETS:
-            # Every thread's partial must be written before the ticket (release, gpu scope) announces it.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT_K - 1:
-                # .cg: read from L2, where the other SMs' partials are (this SM's L1 is not coherent).
-                res = tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT_K):
-                    res += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
-    else:
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-# Split-K of the TMA decode kernel summed by its last program per tile (True) or by `splitk_reduce` (False).
-TMA_DECODE_TICKETS = True
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], res, mask=ok)
 
 
 def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
     """Launch `_w8a8_tma_swap_kernel` on xin codes [M, KP] (M <= cfg.bm) and w codes [N, KP] (int8, or
-    float8_e4m3fn) into out [M, N]; with cfg.split_k > 1 through fp32 partials, summed in the kernel
-    (`TMA_DECODE_TICKETS`) or by `splitk_reduce`."""
+    float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = out.shape
     kp = w.shape[1]
     k_per_split = triton.cdiv(triton.cdiv(kp, cfg.split_k), cfg.bk) * cfg.bk
     split = triton.cdiv(kp, k_per_split)
-    n_tiles = triton.cdiv(n, cfg.bn)
-    tickets = split > 1 and TMA_DECODE_TICKETS
-    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device) if split > 1 else out
-    cnt = tile_tickets(out.device, n_tiles) if tickets else out
-    _w8a8_tma_swap_kernel[(n_tiles, split)](
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    _w8a8_tma_swap_kernel[(triton.cdiv(n, cfg.bn), split)](
         TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
-        xs, ws, bias if bias is not None else out, out, part, cnt,
+        xs, ws, bias if bias is not None else out, target,
         m, n, kp, k_per_split, 0 if xs.dim() == 0 else xs.stride(0), 0 if ws.dim() == 0 else ws.stride(0),
-        out.stride(0),
-        W_INT8=w_int8, HAS_BIAS=bias is not None, SPLIT_K=split, TICKETS=tickets, BM=cfg.bm, BN=cfg.bn,
-        BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+        target.stride(-2), target.stride(0) if split > 1 else 0,
+        W_INT8=w_int8, HAS_BIAS=bias is not None, SPLIT_K=split, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    if split > 1 and not tickets:
-        splitk_reduce(part, bias, out)
+    if split > 1:
+        splitk_reduce(target, bias, out)
 
 
 def _tma_usable(xin: torch.Tensor, w: torch.Tensor) -> bool:
