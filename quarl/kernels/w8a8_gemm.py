@@ -246,7 +246,8 @@ def _w8a8_tma_swap_kernel(
 
 def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
     """Launch `_w8a8_tma_swap_kernel` on xin codes [M, KP] (M <= cfg.bm) and w codes [N, KP] (int8, or
-    float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1."""
+    float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1 (summing them
+    in the kernel's last program per tile measured no faster here either: bench/results/gemm.md, session 16)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = out.shape
