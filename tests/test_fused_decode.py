@@ -319,6 +319,24 @@ def test_fused_kernels_serve_bf16_without_fp8_support(monkeypatch):
     assert not kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
 
 
+def test_matmul_from_codes_checks_its_inputs_and_serves_int8_on_the_cpu():
+    """int8 codes on a CPU take the float32 reference product (within 1e-5 of float64); codes of the wrong dtype
+    or scales of the wrong shape are refused with what was expected."""
+    from quarl import kernels
+    from quarl.formats import quantize
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x, w, bias = torch.randn(5, 96), torch.randn(40, 96) * 0.05, torch.randn(40)
+    qw, qx = quantize(w, "int8", "weight"), quantize(x, "int8", "activation")
+    got = kernels.matmul_from_codes(qx.data, qx.scale, qw, bias, torch.float32)
+    want = qx.dequantize(torch.float64) @ qw.dequantize(torch.float64).T + bias.double()
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="int8 codes"):
+        kernels.matmul_from_codes(qx.data.float(), qx.scale, qw, bias, torch.float32)
+    with pytest.raises(ValueError, match=r"float32 scales \[5, 1\]"):
+        kernels.matmul_from_codes(qx.data, qx.scale.reshape(-1), qw, bias, torch.float32)
+
+
 def _deferred_setup(monkeypatch, dtype):
     """A tiny fp8 Qwen2 model with a filled cache, and the fused decoder with codes handed over as on a GPU."""
     from quarl import kernels

@@ -105,8 +105,9 @@ def test_rope_kernel_is_bit_exact(hq, hkv, d):
 def test_matmul_from_codes_equals_the_quantizing_matmul(fmt, m, n, k):
     """Per-token int8 / FP8 codes handed over give the quantizing matmul's result bit for bit, whichever GEMM the
     plan names at that shape (cuBLAS FP8, the persistent TMA W8A8 kernel, the small-M transposed tiles, the GEMV
-    at a few rows), wherever `codes_handoff` says the plan takes codes. Where it does not (bf16, or a kernel
-    quantizing inside), the call still gives the dequantized product within one bf16 rounding."""
+    at a few rows), wherever `codes_handoff` says the plan takes codes. Everywhere (also where it does not: bf16,
+    or a kernel quantizing inside) the result lies within 2e-2 of the largest float64 reference value (the bf16
+    output rounding and Hopper's reduced-precision FP8 accumulation; measured about 3e-3)."""
     x = torch.randn(m, k, device=DEV, dtype=BF16)
     qw = quantize(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, fmt, "weight")
     bias = torch.randn(n, device=DEV, dtype=BF16)

@@ -211,8 +211,10 @@ def _w8a8_tma_swap_kernel(
     """Decode W8A8 (M <= BM <= 64 rows) from prequantized codes, transposed and fed by TMA: the program's [BN, BK]
     weight block sits on the wgmma's 64-row side, the [BM, BK] block of token codes on its narrow side, and both
     arrive by TMA. Streaming the weight is the whole cost at these sizes, and a TMA copy is one instruction per
-    block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step: on an H200 this measured 2.0-2.2x
-    bf16 on the 7B gate/up and down shapes at 1-16 rows against 1.7-1.8x (bench/results/gemm.md, session 16).
+    block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step: on an H200, on codes made
+    beforehand, the 7B gate/up GEMM at 1-16 rows measured 2.0-2.1x bf16 against 1.6-1.7x for the same product
+    from `_w8a8_kernel`, and 1.85-1.9x against 1.33x at 64 rows; down, whose split-K partials a second launch
+    sums, gained little (bench/results/gemm.md, 05:46 entry against 03:47).
 
     x_desc: codes [M, KP] in [BM, BK] blocks (rows past M read as zeros); w_desc: weight codes [N, KP] in [BN, BK]
     blocks; xs float32 [M] (stride stride_xsm, 0: one per tensor); ws float32 [N] (stride stride_wsn); bias [N];
