@@ -396,6 +396,31 @@ def test_deferred_scales_match_the_module_path(monkeypatch, which):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_plans_without_unit_scales_take_the_codes_with_their_own_scales(monkeypatch):
+    """Codes handed over (as on a GPU) to GEMMs whose plan does not allow the unit-scale product
+    (`kernels.unit_scales_ok` False: the small-M Triton plans): no unit-scale product runs even with every
+    deferral requested, each GEMM takes the codes with its own scales, and float32 logits equal the module
+    path's to 1e-5 of the largest."""
+    from quarl import kernels
+    from quarl.rollout import fused_decode
+
+    model, engine, decoder = _deferred_setup(monkeypatch, torch.float32)
+    monkeypatch.setattr(kernels, "unit_scales_ok", lambda qweight, m: False)
+    handed = []
+
+    def codes_matmul_f32(codes, scales, qweight, bias, out_dtype):
+        handed.append(tuple(qweight.shape))
+        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: pytest.fail("a unit-scale GEMM ran"))
+    want, got = _step_logits(model, engine, decoder, True)
+    assert len(handed) == 3 * model.config.num_layers  # q/k/v, gate/up and down of every layer took the codes
+    close(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_deferred_scales_take_known_names_only():
     model = make_model("qwen2")
     decoder = FusedDecoder.for_model(model)

@@ -104,10 +104,11 @@ def test_rope_kernel_is_bit_exact(hq, hkv, d):
                                    (512, 3584, 3584), (1000, 3584, 3584), (512, 37888, 3584), (4096, 4608, 3584)])
 def test_matmul_from_codes_equals_the_quantizing_matmul(fmt, m, n, k):
     """Per-token int8 / FP8 codes handed over give the quantizing matmul's result bit for bit, whichever GEMM the
-    plan names at that shape (cuBLAS FP8, the persistent TMA W8A8 kernel, the small-M transposed tiles, the GEMV
-    at a few rows), wherever `codes_handoff` says the plan takes codes. Everywhere (also where it does not: bf16,
-    or a kernel quantizing inside) the result lies within 2e-2 of the largest float64 reference value (the bf16
-    output rounding and Hopper's reduced-precision FP8 accumulation; measured about 3e-3)."""
+    plan names at that shape (cuBLAS FP8, the persistent TMA W8A8 kernel, the transposed TMA decode kernel),
+    wherever `codes_handoff` says the plan takes codes (a prequant GEMV would too; no table names one now).
+    Everywhere (also where it does not: bf16, or a kernel quantizing inside) the result lies within 2e-2 of the
+    largest float64 reference value (the bf16 output rounding and Hopper's reduced-precision FP8 accumulation;
+    measured about 3e-3)."""
     x = torch.randn(m, k, device=DEV, dtype=BF16)
     qw = quantize(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02, fmt, "weight")
     bias = torch.randn(n, device=DEV, dtype=BF16)
@@ -123,7 +124,7 @@ def test_matmul_from_codes_equals_the_quantizing_matmul(fmt, m, n, k):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_small_batches_hand_codes_to_the_triton_plans(fmt):
     """At decode batch sizes the dispatched int8 / fp8 plans of the 7B shapes that run a separate quantization
-    pass (prequant W8A8 tiles or GEMV) all take handed codes; the deferred unit-scale cuBLAS product is left to
+    pass (prequant W8A8 tiles) all take handed codes; the deferred unit-scale cuBLAS product is left to
     cuBLAS and the persistent (prefill) TMA plans."""
     taken = 0
     for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)):
@@ -173,7 +174,7 @@ def test_fused_decoder_logits_match_the_module_path(fmt, kv):
     FusedDecoder.for_model(model).deferred_scales = False
     engine = FastRolloutEngine(model, None, max_batch_size=512, kv_cache_dtype=kv)
     engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
-    for batch in (3, 512):  # codes handed to cuBLAS FP8 at 512 rows, to the small-M Triton plans at 3
+    for batch in (3, 512):  # codes handed to the small-M Triton plans at 3 rows, to cuBLAS FP8 (fp8) at 512
         tokens = torch.randint(0, 4096, (batch,), device=DEV)
         positions = torch.randint(0, 60, (batch,), device=DEV)
         want, got = both_decode_logits(model, engine, tokens, positions)
@@ -233,7 +234,16 @@ def test_deferred_scales_match_the_module_path(kv):
     assert sum(a == b for a, b in zip(got_tokens, want_tokens)) >= 0.75 * len(want_tokens)
     tokens = torch.randint(0, 4096, (512,), device=DEV)
     positions = torch.randint(0, 60, (512,), device=DEV)
-    want, got = both_decode_logits(model, engine, tokens, positions)
+    from quarl.rollout import fused_decode
+
+    unit_products = []
+    real = fused_decode.unit_scale_matmul
+    fused_decode.unit_scale_matmul = lambda *a: unit_products.append(1) or real(*a)
+    try:
+        want, got = both_decode_logits(model, engine, tokens, positions)
+    finally:
+        fused_decode.unit_scale_matmul = real
+    assert unit_products  # the deferred-scale path ran at 512 rows
     emb = model.model.embed_tokens.weight
     saved = emb.detach().clone()
     with torch.no_grad():

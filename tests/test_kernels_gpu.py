@@ -447,6 +447,8 @@ def test_tuning_tables_are_consistent(family):
             for bucket, (p, _) in table.items():
                 if p.kind == "fp4_decode":  # the bucket's largest M must fit the kernel path the plan selects
                     assert bucket <= (FP4_DECODE_FMA_MAX_M if p.cfg.bm == 1 else FP4_DECODE_MAX_M), (bucket, p)
+                if p.cfg is not None and p.cfg.tma and p.cfg.swap_ab:  # the TMA decode tile holds all M rows
+                    assert bucket <= p.cfg.bm <= 64 and p.cfg.bn >= 64, (family, bucket, p)
     for p, speedup in plans:
         assert p.kind in ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "fp4_decode", "bf16")
         if speedup is not None:

@@ -194,7 +194,8 @@ def test_tma_w8a8_refuses_what_it_cannot_run():
 
 
 def test_plans_drop_tma_and_native_codes_before_hopper(monkeypatch):
-    """Before Hopper (no wgmma, no TMA) a measured TMA plan runs the same tile on the fp16 tensor cores."""
+    """Before Hopper (no wgmma, no TMA) a measured TMA plan runs the same tile on the fp16 tensor cores, with its
+    pipeline stages capped to fit the smaller shared memory."""
     pytest.importorskip("triton")
     import torch
 
@@ -207,6 +208,23 @@ def test_plans_drop_tma_and_native_codes_before_hopper(monkeypatch):
         plan = kernels.plan_for(fmt, False, 4096, 37888, 3584)
         assert plan.kind == "w8a8" and not plan.cfg.tma and not plan.cfg.native, plan
         assert choose_plan(fmt, False, 4096, 37888, 3584).cfg.tma  # the measured plan was TMA
+    # Every W8A8 tile keeps its pipelined 8-bit operands within PRE_HOPPER_STAGE_BYTES of shared memory there
+    # (the H200-tuned stages would ask for up to ~192 KB; an sm_89 block gets 99 KB).
+    capped = 0
+    for fmt in ("int8", "fp8", "fp8-block"):
+        for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)):
+            for m in (1, 16, 64, 256, 512, 1024, 4096):
+                plan = kernels.plan_for(fmt, False, m, n, k, prefer_kernel=True)
+                if plan.kind != "w8a8":
+                    continue
+                c, measured = plan.cfg, choose_plan(fmt, False, m, n, k, prefer_kernel=True).cfg
+                assert not c.native and not c.tma, plan
+                assert c.stages * (c.bm + c.bn) * c.bk <= kernels.PRE_HOPPER_STAGE_BYTES or c.stages == 1, plan
+                if measured is None:  # a cuBLAS FP8 plan, which needs Hopper: a W8A8 tile instead
+                    continue
+                assert (c.bm, c.bn, c.bk, c.split_k) == (measured.bm, measured.bn, measured.bk, measured.split_k)
+                capped += c.stages < measured.stages
+    assert capped > 0
 
 
 def test_nvfp4_has_no_kernel_before_ada(monkeypatch):

@@ -156,7 +156,7 @@ def add_bench_gemm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate plan (tuning), not the dispatch")
     parser.add_argument("--codes-given", action="store_true",
                         help="also time each plan that takes activation codes with the codes made beforehand (the "
-                             "GEMM alone, as when a fused norm hands its FP8 codes over): an extra column")
+                             "GEMM alone, as when a fused norm hands its 8-bit codes over): an extra column")
     add_output_arguments(parser, DEFAULT_RESULTS, "also write every measurement to this JSON file")
 
 

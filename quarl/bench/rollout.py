@@ -127,8 +127,9 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds; settings that would start after it are skipped (reported as skipped)")
     parser.add_argument("--attention", default="auto", help="decode attention backend: auto | triton | torch")
     parser.add_argument("--deferred-scales", default=None, type=_deferred_choice,
-                        help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales, the next "
-                             "fused kernel applying the scales (FusedDecoder.deferred_scales): all, none, or a comma "
+                        help="which FP8 decode GEMMs fed activation codes run with unit per-tensor scales where their "
+                             "plan allows (cuBLAS or persistent TMA plans), the next fused kernel applying the scales "
+                             "(FusedDecoder.deferred_scales): all, none, or a comma "
                              "list of qkv,o,gate_up,down; default: the decoder's (qkv,o,down)")
     parser.add_argument("--sampler", default=SAMPLERS[0], choices=SAMPLERS,
                         help="temperature sampling: Gumbel-max over a [batch, vocab] uniform tensor per step, or "

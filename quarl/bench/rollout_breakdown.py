@@ -4,7 +4,7 @@ With a warmed-up FastRolloutEngine, every slot is set mid-generation (`context` 
 are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
   step       the engine's captured decode step (noise refill included), as in generation;
   linears    every QuantLinear of the decoder layers + lm_head on [batch, in] inputs (the rollout path; with the
-             fused decode its stacked GEMMs, on FP8 codes made beforehand where the step hands codes over);
+             fused decode its stacked GEMMs, on 8-bit codes made beforehand where the step hands codes over);
   attention  the decode attention of every layer over `context` + 1 columns;
   sampling   the refill of the step's uniform draws and its sampler (`fast_step.sample_next`) on [batch, vocab]
              logits in the model dtype (before 2026-11-29 18:30 the refill counted in "other");
@@ -38,7 +38,7 @@ def _graph_ms(torch, fn, reps: int = 20, calls: int = 1) -> float:
 
 def _fused_linear_runs(decoder, model, inputs: dict, batch: int) -> list:
     """The GEMMs of the fused decode step as it runs them, one callable each: q/k/v and gate/up stacked, and
-    where the norm or SiLU·mul kernel hands a GEMM FP8 activation codes, that GEMM on codes made beforehand (the
+    where the norm or SiLU·mul kernel hands a GEMM 8-bit activation codes, that GEMM on codes made beforehand (the
     step quantizes inside those kernels, which "other" counts); o_proj and lm_head on bf16 inputs, quantizing
     them themselves as in the step."""
     from quarl.rollout.fused_decode import linear_codes_handoff, linear_from

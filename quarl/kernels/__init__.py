@@ -79,6 +79,12 @@ def _blockwise_cublas_ok(n: int, k: int) -> bool:
     return n % 128 == 0 and (-(-k // 128)) % 4 == 0
 
 
+# Shared memory a W8A8 tile's pipelined 8-bit operands (stages x (bm + bn) x bk bytes) may fill before Hopper:
+# sm_80 gives a block up to 163 KB, sm_86 / sm_89 99 KB; the rest is left to Triton's layout conversions. (Not
+# measured on such GPUs: a bound that keeps the H200-tuned tiles launchable there.)
+PRE_HOPPER_STAGE_BYTES = 64 * 1024
+
+
 def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.device | None = None,
              prefer_kernel: bool = False) -> Plan:
     """The kernel plan for x [m, k] and a weight [n, k] in `fmt` (see `quarl.kernels.tuning`).
@@ -86,7 +92,8 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     Plan("bf16") means no kernel (try_quantized_matmul returns None); prefer_kernel=True keeps the fastest
     quantized kernel where it measured below `tuning.MIN_SPEEDUP` x bf16. FP8 needs compute capability >= 8.9,
     and so does nvfp4 (its block scales are E4M3, which Triton decodes only from 8.9 on); the int8/fp8
-    tensor-core ("native") tiles and cuBLAS FP8 are used on >= 9.0 (Hopper) only.
+    tensor-core ("native") tiles, the TMA kernels and cuBLAS FP8 are used on >= 9.0 (Hopper) only; before it a
+    W8A8 tile runs on the fp16 tensor cores with its pipeline stages capped (`PRE_HOPPER_STAGE_BYTES`).
     """
     plan = choose_plan(fmt, weight_only, m, n, k, prefer_kernel)
     if plan.kind == "bf16" or not torch.cuda.is_available():
@@ -98,9 +105,12 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
                                                                      _blockwise_cublas_ok(n, k))):
         # cuBLAS FP8 needs Hopper and N, K multiples of 16; blockwise scaling see _blockwise_cublas_ok.
         plan = Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant")
-    if cap < (9, 0) and plan.cfg is not None and (plan.cfg.native or plan.cfg.tma):
-        # no wgmma / TMA before Hopper: the same tile on the fp16 tensor cores
-        plan = replace(plan, cfg=replace(plan.cfg, native=False, tma=False))
+    if cap < (9, 0) and plan.kind == "w8a8" and plan.cfg is not None:
+        # No wgmma / TMA before Hopper: the same tile on the fp16 tensor cores, with no more pipeline stages than
+        # fit PRE_HOPPER_STAGE_BYTES (the tables were measured on an H200, which gives a block 227 KB).
+        c = plan.cfg
+        stages = max(1, min(c.stages, PRE_HOPPER_STAGE_BYTES // ((c.bm + c.bn) * c.bk)))
+        plan = replace(plan, cfg=replace(c, native=False, tma=False, stages=stages))
     return plan
 
 
@@ -286,7 +296,7 @@ def codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     if fmt not in ("int8", "fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
         return False
     device = qweight.data.device
-    if fmt != "int8" and not fp8_kernels_available(device):
+    if not (kernels_available(device) if fmt == "int8" else fp8_kernels_available(device)):
         return False
     n, k = qweight.shape
     if fmt == "fp8-block" and (k % 512 or m % 16 or not decode_fused_group_ok(device)):
@@ -317,8 +327,12 @@ def matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: 
     `try_quantized_matmul(x, qweight, False, bias)` when (codes, scales) = quantize(x, fmt, "activation");
     elsewhere FP8 runs on cuBLAS and int8 on the dequantized operands in float32 (a reference, not a fast path)."""
     fmt = qweight.fmt
+    if fmt not in ("int8", "fp8", "fp8-block"):
+        raise ValueError(f"matmul_from_codes takes 'int8', 'fp8' (rowwise) or 'fp8-block' weights, got {fmt!r}: "
+                         "other formats (per-tensor scales, fp4) take no handed activation codes; call "
+                         "try_quantized_matmul with the activations instead")
     want = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
-    if fmt not in ("int8", "fp8", "fp8-block") or codes.dtype != want or codes.dim() != 2 \
+    if codes.dtype != want or codes.dim() != 2 \
             or codes.shape[1] != qweight.data.shape[1]:
         raise ValueError(f"matmul_from_codes needs int8 codes [M, {qweight.data.shape[1]}] for an 'int8' weight, "
                          "float8_e4m3fn codes for an 'fp8' or 'fp8-block' one; got codes "
@@ -331,7 +345,8 @@ def matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: 
                          f"strides {scales.stride()}")
     from quarl.kernels.dispatch import codes_matmul, scaled_mm_codes
 
-    if fmt != "fp8-block" and codes.is_cuda:  # (torch._scaled_mm also takes CPU tensors; the kernels do not)
+    # (torch._scaled_mm also takes CPU tensors; the kernels do not)
+    if fmt != "fp8-block" and codes.is_cuda and kernels_available(codes.device):
         n, k = qweight.shape
         plan = _codes_plan(fmt, codes.shape[0], n, k, codes.device)
         if plan is not None:
@@ -386,9 +401,9 @@ def _one_rounding_close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def decode_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused decode kernels (`quarl.kernels.decode_fused`) may serve `dtype` activations on `device`:
     bf16 (their roundings are bf16's), kernels available and, on first use there, each kernel within one rounding
-    of its PyTorch definition on random rows (`kernel_passes_check`; a failure warns and keeps torch). FP8 codes
-    are part of the check only where FP8 kernels run (compute capability >= 8.9): on an Ampere GPU the kernels
-    serve bf16 rollouts, and no FP8 GEMM asks them for codes (`codes_handoff` is False there)."""
+    of its PyTorch definition on random rows (`kernel_passes_check`; a failure warns and keeps torch). int8 codes
+    are always part of the check; FP8 codes only where FP8 kernels run (compute capability >= 8.9): on an Ampere
+    GPU no FP8 GEMM asks the kernels for codes (`codes_handoff` is False there)."""
     key = (str(device), dtype)
     if key not in _DECODE_FUSED_OK:
         ok = dtype == torch.bfloat16 and kernels_available(device)

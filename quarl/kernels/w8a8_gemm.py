@@ -19,8 +19,8 @@ product by s_x[m, kb] * s_w[n // 128, kb] (BK must be 128).
 Prefill (GemmConfig.tma): `_w8a8_tma_kernel`, persistent (one program per SM walking the output tiles), both
 operands copied by TMA; prequantized rowwise / per-tensor codes on the 8-bit tensor cores, Hopper or newer
 (elsewhere, or where TMA cannot address the rows, the kernel above runs the same tile).
-Decode (GemmConfig.tma with swap_ab, M <= bm <= 64): `_w8a8_tma_swap_kernel`, the transposed product fed by TMA,
-one program per (bn weight rows, K split).
+Decode (GemmConfig.tma with swap_ab, M <= bm): `_w8a8_tma_swap_kernel`, the transposed product fed by TMA, one
+program per (bn weight rows, K split).
 """
 
 from __future__ import annotations
@@ -208,13 +208,13 @@ def _w8a8_tma_swap_kernel(
     W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Decode W8A8 (M <= BM <= 64 rows) from prequantized codes, transposed and fed by TMA: the program's [BN, BK]
-    weight block sits on the wgmma's 64-row side, the [BM, BK] block of token codes on its narrow side, and both
-    arrive by TMA. Streaming the weight is the whole cost at these sizes, and a TMA copy is one instruction per
-    block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step: on an H200, on codes made
-    beforehand, the 7B gate/up GEMM at 1-16 rows measured 2.0-2.1x bf16 against 1.6-1.7x for the same product
-    from `_w8a8_kernel`, and 1.85-1.9x against 1.33x at 64 rows; down, whose split-K partials a second launch
-    sums, gained little (bench/results/gemm.md, 05:46 entry against 03:47).
+    """Decode W8A8 (M <= BM rows; the tables use BM 16 and 64) from prequantized codes, transposed and fed by
+    TMA: the program's [BN, BK] weight block sits on the wgmma's 64-row side, the [BM, BK] block of token codes on
+    its narrow side, and both arrive by TMA. Streaming the weight is the whole cost at these sizes, and a TMA
+    copy is one instruction per block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step. On
+    an H200, on codes made beforehand, the 7B gate/up GEMM measured 2.0-2.1x bf16 at 1-16 rows (1.6-1.7x from
+    `_w8a8_kernel`) and 1.85-1.9x at 64 rows (1.33-1.35x); down, whose split-K partials a second launch sums,
+    gained little (bench/results/gemm.md, 05:46 entry against 03:47).
 
     x_desc: codes [M, KP] in [BM, BK] blocks (rows past M read as zeros); w_desc: weight codes [N, KP] in [BN, BK]
     blocks; xs float32 [M] (stride stride_xsm, 0: one per tensor); ws float32 [N] (stride stride_wsn); bias [N];
@@ -315,8 +315,9 @@ def w8a8_matmul(
     x_mode: X_RAW (weight-only), X_FUSED (quantize x here) or X_PREQUANT (xq = (codes [M, Kp], scales) from
     `quarl.kernels.act_quant.quantize_activation`; x then only gives the shape and output dtype). fp8-block
     needs cfg.bk == 128; cfg.native needs cfg.bm >= 64 (cfg.bn >= 64 with cfg.swap_ab: the MMA's 64-row side)
-    and an 8-bit activation (x_mode != X_RAW); cfg.tma selects the persistent TMA kernel (X_PREQUANT,
-    rowwise / per-tensor, native, no split-K, tiles of at most 256). An fp8-block second operand in the
+    and an 8-bit activation (x_mode != X_RAW); cfg.tma selects a TMA kernel (X_PREQUANT, rowwise / per-tensor,
+    native, tiles of at most 256): the persistent one (no split-K), or with cfg.swap_ab the decode one (M <= bm,
+    bn >= 64, split-K allowed). An fp8-block second operand in the
     "activation" role (1x128 groups of each row, as the weight gradient's x^T) is scaled per row and group
     instead of per 128x128 tile.
     """
@@ -342,7 +343,8 @@ def w8a8_matmul(
         raise ValueError(f"TMA copies blocks of at most 256 rows and 256 columns, got cfg={cfg}")
     if cfg.tma and cfg.swap_ab and (M > cfg.bm or cfg.bn < 64):
         raise ValueError(f"the transposed TMA kernel covers all M rows in one tile of bm rows, on an MMA side of "
-                         f"bn >= 64 weight rows; got M={M}, cfg={cfg}")
+                         f"bn >= 64 weight rows; got M={M}, cfg={cfg}: use bm >= M and bn >= 64, or a Cfg "
+                         "without tma for more rows")
     if cfg.tma and _tma_usable(xq[0], qweight.data):
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         launch = _w8a8_tma_swap if cfg.swap_ab else _w8a8_tma
