@@ -343,17 +343,19 @@ def matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: 
         raise ValueError(f"matmul_from_codes needs float32 scales [{codes.shape[0]}, {groups}]"
                          f"{' column-major' if groups > 1 else ''}, got {scales.dtype} {tuple(scales.shape)} "
                          f"strides {scales.stride()}")
-    from quarl.kernels.dispatch import codes_matmul, scaled_mm_codes
-
     # (torch._scaled_mm also takes CPU tensors; the kernels do not)
     if fmt != "fp8-block" and codes.is_cuda and kernels_available(codes.device):
         n, k = qweight.shape
         plan = _codes_plan(fmt, codes.shape[0], n, k, codes.device)
         if plan is not None:
+            from quarl.kernels.dispatch import codes_matmul
+
             return codes_matmul(plan, codes, scales, qweight, bias, out_dtype)
-    if fmt == "int8":
+    if fmt == "int8":  # (no Triton needed)
         y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
         return (y if bias is None else y + bias.float()).to(out_dtype)
+    from quarl.kernels.dispatch import scaled_mm_codes
+
     return scaled_mm_codes(codes, scales, qweight, bias, out_dtype)
 
 
