@@ -355,6 +355,17 @@ def _deferred_setup(monkeypatch, dtype):
     return model, engine, decoder
 
 
+def _codes_matmul_f32(handed: list | None = None):
+    """A stand-in for `kernels.matmul_from_codes` in float32 (dequantized codes times the dequantized weight: cuBLAS
+    would round to bf16), appending each weight's shape to `handed` when given."""
+    def matmul(codes, scales, qweight, bias, out_dtype):
+        if handed is not None:
+            handed.append(tuple(qweight.shape))
+        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+    return matmul
+
+
 def _step_logits(model, engine, decoder, deferred):
     decoder.deferred_scales = deferred
     try:
@@ -376,11 +387,7 @@ def test_deferred_scales_match_the_module_path(monkeypatch, which):
 
     model, engine, decoder = _deferred_setup(monkeypatch, torch.float32)
 
-    def codes_matmul_f32(codes, scales, qweight, bias, out_dtype):
-        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
-        return (y if bias is None else y + bias.float()).to(out_dtype)
-
-    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(kernels, "matmul_from_codes", _codes_matmul_f32())
     cfg = model.config
     q_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     out_rows = {"qkv": q_out, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size}
@@ -407,13 +414,7 @@ def test_plans_without_unit_scales_take_the_codes_with_their_own_scales(monkeypa
     model, engine, decoder = _deferred_setup(monkeypatch, torch.float32)
     monkeypatch.setattr(kernels, "unit_scales_ok", lambda qweight, m: False)
     handed = []
-
-    def codes_matmul_f32(codes, scales, qweight, bias, out_dtype):
-        handed.append(tuple(qweight.shape))
-        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
-        return (y if bias is None else y + bias.float()).to(out_dtype)
-
-    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(kernels, "matmul_from_codes", _codes_matmul_f32(handed))
     monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: pytest.fail("a unit-scale GEMM ran"))
     want, got = _step_logits(model, engine, decoder, True)
     assert len(handed) == 3 * model.config.num_layers  # q/k/v, gate/up and down of every layer took the codes
@@ -590,13 +591,7 @@ def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, 
     decoder.prepare()
     monkeypatch.setattr(fused_decode, "_handoff", lambda qweight, linear, m: True)
     handed = []
-
-    def codes_matmul_f32(codes, scales, qweight, bias, out_dtype):
-        handed.append(tuple(qweight.shape))
-        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
-        return (y if bias is None else y + bias.float()).to(out_dtype)
-
-    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul_f32)
+    monkeypatch.setattr(kernels, "matmul_from_codes", _codes_matmul_f32(handed))
     monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: pytest.fail("a unit-scale GEMM with LoRA"))
     want, got = _step_logits(model, engine, decoder, deferred)
     cfg = model.config

@@ -209,7 +209,7 @@ def test_small_batches_take_handed_codes_with_the_module_paths_logits(monkeypatc
 
 
 @pytest.mark.parametrize("kv", ["fp8", "auto"])
-def test_deferred_scales_match_the_module_path(kv):
+def test_deferred_scales_match_the_module_path(monkeypatch, kv):
     """`FusedDecoder.deferred_scales` (unit-scale cuBLAS FP8, scales applied by the next kernel) rounds each product
     to bf16 once more before its scales. The small random model is chaotic: that one rounding moves its logits as
     much as any perturbation of that size does (a flipped FP8 code grows layer after layer). So one step's logits
@@ -238,11 +238,8 @@ def test_deferred_scales_match_the_module_path(kv):
 
     unit_products = []
     real = fused_decode.unit_scale_matmul
-    fused_decode.unit_scale_matmul = lambda *a: unit_products.append(1) or real(*a)
-    try:
-        want, got = both_decode_logits(model, engine, tokens, positions)
-    finally:
-        fused_decode.unit_scale_matmul = real
+    monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: unit_products.append(1) or real(*a))
+    want, got = both_decode_logits(model, engine, tokens, positions)
     assert unit_products  # the deferred-scale path ran at 512 rows
     emb = model.model.embed_tokens.weight
     saved = emb.detach().clone()

@@ -269,7 +269,7 @@ def test_w8a8_gemm_matches_reference(fmt, x_mode, cfg):
 
 @gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor"])
-def test_tma_decode_w8a8_matches_reference(fmt):
+def test_tma_decode_w8a8_matches_reference(monkeypatch, fmt):
     """The transposed TMA decode kernel (swap_ab + tma, all rows in one tile of bm): M = 1 .. bm, N not a multiple
     of bn, K not a multiple of bk, split-K 1 / 3, with and without bias, also on handed-over codes; and it is the
     kernel that ran (a launch counter), except for K = 200, whose 200-byte rows TMA cannot address."""
@@ -278,32 +278,24 @@ def test_tma_decode_w8a8_matches_reference(fmt):
 
     launches = []
     real = w8a8_gemm._w8a8_tma_swap
-
-    def counted(*a):
-        launches.append(1)
-        return real(*a)
-
-    w8a8_gemm._w8a8_tma_swap = counted
-    try:
-        for m, n, k, cfg in [(1, 300, 1008, Cfg(16, 64, 128, split_k=3, stages=4, native=True, swap_ab=True, tma=True)),
-                             (16, 4608, 3584, Cfg(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True)),
-                             (7, 200, 2064, Cfg(16, 128, 256, split_k=2, native=True, swap_ab=True, tma=True)),
-                             (64, 520, 1024, Cfg(64, 64, 256, split_k=2, stages=4, native=True, swap_ab=True,
-                                                 tma=True)),
-                             (33, 96, 200, Cfg(64, 64, 128, split_k=2, native=True, swap_ab=True, tma=True))]:
-            w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
-            qw = quantize(w, fmt)
-            before = len(launches)
-            plan = Plan("w8a8", cfg, "prequant")
-            y = run_plan(plan, x, qw, b)
-            assert (len(launches) > before) == (k % 16 == 0), (m, n, k)
-            err = _rel_err(y, _reference(x, qw, False, b))
-            assert y.shape == (m, n) and err < EXACT_TOL, f"{fmt} {cfg} M={m} N={n} K={k}: rel err {err:.2e}"
-            if fmt != "fp8-tensor":
-                qx = quantize(x, fmt, "activation")
-                assert torch.equal(codes_matmul(plan, qx.data, qx.scale, qw, b, x.dtype), y)
-    finally:
-        w8a8_gemm._w8a8_tma_swap = real
+    monkeypatch.setattr(w8a8_gemm, "_w8a8_tma_swap", lambda *a: launches.append(1) or real(*a))
+    for m, n, k, cfg in [(1, 300, 1008, Cfg(16, 64, 128, split_k=3, stages=4, native=True, swap_ab=True, tma=True)),
+                         (16, 4608, 3584, Cfg(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True)),
+                         (7, 200, 2064, Cfg(16, 128, 256, split_k=2, native=True, swap_ab=True, tma=True)),
+                         (64, 520, 1024, Cfg(64, 64, 256, split_k=2, stages=4, native=True, swap_ab=True,
+                                             tma=True)),
+                         (33, 96, 200, Cfg(64, 64, 128, split_k=2, native=True, swap_ab=True, tma=True))]:
+        w, x, b = _inputs(m, n, k, bias=(m % 2 == 1))
+        qw = quantize(w, fmt)
+        before = len(launches)
+        plan = Plan("w8a8", cfg, "prequant")
+        y = run_plan(plan, x, qw, b)
+        assert (len(launches) > before) == (k % 16 == 0), (m, n, k)
+        err = _rel_err(y, _reference(x, qw, False, b))
+        assert y.shape == (m, n) and err < EXACT_TOL, f"{fmt} {cfg} M={m} N={n} K={k}: rel err {err:.2e}"
+        if fmt != "fp8-tensor":
+            qx = quantize(x, fmt, "activation")
+            assert torch.equal(codes_matmul(plan, qx.data, qx.scale, qw, b, x.dtype), y)
 
 
 @gpu

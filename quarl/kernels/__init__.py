@@ -314,8 +314,9 @@ def unit_scales_ok(qweight, m: int) -> bool:
         return False
     n, k = qweight.shape
     plan = _codes_plan("fp8", m, n, k, qweight.data.device)
-    persistent_tma = plan is not None and plan.cfg is not None and plan.cfg.tma and not plan.cfg.swap_ab
-    return plan is not None and (plan.kind == "scaled_mm" or persistent_tma)
+    if plan is None:
+        return False
+    return plan.kind == "scaled_mm" or (plan.cfg is not None and plan.cfg.tma and not plan.cfg.swap_ab)
 
 
 def matmul_from_codes(codes: torch.Tensor, scales: torch.Tensor, qweight, bias: torch.Tensor | None,

@@ -246,6 +246,12 @@ def _w8a8_tma_swap_kernel(
         tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], res, mask=ok)
 
 
+def _split_k(kp: int, bk: int, split_k: int) -> tuple[int, int]:
+    """(columns per split, a multiple of bk; splits that get columns) for KP columns asked to split split_k ways."""
+    k_per_split = triton.cdiv(triton.cdiv(kp, split_k), bk) * bk
+    return k_per_split, triton.cdiv(kp, k_per_split)
+
+
 def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
     """Launch `_w8a8_tma_swap_kernel` on xin codes [M, KP] (M <= cfg.bm) and w codes [N, KP] (int8, or
     float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1 (summing them
@@ -254,8 +260,7 @@ def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> 
 
     m, n = out.shape
     kp = w.shape[1]
-    k_per_split = triton.cdiv(triton.cdiv(kp, cfg.split_k), cfg.bk) * cfg.bk
-    split = triton.cdiv(kp, k_per_split)
+    k_per_split, split = _split_k(kp, cfg.bk, cfg.split_k)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
     _w8a8_tma_swap_kernel[(triton.cdiv(n, cfg.bn), split)](
         TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
@@ -356,9 +361,8 @@ def w8a8_matmul(
         stride_xsm = 0 if xs.dim() == 0 else xs.stride(0)
     else:
         xin, xs, stride_xsm = x, ws, 0  # xs unused
-    bk, split = cfg.bk, cfg.split_k
-    k_per_split = triton.cdiv(triton.cdiv(kp, split), bk) * bk
-    split = triton.cdiv(kp, k_per_split)
+    bk = cfg.bk
+    k_per_split, split = _split_k(kp, bk, cfg.split_k)
     even_k = K == kp and kp % k_per_split == 0
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
