@@ -1,7 +1,7 @@
 """Activation quantization (`_act_quant_kernel`) at each block / warps against the default launch, at training
 shapes (fp8-block codes with column-major scales, as the FP8 training linear takes them) or decode shapes
 (`--fmt fp8 --m 1,16,64,512`: per-row scales; a block below K walks each row twice, as the old default did with
-1024-column blocks and 4 warps). Microseconds per call (a CUDA graph of back-to-back calls) and % of the
+1024-column blocks and 4 warps; "one program per row": long rows of a few-row batch not split over programs). Microseconds per call (a CUDA graph of back-to-back calls) and % of the
 measured copy bandwidth (bytes read + codes written). Codes and scales must be
 identical to the default launch's. (A tile kernel, one program per 16-64 rows x one 128-wide group, was tried
 and dropped: it won only at K = 512, 10 us against 15; bench/results/gemm.md.)
@@ -16,7 +16,19 @@ import argparse
 import torch
 from quarl.bench.gemm import measure_ceilings
 from quarl.bench.rollout_breakdown import _graph_ms
+from quarl.kernels import act_quant
 from quarl.kernels.act_quant import quantize_activation
+
+
+def _one_program_per_row(fn):
+    """fn run with the few-rows split of per-row amax walks off (one program walks each long row twice)."""
+    def run():
+        old, act_quant.SPLIT_AMAX_ROWS_BELOW = act_quant.SPLIT_AMAX_ROWS_BELOW, 0
+        try:
+            return fn()
+        finally:
+            act_quant.SPLIT_AMAX_ROWS_BELOW = old
+    return run
 
 
 def main() -> None:
@@ -37,6 +49,8 @@ def main() -> None:
             variants.update({f"block {b} warps {w}": (lambda b=b, w=w: quantize_activation(
                 x, args.fmt, k, scales_column_major=column_major, block=b, num_warps=w))
                 for b in (1024, 4096) for w in (2, 8)})
+            if args.fmt in ("int8", "fp8"):
+                variants["one program per row"] = _one_program_per_row(variants["default"])
             for name, fn in variants.items():
                 codes, scales = fn()
                 if not (torch.equal(codes.view(torch.uint8), ref[0].view(torch.uint8))

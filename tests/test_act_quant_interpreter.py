@@ -27,19 +27,21 @@ _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
         x[1] = 0  # an all-zero row: scale 1
         ref = quantize(x, FMT, "activation")
         kp = ref.data.shape[-1]
-        # default (one pass for per-row scales), 256-column blocks (a row walked twice; groups split over programs)
-        # with SPLIT_ROWS_BELOW = 1, rows are walked block by block by one program each, however few; with
-        # MAX_UNROLL = 0 the walks are loops counted when running
+        # default (one pass for per-row scales), 256-column blocks (a row walked twice: its blocks split over
+        # programs that each walk the whole row for the amax; groups split over programs); with
+        # SPLIT_ROWS_BELOW = SPLIT_AMAX_ROWS_BELOW = 1, rows are walked block by block by one program each, however
+        # few; with MAX_UNROLL = 0 the walks are loops counted when running
         for block, split_below, unroll in [(None, 1024, 8), (256, 1024, 8), (128, 1024, 8), (256, 1, 8),
-                                           (None, 1, 8), (128, 1024, 0), (256, 1, 0)]:
+                                           (None, 1, 8), (128, 1024, 0), (256, 1, 0), (128, 1, 0)]:
             act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL = split_below, unroll
+            act_quant.SPLIT_AMAX_ROWS_BELOW = min(split_below, 64)
             codes, scales = act_quant.quantize_activation(x, FMT, kp, block=block)
             assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape, (codes.shape, ref.data.shape)
             where = (FMT, m, k, block, split_below, unroll)
             assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (where, "scales")
             assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (where, "codes")
         # codes past kp: zero codes (fp8-block: whole 128-groups with scale 1), as the training linear pads them
-        act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL = 1024, 8
+        act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL, act_quant.SPLIT_AMAX_ROWS_BELOW = 1024, 8, 64
         codes, scales = act_quant.quantize_activation(x, FMT, kp + 256)
         assert torch.equal(codes.view(torch.uint8)[:, :kp], ref.data.view(torch.uint8)), (FMT, m, k, "padded")
         assert not codes.view(torch.uint8)[:, kp:].any(), (FMT, m, k, "padding codes")

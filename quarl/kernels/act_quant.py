@@ -5,7 +5,8 @@ Matches `quarl.formats.quantize(x, fmt, "activation")` bit for bit (same scale a
   fp8-block    one scale per 1x128 group, scales [M, Kp/128];
   fp8-tensor   one scale for the whole tensor (0-dim; its amax is a torch reduction, then this kernel).
 Per-row scales: rows of up to 4096 columns are quantized in one pass from registers, longer rows walked twice
-(amax, then codes). 1x128 groups and a given scale: a few rows are split over programs, many rows walked once.
+(amax, then codes): by one program per row, or, for a few rows, by a program per block that walks the whole row
+for its amax and quantizes its own block. 1x128 groups and a given scale: a few rows are split over programs, many rows walked once.
 
 `fake_quantize_activation` runs the same kernel but writes dequantize(quantize(x)) in x's dtype instead of the
 codes: the W8A8 values a bf16 GEMM multiplies where no 8-bit kernel is faster, in one pass instead of the dozen
@@ -28,6 +29,10 @@ MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
 ROW_BLOCK_MAX = 4096
 # 1x128 groups / a given scale with fewer rows than this: each row's blocks spread over programs
 SPLIT_ROWS_BELOW = 1024
+# per-row scales of rows longer than one block, fewer rows than this (decode batches): each row's blocks spread
+# over programs too, every program walking the whole row for its amax (the walk's loads all in flight, the
+# repeats L2 hits) and quantizing its own block, instead of one program walking the row twice
+SPLIT_AMAX_ROWS_BELOW = 64
 # a program's blocks are unrolled (their loads issued together) up to this many
 MAX_UNROLL = 8
 
@@ -72,7 +77,7 @@ def _quantize_step(x_row, q_row, s_ptr, s, k, offs, row, K, KP, stride_sm, strid
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, stride_sm, stride_sg,
                       IS_INT8: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, DEQUANT: tl.constexpr,
-                      AMAX_PASS: tl.constexpr, UNROLL: tl.constexpr):
+                      AMAX_PASS: tl.constexpr, AMAX_UNROLL: tl.constexpr, UNROLL: tl.constexpr):
     """x [M, K] bf16/fp16/fp32 -> q [M, KP] (int8, or fp8 as uint8 bytes; zero padding written), s float32
     (MODE 0: [M] at stride_sm, written; 1: [M, KP/128] at strides (stride_sm, stride_sg), written;
     2: one scale read from s_ptr).
@@ -80,10 +85,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
     `QuantizedTensor.dequantize`) instead of the codes; the scales are still written.
 
     pid 0 picks the row, pid 1 a run of `steps` blocks of BLOCK columns, quantized one block after the other.
-    MODE 0 with AMAX_PASS (rows longer than one block): one program per row first walks the row for its amax
-    (the second walk, for the codes, hits L1/L2); without it the block is the whole row, quantized in one pass.
-    UNROLL: `steps` known when compiling (0: not), the walks unrolled so that their loads are issued together
-    instead of one block's round trip to memory after the other."""
+    MODE 0 with AMAX_PASS (rows longer than one block): each program first walks the whole row for its amax (the
+    second walk, over its own blocks, hits L1/L2; the program with pid 1 = 0 stores the scale); without it the
+    block is the whole row, quantized in one pass.
+    UNROLL / AMAX_UNROLL: `steps` / the row's block count known when compiling (0: not), the walks unrolled so
+    that their loads are issued together instead of one block's round trip to memory after the other."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 for long training batches
     ar = tl.arange(0, BLOCK)
@@ -96,8 +102,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
     s = 1.0
     if AMAX_PASS:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        if UNROLL:
-            for it in tl.static_range(UNROLL):
+        if AMAX_UNROLL:
+            for it in tl.static_range(AMAX_UNROLL):
                 v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
                 amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         else:
@@ -105,7 +111,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
                 v = tl.load(x_row + it * BLOCK + ar, mask=it * BLOCK + ar < K, other=0.0)
                 amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         s = safe_scale(tl.max(amax, axis=0), QMAX)
-        tl.store(s_ptr + row * stride_sm, s)
+        if tl.program_id(1) == 0:
+            tl.store(s_ptr + row * stride_sm, s)
     elif MODE == 2:
         s = tl.load(s_ptr)
     first = tl.program_id(1) * steps
@@ -296,10 +303,10 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         num_warps = max(4, min(8, block // 512))
     n_blocks = triton.cdiv(kp, block)
     amax_pass = mode == MODE_ROW and n_blocks > 1
-    # a few rows: their blocks spread over programs (groups and a given scale need no whole-row amax); many
-    # rows: a program per row walks its blocks (fewer, longer programs measured faster at 20480 rows)
-    # (the amax walk covers the whole row because it runs with split 1: UNROLL * block >= kp >= K)
-    split = 1 if amax_pass or M >= SPLIT_ROWS_BELOW else n_blocks
+    # a few rows: their blocks spread over programs (groups and a given scale need no whole-row amax; per-row
+    # scales below SPLIT_AMAX_ROWS_BELOW rows walk the whole row in every program); many rows: a program per row
+    # walks its blocks (fewer, longer programs measured faster at 20480 rows)
+    split = n_blocks if M < (SPLIT_AMAX_ROWS_BELOW if amax_pass else SPLIT_ROWS_BELOW) else 1
     steps = n_blocks // split  # blocks per program
     if kp == 0:  # no columns: nothing to launch; an empty row's scale is 1
         if mode == MODE_ROW:
@@ -309,6 +316,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
             x, out, scales, K, kp, steps, x.stride(0), out.stride(0),
             scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,
             IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass,
+            AMAX_UNROLL=n_blocks if amax_pass and n_blocks <= MAX_UNROLL else 0,
             UNROLL=steps if steps <= MAX_UNROLL else 0, num_warps=num_warps,
         )
     return scales
