@@ -96,14 +96,6 @@ def _sweep_candidates():
     w8_[1024] += w8("prequant", Cfg(128, 256, 128, warps=8, stages=4, **tma),
                     Cfg(128, 256, 128, warps=8, stages=3, **tma), Cfg(128, 128, 128, warps=8, stages=4, **tma),
                     Cfg(128, 128, 128, warps=4, stages=4, **tma), Cfg(256, 128, 128, warps=8, stages=3, **tma))
-    # Its stream-K schedule: the same tiles with the K steps spread evenly over the SMs (a tile count just past a
-    # multiple of the SM count, as the 7B q/k/v, o and down give at 256-1024 rows, otherwise idles SMs).
-    sk = dict(native=True, tma=True, stream_k=True)
-    streamk = w8("prequant", Cfg(128, 128, 128, warps=8, stages=4, **sk), Cfg(128, 256, 128, warps=8, stages=3, **sk),
-                 Cfg(128, 256, 128, warps=8, stages=4, **sk), Cfg(64, 128, 128, stages=4, **sk),
-                 Cfg(128, 64, 128, stages=4, **sk))
-    w8_[256] += streamk
-    w8_[1024] += streamk
     # The transposed decode kernel fed by TMA (rowwise / per-tensor scales only): bm covers the bucket's rows.
     tsw = dict(native=True, swap_ab=True, tma=True)
     tma16 = w8("prequant", *[Cfg(16, 64, 128, split_k=s, stages=4, **tsw) for s in (1, 2, 4, 8)],
@@ -115,7 +107,7 @@ def _sweep_candidates():
                   Cfg(64, 64, 128, split_k=4, stages=6, **tsw), Cfg(64, 128, 256, split_k=2, stages=4, **tsw),
                   Cfg(64, 128, 256, split_k=4, stages=4, **tsw))
     w8_[16] = w8_[1] + tma16
-    w8_[512] = list(dict.fromkeys(w8_[256] + w8_[1024]))  # decode at rollout batch sizes: the tile count decides
+    w8_[512] = w8_[256] + w8_[1024]  # decode at rollout batch sizes: the tile count decides
     w8_[4096] = w8_[1024]
     g8 = [(4, 512, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (4, 1024, 4, 3),
           (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3), (8, 512, 4, 1), (16, 512, 4, 1), (4, 1024, 4, 1)]
@@ -504,7 +496,7 @@ def _plan_name(p) -> str:
     c = p.cfg
     tag = f"{c.bm}x{c.bn}x{c.bk}" + (f"/s{c.split_k}" if c.split_k > 1 else "") + f" w{c.warps}p{c.stages}"
     mode = {"w8a8": f" {p.x_mode}" + (" native" if c.native else " f16") + (" swap" if c.swap_ab else "")
-            + (" tma" if c.tma else "") + (" streamk" if c.stream_k else ""), "gemv": f" {p.x_mode}"}.get(p.kind, "")
+            + (" tma" if c.tma else ""), "gemv": f" {p.x_mode}"}.get(p.kind, "")
     return f"{p.kind} {tag}{mode}"
 
 

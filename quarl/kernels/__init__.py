@@ -110,7 +110,7 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
         # fit PRE_HOPPER_STAGE_BYTES (the tables were measured on an H200, which gives a block 227 KB).
         c = plan.cfg
         stages = max(1, min(c.stages, PRE_HOPPER_STAGE_BYTES // ((c.bm + c.bn) * c.bk)))
-        plan = replace(plan, cfg=replace(c, native=False, tma=False, stream_k=False, stages=stages))
+        plan = replace(plan, cfg=replace(c, native=False, tma=False, stages=stages))
     return plan
 
 

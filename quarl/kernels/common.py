@@ -18,24 +18,6 @@ GemmConfig = Cfg
 _NUM_SMS: dict[int, int] = {}
 
 
-_TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros [>= n], one counter per output tile for kernels whose programs share tiles (split-K tickets,
-    stream-K), cached per (device, stream); the kernels leave them at 0. Launches that use them must not run
-    concurrently on one stream (kernels on one stream, graph replays included, run one after the other).
-
-    The first call for a device/stream (or a larger n) allocates: make it outside CUDA-graph capture (a warm-up
-    call, which also compiles the kernel)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    t = _TILE_COUNTERS.get(key)
-    if t is None or t.numel() < n:
-        t = _TILE_COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return t
-
-
 def num_sms(device: torch.device | None = None) -> int:
     """Streaming multiprocessors of a CUDA device (the current one for None), cached per device index."""
     idx = torch.cuda.current_device() if device is None or device.index is None else device.index

@@ -56,7 +56,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.common import tile_counters
 from quarl.kernels.tuning import FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, Cfg, check_fp4_decode_cfg
 
 __all__ = ["fp4_decode_matmul", "check_fp4_decode_inputs"]
@@ -405,9 +404,23 @@ def _fp4_dec_mma_kernel(
 
 # ---------------------------------------------------------------------------------------------- host side
 
+_TICKETS: dict[tuple, torch.Tensor] = {}
 # Triton's CPU interpreter (used to check these kernels without a GPU) runs no inline PTX and needs the float32
 # dot: see `_halves_f32`, `_scaled_pair` and `_dot`.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros [>= n], one counter per output tile, cached per (device, stream); kernels leave them at 0.
+
+    The first call for a device/stream (or a larger n) allocates: make it outside CUDA-graph capture (a warm-up
+    call, which also compiles the kernel)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    t = _TICKETS.get(key)
+    if t is None or t.numel() < n:
+        t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return t
 
 
 def check_fp4_decode_inputs(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: Cfg) -> None:
@@ -478,7 +491,7 @@ def fp4_decode_matmul(x: torch.Tensor, qweight, bias: torch.Tensor | None, cfg: 
     n_tiles = triton.cdiv(n, cfg.bn)
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        cnt = tile_counters(x.device, n_tiles)
+        cnt = _tickets(x.device, n_tiles)
     else:
         part = cnt = out  # unused
     xp = cfg.bm == 16 and cfg.native and k % 128 == 0

@@ -56,9 +56,6 @@ class Cfg:
     tma: W8A8 on prequantized rowwise / per-tensor codes, native, operands arriving by TMA (Hopper or newer;
     elsewhere the regular kernel runs the same tile): in prefill the persistent kernel (no split-K); with swap_ab
     the decode kernel (M <= bm, bn >= 64, split-K allowed).
-    stream_k: with tma (not swap_ab), the persistent kernel divides the tiles' K steps evenly over the programs
-    (stream-K) instead of whole tiles, so a tile count just above a multiple of the SM count does not leave SMs
-    idle for a last partial wave; tiles shared by two programs are summed by the last one to finish.
     """
 
     bm: int
@@ -71,11 +68,9 @@ class Cfg:
     native: bool = False
     swap_ab: bool = False
     tma: bool = False
-    stream_k: bool = False
 
     def name(self) -> str:
-        tag = ("n" if self.native else "") + ("t" if self.swap_ab else "") + ("m" if self.tma else "") + \
-            ("k" if self.stream_k else "")
+        tag = ("n" if self.native else "") + ("t" if self.swap_ab else "") + ("m" if self.tma else "")
         return f"{self.bm}x{self.bn}x{self.bk}s{self.split_k}w{self.warps}p{self.stages}{tag}"
 
 

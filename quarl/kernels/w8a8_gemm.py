@@ -16,8 +16,7 @@ the weight tile sits on the MMA's 64-row side and decode's few token rows on its
 16-row tile is then one m64n16k32 wgmma instead of a 64-row x tile that is mostly padding).
 Scaling: rowwise formats apply s_x[m] * s_w[n] once in the epilogue; fp8-block scales each 128-deep partial
 product by s_x[m, kb] * s_w[n // 128, kb] (BK must be 128).
-Prefill (GemmConfig.tma): `_w8a8_tma_kernel`, persistent (one program per SM walking the output tiles; with
-GemmConfig.stream_k `_w8a8_tma_streamk_kernel`, which splits the tiles' K steps evenly over the SMs), both
+Prefill (GemmConfig.tma): `_w8a8_tma_kernel`, persistent (one program per SM walking the output tiles), both
 operands copied by TMA; prequantized rowwise / per-tensor codes on the 8-bit tensor cores, Hopper or newer
 (elsewhere, or where TMA cannot address the rows, the kernel above runs the same tile).
 Decode (GemmConfig.tma with swap_ab, M <= bm): `_w8a8_tma_swap_kernel`, the transposed product fed by TMA, one
@@ -30,12 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from quarl.kernels.common import GemmConfig, num_sms, pid_to_tile, splitk_reduce, tile_counters
+from quarl.kernels.common import GemmConfig, num_sms, pid_to_tile, splitk_reduce
 from quarl.kernels.quant_utils import codes_to, codes_to_f16, quantize_tile, safe_scale
 
 X_RAW, X_FUSED, X_PREQUANT = 0, 1, 2
-# stream-K programs in Triton's CPU interpreter (no SMs to count): few, so that tiles are shared between them
-STREAM_K_INTERPRETER_PROGRAMS = 3
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -192,87 +189,16 @@ def _w8a8_tma_kernel(
             a = x_desc.load([pid_m * BM, ki * BK])
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc, out_dtype=ACC_DTYPE)
-        _tile_epilogue(acc, pid_m, pid_n, M, N, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_xsm, stride_wsn, stride_om,
-                       HAS_BIAS, BM, BN)
-
-
-@triton.jit
-def _tile_epilogue(acc, pid_m, pid_n, M, N, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_xsm, stride_wsn, stride_om,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Output tile (pid_m, pid_n) of a TMA kernel from its int32 / float32 accumulator [BM, BN]: times the token
-    and channel scales, plus bias, stored in out's dtype (rows and columns past M, N masked)."""
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
-    res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _w8a8_tma_streamk_kernel(
-    x_desc, w_desc, xs_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, KP, stride_xsm, stride_wsn, stride_om,
-    W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-):
-    """`_w8a8_tma_kernel`'s product, stream-K: the tiles' K steps, taken in tile order, are cut into NUM_PROGRAMS
-    equal runs, one per program, so every SM gets the same work whatever the tile count (with whole tiles, 144
-    tiles on 132 SMs take two tile times). A run covers whole tiles, written directly, and at most two pieces
-    of tiles shared with its neighbours: each piece's raw sums go to the program's slot in part_ptr (first /
-    last piece), then the tile's counter in cnt_ptr counts the K steps done, and the piece that completes it
-    adds the pieces in program order (deterministic), writes the tile and resets the counter to 0.
-
-    part_ptr: [2 * NUM_PROGRAMS, BM * BN] int32 (int8) / float32 (fp8) scratch; cnt_ptr: int32 [>= tiles], zero
-    (left at zero); NUM_PROGRAMS <= tiles * K steps (no empty run). Other arguments as `_w8a8_tma_kernel`."""
-    ACC_DTYPE: tl.constexpr = tl.int32 if W_INT8 else tl.float32
-    k_steps = tl.cdiv(KP, BK)
-    total = (tl.cdiv(M, BM) * tl.cdiv(N, BN)).to(tl.int64) * k_steps
-    pid = tl.program_id(0)
-    start = pid * total // NUM_PROGRAMS
-    end = (pid + 1) * total // NUM_PROGRAMS
-    tile_offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    cur = start
-    while cur < end:
-        tile = (cur // k_steps).to(tl.int32)
-        k0 = (cur - tile * k_steps).to(tl.int32)
-        k1 = tl.minimum(k_steps, k0 + (end - cur)).to(tl.int32)
-        pid_m, pid_n = pid_to_tile(tile, M, N, BM, BN, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=ACC_DTYPE)
-        for ki in range(k0, k1):
-            a = x_desc.load([pid_m * BM, ki * BK])
-            b = w_desc.load([pid_n * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc, out_dtype=ACC_DTYPE)
-        if (k0 == 0) & (k1 == k_steps):
-            _tile_epilogue(acc, pid_m, pid_n, M, N, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_xsm, stride_wsn,
-                           stride_om, HAS_BIAS, BM, BN)
-        else:
-            # slot 0: the run's first piece, 1: its last (a run inside one tile is only a first piece)
-            tl.store(part_ptr + (2 * pid + (cur != start)) * (BM * BN) + tile_offs, acc)
-            # Every thread's piece must be written before the counter (release, gpu scope) announces it.
-            tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr + tile, k1 - k0, sem="acq_rel", scope="gpu")
-            if done + (k1 - k0) == k_steps:
-                first = tile.to(tl.int64) * k_steps  # the tile's first and last K step: the runs holding them
-                q_first = ((first + 1) * NUM_PROGRAMS - 1) // total
-                q_last = ((first + k_steps) * NUM_PROGRAMS - 1) // total
-                tot = tl.zeros((BM, BN), dtype=ACC_DTYPE)
-                for q in range(q_first, q_last + 1):
-                    if q == pid:
-                        tot += acc
-                    else:
-                        # a run that starts before this tile holds it as its last piece; .cg: read from L2,
-                        # where the other SMs' pieces are (this SM's L1 is not coherent)
-                        q_slot = 2 * q + (q * total // NUM_PROGRAMS < first)
-                        tot += tl.load(part_ptr + q_slot * (BM * BN) + tile_offs, cache_modifier=".cg")
-                _tile_epilogue(tot, pid_m, pid_n, M, N, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_xsm, stride_wsn,
-                               stride_om, HAS_BIAS, BM, BN)
-                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-        cur += k1 - k0
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
+        res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -358,30 +284,22 @@ def _tma_usable(xin: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _w8a8_tma(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
-    """Launch `_w8a8_tma_kernel` (or, cfg.stream_k, `_w8a8_tma_streamk_kernel`): xin codes [M, KP], w codes
-    [N, KP] (int8, or float8_e4m3fn), scales as `w8a8_matmul` passes them; one program per SM at most (fewer when
-    there are fewer tiles / K steps; in Triton's CPU interpreter two, or STREAM_K_INTERPRETER_PROGRAMS for
-    stream-K, so that its checks walk several tiles per program and share tiles between programs)."""
+    """Launch `_w8a8_tma_kernel`: xin codes [M, KP], w codes [N, KP] (int8, or float8_e4m3fn), scales as
+    `w8a8_matmul` passes them; one program per SM at most (fewer when there are fewer tiles; two in Triton's CPU
+    interpreter, so that its checks walk several tiles per program)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = out.shape
-    kp = w.shape[1]
     n_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    descs = (TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]))
-    common = (xs, ws, bias if bias is not None else out, out)
-    sizes = (m, n, kp, 0 if xs.dim() == 0 else xs.stride(0), 0 if ws.dim() == 0 else ws.stride(0), out.stride(0))
-    meta = dict(W_INT8=w_int8, HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-                num_warps=cfg.warps, num_stages=cfg.stages)
-    sms = num_sms(out.device) if out.device.type == "cuda" else STREAM_K_INTERPRETER_PROGRAMS
-    if cfg.stream_k:
-        programs = max(1, min(triton.cdiv(kp, cfg.bk) * n_tiles, sms))
-        part = torch.empty((2 * programs, cfg.bm * cfg.bn), dtype=torch.int32 if w_int8 else torch.float32,
-                           device=out.device)
-        _w8a8_tma_streamk_kernel[(programs,)](*descs, *common, part, tile_counters(out.device, n_tiles), *sizes,
-                                              NUM_PROGRAMS=programs, **meta)
-        return
-    programs = max(1, min(n_tiles, sms if out.device.type == "cuda" else 2))
-    _w8a8_tma_kernel[(programs,)](*descs, *common, *sizes, NUM_PROGRAMS=programs, **meta)
+    programs = max(1, min(n_tiles, num_sms(out.device) if out.device.type == "cuda" else 2))
+    _w8a8_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(xin, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
+        xs, ws, bias if bias is not None else out, out,
+        m, n, w.shape[1], 0 if xs.dim() == 0 else xs.stride(0), 0 if ws.dim() == 0 else ws.stride(0),
+        out.stride(0),
+        W_INT8=w_int8, HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs, num_warps=cfg.warps, num_stages=cfg.stages,
+    )
 
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -403,8 +321,8 @@ def w8a8_matmul(
     `quarl.kernels.act_quant.quantize_activation`; x then only gives the shape and output dtype). fp8-block
     needs cfg.bk == 128; cfg.native needs cfg.bm >= 64 (cfg.bn >= 64 with cfg.swap_ab: the MMA's 64-row side)
     and an 8-bit activation (x_mode != X_RAW); cfg.tma selects a TMA kernel (X_PREQUANT, rowwise / per-tensor,
-    native, tiles of at most 256): the persistent one (no split-K; cfg.stream_k: its stream-K schedule), or with
-    cfg.swap_ab the decode one (M <= bm, bn >= 64, split-K allowed). An fp8-block second operand in the
+    native, tiles of at most 256): the persistent one (no split-K), or with cfg.swap_ab the decode one (M <= bm,
+    bn >= 64, split-K allowed). An fp8-block second operand in the
     "activation" role (1x128 groups of each row, as the weight gradient's x^T) is scaled per row and group
     instead of per 128x128 tile.
     """
@@ -422,9 +340,6 @@ def w8a8_matmul(
         stride_wsn = ws.stride(0)
     else:
         stride_wsn = 0 if ws.dim() == 0 else ws.stride(0)
-    if cfg.stream_k and (not cfg.tma or cfg.swap_ab or cfg.split_k != 1):
-        raise ValueError(f"stream-K is a schedule of the persistent TMA kernel: it needs tma=True, swap_ab=False "
-                         f"and split_k=1 (it shares tiles between programs itself), got cfg={cfg}")
     if cfg.tma and (x_mode != X_PREQUANT or blockwise or not cfg.native
                     or (cfg.split_k != 1 and not cfg.swap_ab)):
         raise ValueError(f"the TMA W8A8 kernels take prequantized rowwise / per-tensor codes on the 8-bit tensor "
