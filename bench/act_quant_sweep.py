@@ -1,10 +1,11 @@
 """Activation quantization (`_act_quant_kernel`) at each block / warps against the default launch, at training
 shapes (fp8-block codes with column-major scales, as the FP8 training linear takes them) or decode shapes
 (`--fmt fp8 --m 1,16,64,512`: per-row scales; a block below K walks each row twice, as the old default did with
-1024-column blocks and 4 warps; "one program per row": long rows of a few-row batch not split over programs). Microseconds per call (a CUDA graph of back-to-back calls) and % of the
-measured copy bandwidth (bytes read + codes written). Codes and scales must be
-identical to the default launch's. (A tile kernel, one program per 16-64 rows x one 128-wide group, was tried
-and dropped: it won only at K = 512, 10 us against 15; bench/results/gemm.md.)
+1024-column blocks and 4 warps; "one program per row": long rows of a few-row batch not split over programs).
+Microseconds per call (a CUDA graph of back-to-back calls) and % of the measured copy bandwidth (bytes read +
+codes written). Codes and scales must be identical to the default launch's. (A tile kernel, one program per
+16-64 rows x one 128-wide group, was tried and dropped: it won only at K = 512, 10 us against 15;
+bench/results/gemm.md.)
 
     PYTHONPATH=. python3 bench/act_quant_sweep.py [--m 20480] [--fmt fp8-block]
 """

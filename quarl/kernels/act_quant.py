@@ -6,7 +6,8 @@ Matches `quarl.formats.quantize(x, fmt, "activation")` bit for bit (same scale a
   fp8-tensor   one scale for the whole tensor (0-dim; its amax is a torch reduction, then this kernel).
 Per-row scales: rows of up to 4096 columns are quantized in one pass from registers, longer rows walked twice
 (amax, then codes): by one program per row, or, for a few rows, by a program per block that walks the whole row
-for its amax and quantizes its own block. 1x128 groups and a given scale: a few rows are split over programs, many rows walked once.
+for its amax and quantizes its own block. 1x128 groups and a given scale: a few rows are split over programs,
+many rows walked once.
 
 `fake_quantize_activation` runs the same kernel but writes dequantize(quantize(x)) in x's dtype instead of the
 codes: the W8A8 values a bf16 GEMM multiplies where no 8-bit kernel is faster, in one pass instead of the dozen
