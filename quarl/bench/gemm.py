@@ -12,6 +12,10 @@ device-to-device copy, bytes read + written) and the bf16 matrix rate (8192^3 to
 twice the bf16 rate (Hopper's 8-bit tensor cores). Roofline time = max(bytes / bandwidth, flops / rate) with
 bytes = weight codes + scales + x + out.
 
+For the W8A8 formats it also times the path a quantized layer runs where the dispatch picks bf16 (activations
+fake-quantized, then the bf16 GEMM on the dequantized weight; a table after the main one): the dispatch keeps a
+kernel that is not faster than bare bf16 but is faster than that path (`quarl.kernels.tuning.FALLBACK_COST`).
+
 `--sweep` times every candidate plan of `SWEEP_CANDIDATES` and prints the best per shape and M (used to fill
 `quarl.kernels.tuning`). Kernels are compiled, and checked against the float32 reference, first in parallel
 worker processes (Triton's on-disk cache then serves the timing process).
@@ -36,6 +40,8 @@ DEFAULT_FORMATS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
 ALL_FORMATS = ("bf16", "int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 TARGETS = "M<=64: int8/fp8 >= 1.7x, nvfp4 >= 3x; M>=1024: int8/fp8 >= 1.6x; never slower than bf16"
 DEFAULT_RESULTS = os.path.join("bench", "results", "gemm.md")
+# formats whose layers, without a kernel, fake-quantize their activations before the bf16 GEMM
+FALLBACK_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block")
 _L2_BYTES = 60 * 2**20  # H100/H200; weights rotate over >= 3x this
 
 
@@ -356,7 +362,7 @@ def run_bench_gemm(args) -> int:
     import torch.nn.functional as F
 
     from quarl.formats import quantize
-    from quarl.kernels import plan_for
+    from quarl.kernels import fake_quantize_activation, plan_for
     from quarl.kernels.dispatch import run_plan
     from quarl.kernels.tuning import m_bucket
 
@@ -411,6 +417,11 @@ def run_bench_gemm(args) -> int:
             nc = _n_copies(wb)
             ws = [w_bf16] + [w_bf16.clone() for _ in range(nc - 1)]
             t_bf16 = time_graph(torch, lambda i: F.linear(x, ws[i]), nc, args.repeats)
+            # The path a quantized layer runs where no kernel is faster: the activations fake-quantized (the
+            # quantized values, in bf16), then the bf16 GEMM on the dequantized weight (as fast as ws).
+            t_fallback = {f: time_graph(torch, lambda i, f=f: F.linear(fake_quantize_activation(x, f), ws[i]), nc,
+                                        args.repeats)
+                          for f in quant_formats if f in FALLBACK_FORMATS and not weight_only[f]}
             ws = None  # free the copies (the timed lambda closes over the name)
             t_roof = max((wb + io_bytes) / bw, flops / rate)
             rows.append(dict(shape=s, n=n, k=k, m=m, fmt="bf16", path="cuBLAS", time_us=t_bf16 * 1e6,
@@ -449,13 +460,14 @@ def run_bench_gemm(args) -> int:
                                      speedup=t_bf16 / t, roof=t_roof / t, err=err,
                                      dispatch="kernel" if dispatched.kind != "bf16" else "bf16", note=note,
                                      plan=_plan_dict(p), time_codes_us=t_codes * 1e6,
-                                     speedup_codes=t_bf16 / t_codes))
+                                     speedup_codes=t_bf16 / t_codes,
+                                     fallback_us=t_fallback[f] * 1e6 if f in t_fallback else None))
                 cps = None  # free the copies (the timed lambda closes over the name)
             print(f"  {s} M={m} done ({time.time() - t0:.0f} s)", flush=True)
         del qws, w_bf16
         torch.cuda.empty_cache()
 
-    table = _format_table(rows, best_only=args.sweep)
+    table = _format_table(rows, best_only=args.sweep) + _fallback_table(rows)
     print(table)
     if args.sweep:
         print(_sweep_summary(rows))
@@ -540,6 +552,32 @@ def _format_table(rows: list[dict], best_only: bool) -> str:
     return "\n".join(lines)
 
 
+def _fallback_costs(rows: list[dict]) -> dict:
+    """(format, shape, M) -> (W8A8 fallback us, its time over the bf16 GEMM's) for the formats that have one."""
+    bf16 = {(r["shape"], r["m"]): r["time_us"] for r in rows if r["fmt"] == "bf16"}
+    out = {}
+    for r in rows:
+        if r["fmt"] in FALLBACK_FORMATS and r.get("fallback_us") is not None and (r["shape"], r["m"]) in bf16:
+            out[(r["fmt"], r["shape"], r["m"])] = (r["fallback_us"], r["fallback_us"] / bf16[(r["shape"], r["m"])])
+    return out
+
+
+def _fallback_table(rows: list[dict]) -> str:
+    """Markdown: the W8A8 fallback's time per shape, M and format (empty without such formats)."""
+    costs = _fallback_costs(rows)
+    if not costs:
+        return ""
+    fmts = [f for f in FALLBACK_FORMATS if any(key[0] == f for key in costs)]
+    lines = ["", "", "W8A8 fallback (activations fake-quantized, then the bf16 GEMM on the dequantized weight: what a "
+             "quantized layer runs where the dispatch picks bf16), us and its time over the bf16 GEMM's:", "",
+             "| shape | M | " + " | ".join(fmts) + " |", "|---|---:|" + "---:|" * len(fmts)]
+    for shape, m in dict.fromkeys((key[1], key[2]) for key in costs):
+        cells = [f"{costs[(f, shape, m)][0]:.1f} ({costs[(f, shape, m)][1]:.2f})" if (f, shape, m) in costs else "-"
+                 for f in fmts]
+        lines.append(f"| {shape} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _sweep_summary(rows: list[dict]) -> str:
     """Two lines per (format, shape, M): the fastest plan, its speed-up, and the runner-up; then that plan as a
     `quarl.kernels.tuning.MEASURED` entry, to paste into the table."""
@@ -563,6 +601,8 @@ def _sweep_summary(rows: list[dict]) -> str:
                    f"err {_fmt_err(b['err'])}){nxt}" + (f" [{fails} failed]" if fails else ""))
         out.append(f"    tuning.MEASURED[{json.dumps(f)}][{SHAPES[s]}][{m_bucket(m)}] = "
                    f"({_plan_literal(b['plan'])}, {bf16[(s, m)] / b['time_us']:.2f})")
+    for (f, s, m), (_, cost) in _fallback_costs(rows).items():
+        out.append(f"    tuning.FALLBACK_COST[{json.dumps(f)}][{SHAPES[s]}][{m_bucket(m)}] = {cost:.2f}")
     return "\n".join(out)
 
 
@@ -584,7 +624,8 @@ def _plan_literal(plan: dict) -> str:
 def _targets_summary(rows: list[dict]) -> str:
     """Per format and M range (decode M <= 64, mid, prefill M >= 1024): the kernels' speed-up range over the
     shape / M cases, at how many cases they reach the BENCHMARKS.md target, and what the dispatch runs (the kernel
-    or bf16; "never slower than bf16" holds when no dispatched kernel is slower, or failed)."""
+    or bf16; "never slower than bf16" holds when no dispatched kernel is slower, or failed; a dispatched kernel
+    slower than bf16 is listed with its speed-up over the W8A8 fallback, the path it replaces)."""
     want = {("int8", "decode"): 1.7, ("fp8", "decode"): 1.7, ("nvfp4", "decode"): 3.0,
             ("int8", "prefill"): 1.6, ("fp8", "prefill"): 1.6}
     out = [f"targets ({TARGETS}):"]
@@ -613,8 +654,11 @@ def _targets_summary(rows: list[dict]) -> str:
             line += f"; dispatch: kernel at {len(kern)}, bf16 at {len(rs) - len(kern)}"
             slower = [r for r in kern if r["speedup"] < 1.0]
             if slower:
+                # kept where faster than the path without a kernel (fake quantization + bf16 GEMM)
                 line += "; dispatched kernels slower than bf16 at " + ", ".join(
-                    f"{r['shape']}/M={r['m']} ({r['speedup']:.2f}x)" for r in slower)
+                    f"{r['shape']}/M={r['m']} ({r['speedup']:.2f}x"
+                    + (f"; {r['fallback_us'] / r['time_us']:.2f}x the W8A8 fallback)" if r.get("fallback_us")
+                       else ")") for r in slower)
             if failed:
                 line += "; failed at " + ", ".join(f"{r['shape']}/M={r['m']}" for r in failed)
             out.append(line)

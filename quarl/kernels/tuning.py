@@ -23,9 +23,13 @@ Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-bl
 
 `MEASURED` holds, per family, weight shape (N, K) of Qwen2.5-7B and M bucket, the fastest quantized path and its
 speed-up over the bf16 GEMM (F.linear) from `quarl bench gemm --sweep` on one H200 (torch 2.11, Triton 3.6;
-activation quantization included; bench/results/gemm.md). Policy (`choose_plan`): where that speed-up is below
-MIN_SPEEDUP (1.05) the plan is "bf16" (no kernel), unless the caller asks for the kernel anyway
-(prefer_kernel=True: a layer that holds only the quantized weight has no faster bf16 path). Other shapes use the
+activation quantization included; bench/results/gemm.md). Policy (`choose_plan`): the plan is "bf16" (no kernel)
+where the kernel is not MIN_SPEEDUP (1.05) times as fast as the path a layer runs without it, unless the caller
+asks for the kernel anyway (prefer_kernel=True: a layer that holds only the quantized weight has no bf16 path).
+Without a kernel, a layer with quantized activations still computes the quantized values: it fake-quantizes the
+activations (one more pass over them) and runs the bf16 GEMM on the dequantized weight. `FALLBACK_COST` holds
+that path's time over the bare bf16 GEMM's, measured with the same tables (`quarl bench gemm`, its "W8A8
+fallback" table); weight-only formats have no extra pass (cost 1). Other shapes use the
 measured shape with the closest weight size N*K; M is rounded up to the next bucket. fp8-tensor follows the fp8
 table (activation quantized beforehand: a per-tensor scale needs the whole tensor), w8a16 has hand-set plans (not
 swept).
@@ -303,6 +307,30 @@ MEASURED = {
 # rounding of a quantized GEMM.
 MIN_SPEEDUP = 1.05
 
+# family -> (N, K) -> M bucket -> time of the W8A8 fallback (fake-quantized activations, then the bf16 GEMM on the
+# dequantized weight) over the bf16 GEMM's, from `quarl bench gemm --m 1,16,64,256,512,1024,4096` (its "W8A8
+# fallback" table; bench/results/gemm.md, session 17), at least 1 (below is noise: the extra pass costs time).
+FALLBACK_COST = {
+    "int8": {
+        (4608, 3584): {1: 1.17, 16: 1.22, 64: 1.24, 256: 1.21, 512: 1.16, 1024: 1.13, 4096: 1.12},  # qkv
+        (3584, 3584): {1: 1.25, 16: 1.16, 64: 1.23, 256: 1.23, 512: 1.18, 1024: 1.20, 4096: 1.13},  # o
+        (37888, 3584): {1: 1.03, 16: 1.02, 64: 1.04, 256: 1.03, 512: 1.02, 1024: 1.02, 4096: 1.01},  # gate_up
+        (3584, 18944): {1: 1.07, 16: 1.10, 64: 1.17, 256: 1.23, 512: 1.20, 1024: 1.15, 4096: 1.13},  # down
+    },
+    "fp8": {
+        (4608, 3584): {1: 1.24, 16: 1.22, 64: 1.23, 256: 1.21, 512: 1.17, 1024: 1.13, 4096: 1.20},  # qkv
+        (3584, 3584): {1: 1.24, 16: 1.17, 64: 1.23, 256: 1.22, 512: 1.21, 1024: 1.19, 4096: 1.21},  # o
+        (37888, 3584): {1: 1.02, 16: 1.02, 64: 1.04, 256: 1.03, 512: 1.00, 1024: 1.02, 4096: 1.00},  # gate_up
+        (3584, 18944): {1: 1.13, 16: 1.14, 64: 1.20, 256: 1.21, 512: 1.22, 1024: 1.27, 4096: 1.22},  # down
+    },
+    "fp8-block": {
+        (4608, 3584): {1: 1.21, 16: 1.20, 64: 1.20, 256: 1.19, 512: 1.16, 1024: 1.13, 4096: 1.18},  # qkv
+        (3584, 3584): {1: 1.21, 16: 1.13, 64: 1.21, 256: 1.22, 512: 1.21, 1024: 1.20, 4096: 1.22},  # o
+        (37888, 3584): {1: 1.01, 16: 1.02, 64: 1.03, 256: 1.03, 512: 1.00, 1024: 1.02, 4096: 1.00},  # gate_up
+        (3584, 18944): {1: 1.05, 16: 1.06, 64: 1.10, 256: 1.14, 512: 1.12, 1024: 1.12, 4096: 1.19},  # down
+    },
+}
+
 # Weight-only 8-bit (W8A16): not part of B1, set by hand from the W8A8 results (same weight streams).
 W8A16_PLANS = {
     1: P("gemv", C(1, 8, 512), "raw"),
@@ -340,11 +368,23 @@ def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | Non
     return plan, speedup
 
 
+def fallback_cost(fam: str, n: int, k: int, m: int) -> float:
+    """Time of the path without a kernel over the bf16 GEMM's for this family, shape (nearest measured, as
+    `measured_entry`) and M bucket: `FALLBACK_COST` for the families with quantized activations, else 1."""
+    table = FALLBACK_COST.get("fp8" if fam == "fp8-tensor" else fam)
+    if not table:
+        return 1.0
+    shape = (n, k) if (n, k) in table else \
+        min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
+    return table[shape].get(m_bucket(m), 1.0)
+
+
 def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kernel: bool = False) -> Plan:
     """The plan for an [m, k] x [n, k]^T product in `fmt`: Plan("bf16") when no kernel applies or the fastest
-    measured below MIN_SPEEDUP x bf16.
+    measured is not MIN_SPEEDUP times as fast as the path without a kernel (the bf16 GEMM, after fake quantization
+    of the activations for the W8A8 families: `fallback_cost`).
 
-    prefer_kernel: return the fastest quantized plan even where it measured below MIN_SPEEDUP.
+    prefer_kernel: return the fastest quantized plan even where it measured below that.
     """
     fam = family(fmt, weight_only)
     if fam is None:
@@ -358,6 +398,6 @@ def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kern
     if entry is None:
         return Plan("bf16")
     plan, speedup = entry
-    if speedup < MIN_SPEEDUP and not prefer_kernel:
+    if speedup * fallback_cost(fam, n, k, m) < MIN_SPEEDUP and not prefer_kernel:
         return Plan("bf16")
     return plan
