@@ -90,7 +90,8 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     """The kernel plan for x [m, k] and a weight [n, k] in `fmt` (see `quarl.kernels.tuning`).
 
     Plan("bf16") means no kernel (try_quantized_matmul returns None); prefer_kernel=True keeps the fastest
-    quantized kernel where it measured below `tuning.MIN_SPEEDUP` x bf16. FP8 needs compute capability >= 8.9,
+    quantized kernel where it measured below `tuning.MIN_SPEEDUP` x the caller's bf16 path
+    (`tuning.choose_plan`). FP8 needs compute capability >= 8.9,
     and so does nvfp4 (its block scales are E4M3, which Triton decodes only from 8.9 on); the int8/fp8
     tensor-core ("native") tiles, the TMA kernels and cuBLAS FP8 are used on >= 9.0 (Hopper) only; before it a
     W8A8 tile runs on the fp16 tensor cores with its pipeline stages capped (`PRE_HOPPER_STAGE_BYTES`).
@@ -204,7 +205,8 @@ def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False):
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
-    """See `_quantized_matmul`; None also where the measured bf16 GEMM beats every quantized kernel."""
+    """See `_quantized_matmul`; None also where the caller's bf16 path (for W8A8: fake-quantized activations times
+    the dequantized weight) measured faster than every quantized kernel (`tuning.choose_plan`)."""
     return _quantized_matmul(x, qweight, weight_only, bias, prefer_kernel=False)
 
 
@@ -223,7 +225,7 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
     (x is not quantized), False = x quantized dynamically like `quantize(x, fmt, "activation")` (per token for
     int8/fp8, 1x128 groups for fp8-block, one scale for fp8-tensor; fp4 formats have no W4A4 kernel -> None).
     bias: [N] or None. Returns [M, N] in x.dtype, or None (CPU tensors, no Triton, a format or shape without a
-    kernel, or a shape where the measured bf16 path is faster).
+    kernel, or a shape where the caller's measured bf16 path is faster).
     Raises ValueError when x and qweight do not fit together (K mismatch, different devices, not a weight).
     """
     if not isinstance(x, torch.Tensor) or not x.is_cuda:

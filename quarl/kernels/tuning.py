@@ -17,7 +17,7 @@ A `Plan` names the path:
                split_k (one launch: the last program of a tile sums the fp32 partials), warps, stages, native
                (x permuted beforehand, see Cfg); group_m, swap_ab and tma unused (`check_fp4_decode_cfg` says
                what is allowed);
-  "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster.
+  "bf16"       `try_quantized_matmul` returns None: the caller's bf16 path is faster (see the policy below).
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"
 (8-bit formats with weight_only=True).
 
