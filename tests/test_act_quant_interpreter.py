@@ -18,6 +18,7 @@ _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.kernels import act_quant
 
     FMT = FMT_ARG
+    SPLIT_AMAX = act_quant.SPLIT_AMAX_ROWS_BELOW  # the shipped threshold (these rows are below it)
     torch.manual_seed(SEED_ARG)
     print("seed", SEED_ARG)  # shown with the traceback when a check fails
     # K: one 128-group; ragged (a partial group, zero codes past K for fp8-block); several blocks of 256
@@ -34,19 +35,28 @@ _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
         for block, split_below, unroll in [(None, 1024, 8), (256, 1024, 8), (128, 1024, 8), (256, 1, 8),
                                            (None, 1, 8), (128, 1024, 0), (256, 1, 0), (128, 1, 0)]:
             act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL = split_below, unroll
-            act_quant.SPLIT_AMAX_ROWS_BELOW = min(split_below, 64)
+            act_quant.SPLIT_AMAX_ROWS_BELOW = min(split_below, SPLIT_AMAX)
             codes, scales = act_quant.quantize_activation(x, FMT, kp, block=block)
             assert codes.dtype == ref.data.dtype and codes.shape == ref.data.shape, (codes.shape, ref.data.shape)
             where = (FMT, m, k, block, split_below, unroll)
             assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (where, "scales")
             assert torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)), (where, "codes")
-        # codes past kp: zero codes (fp8-block: whole 128-groups with scale 1), as the training linear pads them
-        act_quant.SPLIT_ROWS_BELOW, act_quant.MAX_UNROLL, act_quant.SPLIT_AMAX_ROWS_BELOW = 1024, 8, 64
-        codes, scales = act_quant.quantize_activation(x, FMT, kp + 256)
-        assert torch.equal(codes.view(torch.uint8)[:, :kp], ref.data.view(torch.uint8)), (FMT, m, k, "padded")
-        assert not codes.view(torch.uint8)[:, kp:].any(), (FMT, m, k, "padding codes")
-        if FMT == "fp8-block":
-            assert torch.equal(scales[:, :kp // 128], ref.scale) and bool((scales[:, kp // 128:] == 1).all())
+        # codes past kp: zero codes (fp8-block: whole 128-groups with scale 1), as the training linear pads them;
+        # by default (one pass), in 128-column blocks split over programs (some hold padding only; the amax walk
+        # skips them) and, with MAX_UNROLL = 4 (the amax walk too long to repeat in every program), one program
+        # per row walking its blocks
+        act_quant.SPLIT_ROWS_BELOW, act_quant.SPLIT_AMAX_ROWS_BELOW = 1024, SPLIT_AMAX
+        for block, unroll in [(None, 8), (128, 8), (128, 4)]:
+            act_quant.MAX_UNROLL = unroll
+            codes, scales = act_quant.quantize_activation(x, FMT, kp + 256, block=block)
+            where = (FMT, m, k, block, unroll)
+            assert torch.equal(codes.view(torch.uint8)[:, :kp], ref.data.view(torch.uint8)), (where, "padded")
+            assert not codes.view(torch.uint8)[:, kp:].any(), (where, "padding codes")
+            if FMT == "fp8-block":
+                assert torch.equal(scales[:, :kp // 128], ref.scale) and bool((scales[:, kp // 128:] == 1).all())
+            else:
+                assert torch.equal(scales.reshape(ref.scale.shape), ref.scale), (where, "padded scales")
+        act_quant.MAX_UNROLL = 8
         y = act_quant.fake_quantize_activation(x, FMT)
         want = fake_quantize_unchecked(x, FMT, "activation")
         assert y.dtype == x.dtype and torch.equal(y, want), (FMT, m, k, "fake quantize")

@@ -61,6 +61,9 @@ def test_targets_summary_counts_shapes_and_names_slower_dispatched_kernels():
     # the qkv kernel is slower too, but the dispatch runs bf16 there: only o is named
     assert "dispatched kernels slower than bf16 at o/M=64 (0.95x)" in decode
     assert decode.endswith("; failed at gate_up/M=1") and "nan" not in decode
+    assert lines[-1].startswith("- never slower than bf16: missed at 1 dispatched")  # o/M=64
+    assert _targets_summary(rows[1:2]).splitlines()[-1] == "- never slower than bf16: MET (no dispatched kernel " \
+        "below 1.0x)"
     prefill = next(line for line in lines if line.startswith("- fp8 prefill"))
     assert "target 1.6x MET (reached at 1 of 1 shape/M cases)" in prefill and "slower" not in prefill
     mid = next(line for line in lines if line.startswith("- fp8 mid"))
@@ -93,42 +96,26 @@ def test_sustained_bench_reads_nvidia_smi_samples(tmp_path):
     assert math.isclose(rows[1][0] - rows[0][0], 0.1, abs_tol=1e-6)
 
 
-def test_dispatch_weighs_kernels_against_the_w8a8_fallback(monkeypatch):
-    """A W8A8 kernel slower than bare bf16 is still chosen where it beats the path without a kernel (fake
-    quantization + bf16 GEMM, `FALLBACK_COST`) by MIN_SPEEDUP; weight-only formats have no such pass; fp8-tensor
-    uses fp8's costs; prefer_kernel always gets the kernel."""
-    from quarl.kernels import tuning
-
-    plan = Plan("w8a8", Cfg(64, 64, 128, native=True), "prequant")
-    speedup = random.uniform(0.85, 0.99)
-    need = tuning.MIN_SPEEDUP / speedup  # the fallback cost from which the kernel wins
-    measured = {b: (plan, speedup) for b in tuning.M_BUCKETS}
-    monkeypatch.setattr(tuning, "MEASURED", {"fp8": {(4096, 4096): measured}, "w4a16": {(4096, 4096): {
-        b: (Plan("fp4", Cfg(16, 64, 256)), speedup) for b in tuning.M_BUCKETS}}})
-    costs = {b: need * 1.01 for b in tuning.M_BUCKETS}
-    costs[16] = need * 0.99
-    monkeypatch.setattr(tuning, "FALLBACK_COST", {"fp8": {(4096, 4096): costs}})
-    assert tuning.choose_plan("fp8", False, 1, 4096, 4096) == plan
-    assert tuning.choose_plan("fp8-tensor", False, 200, 4000, 4096) == plan  # nearest shape, bucket 256
-    assert tuning.choose_plan("fp8", False, 16, 4096, 4096) == Plan("bf16")  # the fallback is cheap enough here
-    assert tuning.choose_plan("fp8", False, 16, 4096, 4096, prefer_kernel=True) == plan
-    assert tuning.choose_plan("nvfp4", True, 1, 4096, 4096) == Plan("bf16")  # weight-only: bare bf16 is the path
-    assert tuning.fallback_cost("w4a16", 4096, 4096, 1) == 1.0
-
-
 def test_fallback_table_and_sweep_lines():
     """The W8A8 fallback's table (time and cost over bf16 per shape, M, format) and the sweep's FALLBACK_COST
     source lines come from the rows' fallback times; formats without a fallback (nvfp4) are left out; a slower
     dispatched kernel is named with its speed-up over that fallback."""
     from quarl.bench.gemm import _fallback_table, _sweep_summary, _targets_summary
 
-    fb = random.uniform(11, 14)
-    rows = [_row("bf16", 10.0), dict(_row("fp8", 10.5), fallback_us=fb, plan={"kind": "scaled_mm", "x_mode": "fused",
-                                                                             "cfg": None}),
+    fb, fb_int8 = random.uniform(11, 14), random.uniform(9.0, 9.9)  # int8: faster than bf16 (noise) -> 1.00
+    plan = {"kind": "scaled_mm", "x_mode": "fused", "cfg": None}
+    rows = [dict(_row("bf16", 10.0), fallback_us={"fp8": fb, "int8": fb_int8, "fp8-tensor": fb}),
+            dict(_row("fp8", 10.5), fallback_us=fb, plan=plan),
             dict(_row("nvfp4", 9.0), fallback_us=None, plan={"kind": "deq_mm", "x_mode": "fused", "cfg": None})]
     table = _fallback_table(rows).strip().splitlines()
-    assert table[-1] == f"| o | 16 | {fb:.1f} ({fb / 10.0:.2f}) |" and "nvfp4" not in table[-3]
-    assert f'tuning.FALLBACK_COST["fp8"][(3584, 3584)][16] = {fb / 10.0:.2f}' in _sweep_summary(rows)
+    # int8 has no kernel row here: its fallback is still reported (it is timed with the bf16 GEMM)
+    assert table[-1] == f"| o | 16 | {fb_int8:.1f} ({fb_int8 / 10.0:.2f}) | {fb:.1f} ({fb / 10.0:.2f}) | " \
+        f"{fb:.1f} ({fb / 10.0:.2f}) |" and "nvfp4" not in table[-3]
+    sweep = _sweep_summary(rows)
+    assert f'tuning.FALLBACK_COST["fp8"][(3584, 3584)][16] = {fb / 10.0:.2f}' in sweep
+    assert 'tuning.FALLBACK_COST["int8"][(3584, 3584)][16] = 1.00' in sweep and "fp8-tensor" not in sweep
     assert _fallback_table([_row("bf16", 10.0), rows[2]]) == ""
-    decode = next(line for line in _targets_summary(rows).splitlines() if line.startswith("- fp8 decode"))
+    lines = _targets_summary(rows).splitlines()
+    decode = next(line for line in lines if line.startswith("- fp8 decode"))
     assert f"o/M=16 (0.95x; {fb / 10.5:.2f}x the W8A8 fallback)" in decode
+    assert lines[-1].startswith("- never slower than bf16: missed at 1 dispatched")

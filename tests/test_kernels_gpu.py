@@ -144,9 +144,11 @@ def test_division_by_a_shared_scale_is_correctly_rounded():
 def test_activation_quantization_is_exact(fmt):
     from quarl.kernels.act_quant import quantize_activation
 
-    # one pass (K <= 4096), the unrolled two walks (18944), the counted walks (40000: over 8 blocks), rows
-    # split over programs (M < 1024) and walked by one program each (1100)
-    for m, k in [(1, 512), (5, 1000), (64, 200), (300, 3584), (3, 18944), (5, 40000), (1100, 3584), (1100, 5000)]:
+    # one pass (K <= 4096); a few long rows, each block's program walking the whole row for the amax (3 x 18944);
+    # one program per row walking it twice, unrolled (64 x 18944) or counted (40000: over 8 blocks, also at 5
+    # rows); 1x128 groups / a given scale: rows split over programs (M < 1024) or walked by one program each (1100)
+    for m, k in [(1, 512), (5, 1000), (64, 200), (300, 3584), (3, 18944), (64, 18944), (5, 40000), (1100, 3584),
+                 (1100, 5000)]:
         x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 10).to(torch.bfloat16)
         x[0, : k // 2] = 0  # a zero 1x128 group / half row
         if m > 1:
@@ -484,6 +486,35 @@ def test_tuning_tables_are_consistent(family):
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k) == expected
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k,
                                    prefer_kernel=True) == plan
+
+
+def test_dispatch_weighs_kernels_against_the_w8a8_fallback(monkeypatch):
+    """A W8A8 kernel slower than bare bf16 is still chosen where it beats the path without a kernel (fake
+    quantization + bf16 GEMM, `FALLBACK_COST`) by MIN_SPEEDUP; the cost comes from the nearest measured shape and
+    the M bucket; weight-only formats have no such pass; fp8-tensor uses fp8's costs; prefer_kernel always gets
+    the kernel."""
+    import random
+
+    from quarl.kernels import tuning
+
+    plan = Plan("w8a8", Cfg(64, 64, 128, native=True), "prequant")
+    speedup = random.uniform(0.85, 0.99)
+    need = tuning.MIN_SPEEDUP / speedup  # the fallback cost from which the kernel wins
+    small, big = (1024, 1024), (16384, 16384)
+    monkeypatch.setattr(tuning, "MEASURED", {
+        "fp8": {s: {b: (plan, speedup) for b in tuning.M_BUCKETS} for s in (small, big)},
+        "w4a16": {small: {b: (Plan("fp4", Cfg(16, 64, 256)), speedup) for b in tuning.M_BUCKETS}}})
+    costs_small = {b: need * 1.01 for b in tuning.M_BUCKETS}
+    costs_small[16] = need * 0.99
+    monkeypatch.setattr(tuning, "FALLBACK_COST", {"fp8": {small: costs_small,
+                                                          big: {b: need * 0.99 for b in tuning.M_BUCKETS}}})
+    assert tuning.choose_plan("fp8", False, 1, *small) == plan
+    assert tuning.choose_plan("fp8-tensor", False, 200, 1000, 1100) == plan  # nearest: small, bucket 256
+    assert tuning.choose_plan("fp8", False, 200, 15000, 16000) == Plan("bf16")  # nearest: big, cheap fallback
+    assert tuning.choose_plan("fp8", False, 16, *small) == Plan("bf16")  # the fallback is cheap enough here
+    assert tuning.choose_plan("fp8", False, 16, *small, prefer_kernel=True) == plan
+    assert tuning.choose_plan("nvfp4", True, 1, *small) == Plan("bf16")  # weight-only: bare bf16 is the path
+    assert tuning.fallback_cost("w4a16", *small, 1) == 1.0
 
 
 @gpu

@@ -212,8 +212,8 @@ def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torc
 
 def quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
     """As `try_quantized_matmul`, but runs the fastest quantized kernel even where it measured below
-    `tuning.MIN_SPEEDUP` x bf16 (for a caller that holds only the quantized weight). None only where no kernel
-    applies (CPU, no Triton, W4A4)."""
+    `tuning.MIN_SPEEDUP` x the caller's bf16 path (for a caller that holds only the quantized weight). None only
+    where no kernel applies (CPU, no Triton, W4A4)."""
     return _quantized_matmul(x, qweight, weight_only, bias, prefer_kernel=True)
 
 

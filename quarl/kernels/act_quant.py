@@ -30,9 +30,10 @@ MODE_ROW, MODE_GROUP128, MODE_GIVEN = 0, 1, 2
 ROW_BLOCK_MAX = 4096
 # 1x128 groups / a given scale with fewer rows than this: each row's blocks spread over programs
 SPLIT_ROWS_BELOW = 1024
-# per-row scales of rows longer than one block, fewer rows than this (decode batches): each row's blocks spread
-# over programs too, every program walking the whole row for its amax (the walk's loads all in flight, the
-# repeats L2 hits) and quantizing its own block, instead of one program walking the row twice
+# per-row scales of rows longer than one block (up to MAX_UNROLL blocks), fewer rows than this (decode batches):
+# each row's blocks spread over programs too, every program walking the whole row for its amax (the walk's loads
+# all in flight, the repeats L2 hits) and quantizing its own block, instead of one program walking the row twice
+# (bench/results/gemm.md, session 17: K = 18944 at 1 / 16 rows 3.9 -> 2.7, 4.0 -> 2.9 us; equal at 64 rows)
 SPLIT_AMAX_ROWS_BELOW = 64
 # a program's blocks are unrolled (their loads issued together) up to this many
 MAX_UNROLL = 8
@@ -89,7 +90,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KP, steps, stride_xm, stride_qm, s
     MODE 0 with AMAX_PASS (rows longer than one block): each program first walks the whole row for its amax (the
     second walk, over its own blocks, hits L1/L2; the program with pid 1 = 0 stores the scale); without it the
     block is the whole row, quantized in one pass.
-    UNROLL / AMAX_UNROLL: `steps` / the row's block count known when compiling (0: not), the walks unrolled so
+    UNROLL / AMAX_UNROLL: `steps` / the blocks of K known when compiling (0: not), the walks unrolled so
     that their loads are issued together instead of one block's round trip to memory after the other."""
     QMAX: tl.constexpr = 127.0 if IS_INT8 else 448.0
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 for long training batches
@@ -304,10 +305,15 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         num_warps = max(4, min(8, block // 512))
     n_blocks = triton.cdiv(kp, block)
     amax_pass = mode == MODE_ROW and n_blocks > 1
+    amax_blocks = triton.cdiv(K, block)  # the amax walk skips blocks of padding codes only
     # a few rows: their blocks spread over programs (groups and a given scale need no whole-row amax; per-row
-    # scales below SPLIT_AMAX_ROWS_BELOW rows walk the whole row in every program); many rows: a program per row
-    # walks its blocks (fewer, longer programs measured faster at 20480 rows)
-    split = n_blocks if M < (SPLIT_AMAX_ROWS_BELOW if amax_pass else SPLIT_ROWS_BELOW) else 1
+    # scales below SPLIT_AMAX_ROWS_BELOW rows walk the whole row in every program, so only while that walk is
+    # unrolled: its reads grow with the square of the block count); many rows: a program per row walks its
+    # blocks (fewer, longer programs measured faster at 20480 rows)
+    if amax_pass:
+        split = n_blocks if M < SPLIT_AMAX_ROWS_BELOW and amax_blocks <= MAX_UNROLL else 1
+    else:
+        split = n_blocks if M < SPLIT_ROWS_BELOW else 1
     steps = n_blocks // split  # blocks per program
     if kp == 0:  # no columns: nothing to launch; an empty row's scale is 1
         if mode == MODE_ROW:
@@ -317,7 +323,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
             x, out, scales, K, kp, steps, x.stride(0), out.stride(0),
             scales.stride(0) if scales.dim() else 0, scales.stride(1) if scales.dim() == 2 else 1,
             IS_INT8=fmt == "int8", MODE=mode, BLOCK=block, DEQUANT=dequant, AMAX_PASS=amax_pass,
-            AMAX_UNROLL=n_blocks if amax_pass and n_blocks <= MAX_UNROLL else 0,
+            AMAX_UNROLL=amax_blocks if amax_pass and amax_blocks <= MAX_UNROLL else 0,
             UNROLL=steps if steps <= MAX_UNROLL else 0, num_warps=num_warps,
         )
     return scales

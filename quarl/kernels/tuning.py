@@ -28,8 +28,8 @@ where the kernel is not MIN_SPEEDUP (1.05) times as fast as the path a layer run
 asks for the kernel anyway (prefer_kernel=True: a layer that holds only the quantized weight has no bf16 path).
 Without a kernel, a layer with quantized activations still computes the quantized values: it fake-quantizes the
 activations (one more pass over them) and runs the bf16 GEMM on the dequantized weight. `FALLBACK_COST` holds
-that path's time over the bare bf16 GEMM's, measured with the same tables (`quarl bench gemm`, its "W8A8
-fallback" table); weight-only formats have no extra pass (cost 1). Other shapes use the
+that path's time over the bare bf16 GEMM's, per family, shape and M bucket as `MEASURED` (`quarl bench gemm`, its
+"W8A8 fallback" table); weight-only formats have no extra pass (cost 1). Other shapes use the
 measured shape with the closest weight size N*K; M is rounded up to the next bucket. fp8-tensor follows the fp8
 table (activation quantized beforehand: a per-tensor scale needs the whole tensor), w8a16 has hand-set plans (not
 swept).
@@ -309,7 +309,8 @@ MIN_SPEEDUP = 1.05
 
 # family -> (N, K) -> M bucket -> time of the W8A8 fallback (fake-quantized activations, then the bf16 GEMM on the
 # dequantized weight) over the bf16 GEMM's, from `quarl bench gemm --m 1,16,64,256,512,1024,4096` (its "W8A8
-# fallback" table; bench/results/gemm.md, session 17), at least 1 (below is noise: the extra pass costs time).
+# fallback" table; bench/results/gemm.md, 2026-11-30 06:53 entry), at least 1 (below is noise: the extra pass
+# costs time). fp8-tensor uses the fp8 rows.
 FALLBACK_COST = {
     "int8": {
         (4608, 3584): {1: 1.17, 16: 1.22, 64: 1.24, 256: 1.21, 512: 1.16, 1024: 1.13, 4096: 1.12},  # qkv
@@ -352,14 +353,19 @@ def family(fmt: str, weight_only: bool) -> str | None:
     return None
 
 
+def _nearest_shape(table: dict, n: int, k: int) -> tuple[int, int]:
+    """The key (N, K) of a per-shape table: (n, k) itself, else the measured shape nearest in weight size N*K."""
+    if (n, k) in table:
+        return (n, k)
+    return min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
+
+
 def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | None:
     """(plan, speed-up) measured for this family at the shape nearest to (n, k) in weight size, M bucket of m."""
     table = MEASURED.get("fp8" if fam == "fp8-tensor" else fam)
     if not table:
         return None
-    shape = (n, k) if (n, k) in table else \
-        min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
-    entry = table[shape].get(m_bucket(m))
+    entry = table[_nearest_shape(table, n, k)].get(m_bucket(m))
     if entry is None:
         return None
     plan, speedup = entry
@@ -374,9 +380,7 @@ def fallback_cost(fam: str, n: int, k: int, m: int) -> float:
     table = FALLBACK_COST.get("fp8" if fam == "fp8-tensor" else fam)
     if not table:
         return 1.0
-    shape = (n, k) if (n, k) in table else \
-        min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
-    return table[shape].get(m_bucket(m), 1.0)
+    return table[_nearest_shape(table, n, k)].get(m_bucket(m), 1.0)
 
 
 def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kernel: bool = False) -> Plan:

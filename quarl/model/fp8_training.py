@@ -106,9 +106,10 @@ def block_matmul(a: torch.Tensor, qb: QuantizedTensor, bias: torch.Tensor | None
     `quantized_weight`) -> [R, S] in a.dtype; bias [S] or None.
 
     On a GPU an FP8 kernel (it quantizes `a` itself, exactly as `quantize` does): always with prefer_kernel,
-    otherwise only where the kernel measured at least `tuning.MIN_SPEEDUP` x bf16, which is the rollout forward's
-    own choice (`kernels.try_quantized_matmul`). Elsewhere the dequantized operands multiplied in a.dtype, which is the
-    rollout fallback and, bit for bit, the unified flow's straight-through forward.
+    otherwise only where the kernel measured at least `tuning.MIN_SPEEDUP` x the fallback below
+    (`tuning.choose_plan`), which is the rollout forward's own choice (`kernels.try_quantized_matmul`). Elsewhere
+    the dequantized operands multiplied in a.dtype, which is the rollout fallback and, bit for bit, the unified
+    flow's straight-through forward.
     """
     bias = None if bias is None else bias.to(a.dtype)
     matmul = kernels.quantized_matmul if prefer_kernel else kernels.try_quantized_matmul
