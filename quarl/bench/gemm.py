@@ -461,8 +461,7 @@ def run_bench_gemm(args) -> int:
                                      speedup=t_bf16 / t, roof=t_roof / t, err=err,
                                      dispatch="kernel" if dispatched.kind != "bf16" else "bf16", note=note,
                                      plan=_plan_dict(p), time_codes_us=t_codes * 1e6,
-                                     speedup_codes=t_bf16 / t_codes,
-                                     fallback_us=t_fallback[f] * 1e6 if f in t_fallback else None))
+                                     speedup_codes=t_bf16 / t_codes))
                 cps = None  # free the copies (the timed lambda closes over the name)
             print(f"  {s} M={m} done ({time.time() - t0:.0f} s)", flush=True)
         del qws, w_bf16
@@ -624,6 +623,13 @@ def _plan_literal(plan: dict) -> str:
     return f"P({', '.join(args)})"
 
 
+def _slower_case(row: dict, fallback: dict) -> str:
+    """"shape/M=m (speed-up over bf16; over the W8A8 fallback, where timed)" for a dispatched kernel below bf16."""
+    key = (row["fmt"], row["shape"], row["m"])
+    vs = f"; {fallback[key][0] / row['time_us']:.2f}x the W8A8 fallback" if key in fallback else ""
+    return f"{row['shape']}/M={row['m']} ({row['speedup']:.2f}x{vs})"
+
+
 def _targets_summary(rows: list[dict]) -> str:
     """Per format and M range (decode M <= 64, mid, prefill M >= 1024): the kernels' speed-up range over the
     shape / M cases, at how many cases they reach the BENCHMARKS.md target, and what the dispatch runs (the kernel
@@ -632,6 +638,7 @@ def _targets_summary(rows: list[dict]) -> str:
     want = {("int8", "decode"): 1.7, ("fp8", "decode"): 1.7, ("nvfp4", "decode"): 3.0,
             ("int8", "prefill"): 1.6, ("fp8", "prefill"): 1.6}
     out = [f"targets ({TARGETS}):"]
+    fallback = _fallback_costs(rows)
     fmts = sorted({r["fmt"] for r in rows if r["fmt"] != "bf16"})
     for f in fmts:
         for rng, sel in (("decode", lambda m: m <= 64), ("mid", lambda m: 64 < m < 1024),
@@ -659,9 +666,7 @@ def _targets_summary(rows: list[dict]) -> str:
             if slower:
                 # kept where faster than the path without a kernel (fake quantization + bf16 GEMM)
                 line += "; dispatched kernels slower than bf16 at " + ", ".join(
-                    f"{r['shape']}/M={r['m']} ({r['speedup']:.2f}x"
-                    + (f"; {r['fallback_us'] / r['time_us']:.2f}x the W8A8 fallback)" if r.get("fallback_us")
-                       else ")") for r in slower)
+                    _slower_case(r, fallback) for r in slower)
             if failed:
                 line += "; failed at " + ", ".join(f"{r['shape']}/M={r['m']}" for r in failed)
             out.append(line)

@@ -402,6 +402,7 @@ def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kern
     if entry is None:
         return Plan("bf16")
     plan, speedup = entry
-    if speedup * fallback_cost(fam, n, k, m) < MIN_SPEEDUP and not prefer_kernel:
+    # (the fallback costs at least the bf16 GEMM: looked up only for kernels below MIN_SPEEDUP x bf16)
+    if not prefer_kernel and speedup < MIN_SPEEDUP and speedup * fallback_cost(fam, n, k, m) < MIN_SPEEDUP:
         return Plan("bf16")
     return plan

@@ -189,16 +189,27 @@ def _w8a8_tma_kernel(
             a = x_desc.load([pid_m * BM, ki * BK])
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc, out_dtype=ACC_DTYPE)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
-        res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+        _tma_epilogue(acc, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, xs_ptr, ws_ptr,
+                      bias_ptr, out_ptr, stride_xsm, stride_wsn, stride_om, HAS_BIAS, True)
+
+
+@triton.jit
+def _tma_epilogue(acc, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_xsm, stride_wsn, stride_om,
+                  HAS_BIAS: tl.constexpr, FINAL: tl.constexpr):
+    """The TMA kernels' output tile: acc [BM, BN] (int32 / float32 sums of rows offs_m, columns offs_n) times the
+    token and channel scales; FINAL: plus bias, stored in out's dtype; else stored as float32 (a split-K partial,
+    out_ptr at its split). Rows and columns past M, N are masked."""
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
+    res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+    ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if FINAL:
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(ptrs, res, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -231,19 +242,8 @@ def _w8a8_tma_swap_kernel(
         x = x_desc.load([0, kk])
         acc = tl.dot(w, x.T, acc, out_dtype=ACC_DTYPE)
     acc = tl.trans(acc)  # [BM, BN]: stores run along N
-    offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    res = acc.to(tl.float32) * tl.load(ws_ptr + offs_n * stride_wsn, mask=n_ok, other=0.0)[None, :]
-    res = res * tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], res.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], res, mask=ok)
+    _tma_epilogue(acc, tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, xs_ptr, ws_ptr, bias_ptr,
+                  out_ptr + pid_k * stride_os, stride_xsm, stride_wsn, stride_om, HAS_BIAS, SPLIT_K == 1)
 
 
 def _split_k(kp: int, bk: int, split_k: int) -> tuple[int, int]:
