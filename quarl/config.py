@@ -222,7 +222,41 @@ class RunConfig:
             raise ConfigError(f"uaq.scale={self.uaq.scale} must be > 0 (1.0 = off; QuRL uses 1.5)")
         if self.uaq.scale != 1.0 and self.lora.enabled:
             raise ConfigError("uaq rescales the base weights for full fine-tuning; it has no effect with LoRA")
+        warn_inert_clip(self)
         return self
+
+
+def warn_inert_clip(cfg: "RunConfig") -> str | None:
+    """Warn (UserWarning, one line) when the config asks for a clip setting that one optimizer step cannot use.
+
+    The clip binds only where π_θ ≠ π_prox, i.e. from the second optimizer step on a batch: with one epoch and one
+    minibatch per batch, R = π_θ/π_prox = 1 at the only step, so correction=acr trains exactly like tis and an
+    epsilon_high different from epsilon_low (explicit, or loss_type=dapo's 0.28) does nothing. (naive and bypass
+    are exempt from the epsilon_high case: their R = π_θ/μ differs from 1 from the start.) Returns the message,
+    or None when nothing is inert.
+    """
+    import warnings
+
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.num_generations
+    mini = cfg.train.mini_batch_size
+    if cfg.train.epochs > 1 or (mini is not None and mini < batch):
+        return None  # several optimizer steps per batch: the clip binds from the second one on
+    loss = cfg.loss
+    eps_high = loss.resolved_epsilon_high
+    inert = []
+    if loss.correction == "acr":
+        inert.append("loss.correction=acr only differs from tis")
+    if eps_high != loss.epsilon_low and loss.correction not in ("naive", "bypass"):
+        source = "loss_type=dapo's default" if loss.epsilon_high is None else "set"
+        inert.append(f"loss.epsilon_high={eps_high:g} ({source}, != epsilon_low={loss.epsilon_low:g}) only acts")
+    if not inert:
+        return None
+    message = (f"{' and '.join(inert)} when the clip binds, i.e. with several optimizer steps per batch, but this "
+               f"config takes one (train.epochs=1, train.mini_batch_size={mini} covers the batch of {batch}): set "
+               f"train.mini_batch_size below prompts_per_step x num_generations = {batch} (e.g. a quarter of it, "
+               f"{max(batch // 4, 1)}) or train.epochs > 1")
+    warnings.warn(message, UserWarning, stacklevel=3)
+    return message
 
 
 # ----------------------------------------------------------------------------------------------------------------

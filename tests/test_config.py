@@ -1,5 +1,8 @@
 """Config loading: YAML + dotted overrides, type checks, unknown keys with suggestions, impossible combinations."""
 
+import re
+import warnings
+
 import pytest
 
 from quarl.config import ConfigError, RunConfig, config_to_dict, load_config, parse_overrides
@@ -122,3 +125,63 @@ def test_quarl_config_prints_a_resolved_config_that_loads_back(tmp_path, capsys)
     assert config_to_dict(cfg) == config_to_dict(load_config(None, ["train.steps=3", "precision.flow=unified"]))
     assert main(["config", "train.stepz=3"]) == 2
     assert "did you mean train.steps" in capsys.readouterr().err
+
+
+INERT_CLIP = "several optimizer steps per batch"  # the text of RunConfig.validate's inert-clip warning
+
+
+def inert_clip_warnings(overrides=(), path=None):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(path, list(overrides))
+    return cfg, [w for w in caught if issubclass(w.category, UserWarning) and INERT_CLIP in str(w.message)]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["loss.correction=acr"], "loss.correction=acr only differs from tis"),
+    (["loss.loss_type=dapo"], r"loss.epsilon_high=0.28 \(loss_type=dapo's default"),
+    (["loss.epsilon_high=0.3"], r"loss.epsilon_high=0.3 \(set"),
+    (["loss.loss_type=dapo", "loss.correction=acr", "train.mini_batch_size=64"], "correction=acr"),  # 64 = batch
+])
+def test_clip_settings_that_one_optimizer_step_cannot_use_warn(overrides, needle):
+    # defaults: 8 prompts x 8 answers = a batch of 64, one epoch, one minibatch -> one optimizer step per batch
+    with pytest.warns(UserWarning, match=INERT_CLIP) as record:
+        load_config(None, overrides)
+    message = next(str(w.message) for w in record if INERT_CLIP in str(w.message))
+    assert "\n" not in message
+    assert "train.mini_batch_size below prompts_per_step x num_generations = 64" in message
+    assert "train.epochs > 1" in message
+    assert re.search(needle, message), message
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # tis with epsilon_high = epsilon_low: nothing inert
+    ["loss.correction=acr", "train.mini_batch_size=16"],
+    ["loss.correction=acr", "train.epochs=2"],
+    ["loss.loss_type=dapo", "train.mini_batch_size=32"],
+    ["loss.loss_type=dapo", "loss.epsilon_high=0.2"],
+    ["loss.loss_type=dapo", "loss.correction=bypass"],  # R = π_θ/μ ≠ 1 from the start: the clip binds anyway
+    ["loss.loss_type=dapo", "loss.correction=naive"],
+])
+def test_no_inert_clip_warning_when_the_clip_can_bind(overrides):
+    _, caught = inert_clip_warnings(overrides)
+    assert not caught, [str(w.message) for w in caught]
+
+
+def test_shipped_configs_take_several_optimizer_steps_where_the_clip_matters():
+    from pathlib import Path
+
+    paths = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(paths) >= 5
+    clip_users = 0
+    for path in paths:
+        cfg, caught = inert_clip_warnings(path=path)
+        assert not caught, f"{path.name}: {[str(w.message) for w in caught]}"
+        mini = cfg.train.mini_batch_size
+        if cfg.loss.correction == "acr" or cfg.loss.resolved_epsilon_high != cfg.loss.epsilon_low:
+            clip_users += 1
+            batch = cfg.rollout.prompts_per_step * cfg.rollout.num_generations
+            assert mini is not None and mini < batch and batch % mini == 0, path.name
+        if mini is not None:
+            assert cfg.train.micro_batch_size <= mini, path.name
+    assert clip_users >= 2  # gsm8k-split-fp8-acr-uaq (acr + dapo) and math-unified-fp8-dapo

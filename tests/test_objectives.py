@@ -50,10 +50,11 @@ def reference_loss(lp, prox, beh, adv, mask, cfg, ref=None, num_sequences=None, 
         seq = torch.exp(torch.stack([torch.log(rho[b][m[b]]).sum() for b in range(lp.shape[0])]))
         w = torch.clamp(seq, max=cap)[:, None].expand_as(ratio)
     elif cfg.correction == "mis" and cfg.correction_level == "token":
-        w = ((rho >= cfg.mis_low) & (rho <= cfg.mis_high)).to(lp.dtype)
+        w = torch.where((rho >= cfg.mis_low) & (rho <= cfg.mis_high), rho, torch.zeros_like(rho))
     elif cfg.correction == "mis":
-        seq = torch.exp(torch.stack([torch.log(rho[b][m[b]]).sum() for b in range(lp.shape[0])]))
-        w = ((seq >= cfg.mis_low) & (seq <= cfg.mis_high)).to(lp.dtype)[:, None].expand_as(ratio)
+        seq = torch.stack([torch.prod(rho[b][m[b]]) for b in range(lp.shape[0])])  # Π ρ_t = exp Σ log ρ_t
+        w = torch.where((seq >= cfg.mis_low) & (seq <= cfg.mis_high), seq, torch.zeros_like(seq))
+        w = w[:, None].expand_as(ratio)
     else:  # acr
         r = torch.clamp(cap / rho, max=1.0)
         w = torch.clamp(rho, max=cap)
@@ -132,23 +133,44 @@ def test_tis_sequence_by_hand():
 
 
 def test_mis_token_masking_by_hand():
-    # ρ = 3.5 > 3 is rejected: −(0 + 0.9 + 1.0)/3; the rejected token stays in the denominator.
+    # ρ = 3.5 > 3 is rejected, the others keep weight ρ: w = [0, 0.5, 1] on J = [1.2, 0.9, 1.0]
+    # → −(0 + 0.45 + 1.0)/3; the rejected token stays in the denominator.
     loss, met = _run([1.5, 0.9, 1.0], [3.5, 0.5, 1.0], correction="mis")
-    assert loss.item() == pytest.approx(-1.9 / 3, rel=1e-6)
+    assert loss.item() == pytest.approx(-1.45 / 3, rel=1e-6)
     assert met["is/masked_frac"] == pytest.approx(1 / 3)
-    assert met["is/weight_mean"] == pytest.approx(2 / 3)
-    assert met["is/ess"] == pytest.approx(2**2 / (3 * 2))
+    assert met["is/weight_mean"] == pytest.approx(1.5 / 3, rel=1e-6)
+    assert met["is/ess"] == pytest.approx(1.5**2 / (3 * (0.25 + 1.0)), rel=1e-6)
+    assert met["is/truncated_frac"] == 0.0
     # with mis_low = 0.6 the ρ = 0.5 token goes too; the bounds are inclusive (ρ = 1 kept with mis_high = 1)
     loss, met = _run([1.5, 0.9, 1.0], [3.5, 0.5, 1.0], correction="mis", mis_low=0.6, mis_high=1.0)
     assert loss.item() == pytest.approx(-1.0 / 3, rel=1e-6)
     assert met["is/masked_frac"] == pytest.approx(2 / 3)
 
 
+def test_mis_accepted_tokens_keep_weight_rho_not_one():
+    # Regression: MIS used to give accepted tokens weight 1. Unclipped tokens (R = 1, A = 1) have gradient
+    # d/dlp (−w·R·A/3) = −w/3 with w = ρ for the accepted ones (0.5, 2.5) and 0 for the rejected one (ρ = 3.5).
+    lp, prox, beh = _tokens([1.0, 1.0, 1.0], [0.5, 2.5, 3.5])
+    loss, met = policy_loss(lp, prox, beh, torch.tensor([1.0]), torch.ones(1, 3), LossConfig(correction="mis"))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.5 / 3, -2.5 / 3, 0.0]]), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(lp.grad, torch.tensor([[-1 / 3, -1 / 3, 0.0]]), rtol=1e-2)  # the old weight-1 result
+    assert loss.item() == pytest.approx(-3.0 / 3, rel=1e-6)
+    assert met["is/weight_mean"] == pytest.approx(3.0 / 3, rel=1e-6)
+    # sequence level: Π ρ = 0.5·2.5·1 = 1.25 ∈ [0, 3] weights every token 1.25 (not 1)
+    lp, prox, beh = _tokens([1.0, 1.0, 1.0], [0.5, 2.5, 1.0])
+    loss, met = policy_loss(lp, prox, beh, torch.tensor([1.0]), torch.ones(1, 3),
+                            LossConfig(correction="mis", correction_level="sequence"))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.full((1, 3), -1.25 / 3), rtol=1e-5, atol=1e-7)
+    assert met["is/weight_mean"] == pytest.approx(1.25, rel=1e-6) and met["is/ess"] == pytest.approx(1.0)
+
+
 def test_mis_sequence_by_hand():
-    # Π ρ = 1.75 ∈ [0, 3]: nothing rejected, weights 1: −(1.2 + 0.9 + 1.0)/3
+    # Π ρ = 1.75 ∈ [0, 3]: nothing rejected, every token weighted 1.75: −1.75·(1.2 + 0.9 + 1.0)/3
     loss, met = _run([1.5, 0.9, 1.0], [3.5, 0.5, 1.0], correction="mis", correction_level="sequence")
-    assert loss.item() == pytest.approx(-3.1 / 3, rel=1e-6)
-    assert met["is/masked_frac"] == 0.0
+    assert loss.item() == pytest.approx(-1.75 * 3.1 / 3, rel=1e-6)
+    assert met["is/masked_frac"] == 0.0 and met["is/weight_mean"] == pytest.approx(1.75, rel=1e-6)
     # Π ρ = 3.5 > 3: the whole answer rejected
     loss, met = _run([1.5, 0.9, 1.0], [3.5, 1.0, 1.0], correction="mis", correction_level="sequence")
     assert loss.item() == 0.0 and met["is/masked_frac"] == 1.0 and met["is/ess"] == 0.0
@@ -312,6 +334,146 @@ def test_metrics_match_float64_reference():
     assert met_m["is/masked_frac"] == pytest.approx(out, rel=1e-9) and 0 < out < 1
 
 
+def _surrogate_grad(lp, anchor, adv, mask, w, upper, lower, agg):
+    """d loss / d logprobs of −w·min(R·A, clip(R, lower, upper)·A) written out (float64, no autograd):
+    −w·R·A·s where the clip does not bind (A > 0: R ≤ upper; A < 0: R ≥ lower), else 0; s the aggregation scale."""
+    m = mask.bool()
+    a = adv[:, None].expand_as(lp) if adv.dim() == 1 else adv
+    ratio = torch.exp(lp - anchor)
+    free = torch.where(a > 0, ratio <= upper, ratio >= lower)
+    if agg == "token-mean":
+        scale = torch.full_like(lp, 1.0 / int(m.sum()))
+    else:  # seq-mean-token-mean
+        scale = (1.0 / (lp.shape[0] * m.sum(dim=1).clamp(min=1).to(lp.dtype)))[:, None].expand_as(lp)
+    g = -w * ratio * a * scale
+    return torch.where(m & free, g, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mis_matches_float64_reference_with_tokens_at_the_bounds(level):
+    """MIS weights ρ (token) or Π_t ρ_t (sequence) inside [mis_low, mis_high] inclusive, 0 outside; checked against
+    the formula in float64 (loss, autograd gradient and the written-out gradient to rtol 1e-10) on fresh random
+    inputs that include ratios exactly at both bounds and 1e-9 (in log) outside them."""
+    lo, hi = 0.5, 2.0  # exp(log(x)) == x in float64 for both: "exactly at the bound" is the same in both spaces
+    lp, prox, beh, adv, mask, _ = _random_batch(b=10, t=12, spread=0.8)
+    mask[:, :4] = True
+    edge = [LOG(hi), LOG(lo), LOG(hi) + 1e-9, LOG(lo) - 1e-9]  # at the bounds (kept), just outside (rejected)
+    if level == "token":
+        rows = range(2, 10)  # every row gets the four edge tokens in columns 0..3
+        for b in rows:
+            beh[b, :4] = -0.25  # (−0.25 + x) − (−0.25) == x exactly in float64 for these x
+            prox[b, :4] = beh[b, :4] + torch.tensor(edge, dtype=torch.float64)
+    else:
+        for b, x in zip(range(2, 6), edge):  # rows 2..5: Σ_t log ρ_t lands on an edge value (one token x, rest 0)
+            prox[b] = beh[b]
+            beh[b, 0] = -0.25
+            prox[b, 0] = beh[b, 0] + x
+    log_rho = prox - beh
+    assert (log_rho[2:, 0] == LOG(hi)).all() if level == "token" else log_rho[2].sum() == LOG(hi)  # precondition
+    cfg = LossConfig(loss_type="dapo", epsilon_high=0.2, correction="mis", correction_level=level,
+                     mis_low=lo, mis_high=hi)
+    # the formula in float64: ρ = exp(log π_prox − log μ), sequence ratio = product over the counted tokens
+    rho = torch.exp(log_rho)
+    if level == "token":
+        ratio_is = rho
+    else:
+        ratio_is = torch.stack([torch.prod(rho[b][mask[b]]) for b in range(lp.shape[0])])[:, None].expand_as(rho)
+    keep = (ratio_is >= lo) & (ratio_is <= hi)
+    w = torch.where(keep, ratio_is, torch.zeros_like(ratio_is))
+    # the edge values: at the bound kept with weight = the bound, just outside rejected
+    if level == "token":
+        assert keep[2:, :2].all() and not keep[2:, 2:4].any()
+        assert (w[2:, 0] == hi).all() and (w[2:, 1] == lo).all()
+    else:
+        assert keep[2:4].all() and not keep[4:6].any() and (w[2] == hi).all() and (w[3] == lo).all()
+    want_grad = _surrogate_grad(lp, prox, adv, mask, w, 1.2, 0.8, "token-mean")
+    lp_ref = lp.clone().requires_grad_(True)
+    want = reference_loss(lp_ref, prox, beh, adv, mask, cfg)
+    want.backward()
+    lp_a = lp.clone().requires_grad_(True)
+    got, met = policy_loss(lp_a, prox, beh, adv, mask, cfg)
+    got.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp_a.grad, lp_ref.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp_a.grad, want_grad, rtol=1e-10, atol=1e-12)
+    m = mask
+    assert met["is/masked_frac"] == pytest.approx((~keep)[m].double().mean().item(), rel=1e-12)
+    assert met["is/weight_mean"] == pytest.approx(w[m].mean().item(), rel=1e-10)
+    if level == "token":
+        ess = w[m].sum() ** 2 / (w[m].numel() * (w[m] ** 2).sum())
+    else:
+        ws = w[m.any(dim=1), 0]
+        ess = ws.sum() ** 2 / (ws.numel() * (ws**2).sum())
+    assert met["is/ess"] == pytest.approx(ess.item(), rel=1e-10)
+    assert 0 < met["is/masked_frac"] < 1
+    # the old behaviour (accepted tokens weighted 1) gives a different gradient on these inputs
+    old_grad = _surrogate_grad(lp, prox, adv, mask, keep.to(lp.dtype), 1.2, 0.8, "token-mean")
+    assert not torch.allclose(lp_a.grad, old_grad, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_acr_differs_from_tis_when_the_clip_binds(loss_type):
+    """At a later optimizer step π_θ ≠ π_prox: for A > 0 and ρ > C, a ratio R with 1+ε_high < R < (1+ε_high)·ρ/C is
+    clipped by TIS (zero gradient) but not by ACR (gradient −C·R·A·s); where ρ ≤ C (or A < 0) the two gradients
+    are identical. Both are checked against the written-out float64 gradient (rtol 1e-10) on fresh random inputs."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    b, t, cap = 8, 16, 2.0
+    f64 = dict(generator=g, dtype=torch.float64)
+    beh = -torch.rand(b, t, **f64) * 3 - 0.05
+    high = torch.rand(b, t, generator=g) < 0.5  # ρ > C on about half of the tokens
+    log_rho = torch.where(high, LOG(2.2) + torch.rand(b, t, **f64) * (LOG(6.0) - LOG(2.2)),
+                          LOG(0.3) + torch.rand(b, t, **f64) * (LOG(1.9) - LOG(0.3)))
+    prox = beh + log_rho
+    eps_high = 0.28 if loss_type == "dapo" else 0.2
+    # ρ > C: log R = log(1+ε_high) + u·log(ρ/C); u ∈ (0.1, 0.9) lands inside ACR's widened range, u = 1.4 beyond it
+    u = torch.where(torch.rand(b, t, generator=g) < 0.8, 0.1 + 0.8 * torch.rand(b, t, **f64),
+                    torch.full((b, t), 1.4, dtype=torch.float64))
+    log_r = torch.where(high, LOG(1 + eps_high) + u * (log_rho - LOG(cap)), torch.randn(b, t, **f64) * 0.3)
+    lp = prox + log_r
+    adv = torch.rand(b, **f64) + 0.1
+    adv[-2:] = -adv[-2:]  # two answers with negative advantage
+    mask = torch.rand(b, t, generator=g) > 0.2
+    mask[:, 0] = True
+    grads, metrics = {}, {}
+    for corr in ("acr", "tis"):
+        x = lp.clone().requires_grad_(True)
+        loss, metrics[corr] = policy_loss(x, prox, beh, adv, mask, LossConfig(loss_type=loss_type, correction=corr))
+        loss.backward()
+        grads[corr] = x.grad
+    rho = torch.exp(log_rho)
+    w = torch.clamp(rho, max=cap)
+    agg = "token-mean" if loss_type == "dapo" else "seq-mean-token-mean"
+    upper_acr = (1 + eps_high) * torch.clamp(rho / cap, min=1.0)  # (1+ε_high)/r, r = min(1, C/ρ)
+    torch.testing.assert_close(grads["acr"], _surrogate_grad(lp, prox, adv, mask, w, upper_acr, 0.8, agg),
+                               rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(grads["tis"], _surrogate_grad(lp, prox, adv, mask, w, 1 + eps_high, 0.8, agg),
+                               rtol=1e-10, atol=1e-13)
+    m = mask
+    a = adv[:, None].expand_as(lp)
+    window = m & high & (a > 0) & (u < 1)  # TIS clips, ACR does not
+    assert int(window.sum()) >= 10
+    assert (grads["tis"][window] == 0).all() and (grads["acr"][window] < 0).all()
+    same = m & ~window
+    assert (same & ~high).any() and (same & high).any()  # ρ ≤ C tokens, and ρ > C tokens with A < 0 or u = 1.4
+    torch.testing.assert_close(grads["acr"][same], grads["tis"][same], rtol=0, atol=0)
+    assert metrics["tis"]["clip/frac_high"] > metrics["acr"]["clip/frac_high"]
+
+
+def test_acr_equals_tis_at_the_first_optimizer_step():
+    # π_θ = π_prox (R = 1, the only step when a batch gets one optimizer step): the clip cannot bind, ACR = TIS
+    lp, prox, beh, adv, mask, _ = _random_batch(spread=1.0)
+    lp = prox.clone()
+    out = {}
+    for corr in ("acr", "tis"):
+        x = lp.clone().requires_grad_(True)
+        loss, _ = policy_loss(x, prox, beh, adv, mask, LossConfig(loss_type="dapo", correction=corr))
+        loss.backward()
+        out[corr] = (loss.detach(), x.grad)
+    assert (torch.exp(prox - beh)[mask] > 2.0).any()  # truncation is active, yet nothing differs
+    torch.testing.assert_close(out["acr"][0], out["tis"][0], rtol=0, atol=0)
+    torch.testing.assert_close(out["acr"][1], out["tis"][1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("agg", AGGS, ids=lambda c: c["loss_type"])
 @pytest.mark.parametrize("corr", [dict(correction="tis"), dict(correction="mis", correction_level="sequence"),
                                   dict(correction="acr")], ids=["tis", "mis-seq", "acr"])
@@ -342,7 +504,7 @@ def test_bf16_inputs_are_reduced_in_float32_and_large_ratios_stay_finite():
     assert lp.grad.dtype == torch.bfloat16
     # log ratios of ±200 would overflow exp: capped at e^20, the loss stays finite
     big = torch.tensor([[200.0, -200.0]], requires_grad=True)
-    for corr in ("decoupled", "tis", "acr", "naive"):
+    for corr in ("decoupled", "tis", "acr", "naive", "mis"):
         loss, met = policy_loss(big, torch.zeros(1, 2) + 100.0, torch.zeros(1, 2), torch.tensor([-1.0]),
                                 torch.ones(1, 2), LossConfig(correction=corr))
         assert math.isfinite(loss.item()) and all(math.isfinite(v) for v in met.values())

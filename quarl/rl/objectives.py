@@ -13,17 +13,25 @@ surrogate J_clip = min(R·A, clip(R, 1−ε_low, 1+ε_high)·A) the per-token lo
 naive          −min(R̂·A, clip(R̂)·A) with R̂ = π_θ / μ: μ taken as the old policy, no correction at all
 decoupled      −ρ·J_clip (Hilton et al.), ρ detached
 tis            −w·J_clip, w = min(ρ, C) (token) or w = min(exp Σ_t log ρ_t, C) on every token (sequence)
-mis            −keep·J_clip, keep = 1[mis_low ≤ ρ ≤ mis_high] per token, or per sequence on exp Σ_t log ρ_t
+mis            −w·J_clip, w = ρ·1[mis_low ≤ ρ ≤ mis_high] (token), or on every token of the answer
+               w = ρ_seq·1[mis_low ≤ ρ_seq ≤ mis_high] with ρ_seq = exp Σ_t log ρ_t (sequence)
 acr            −min(ρ, C)·min(R·A, clip(R, 1−ε_low, (1+ε_high)/r)·A), r = min(1, C/ρ)
 bypass         π_prox := μ (no extra forward); numerically the naive loss, offered as a labelled choice
 =============  =====================================================================================
 
 plus, when `kl_coef` > 0, β·k3 with k3 = exp(ref − θ) − (ref − θ) − 1 per token, before aggregation.
 
-All weights (ρ, w, keep) are functions of no-grad log-probs, so the gradient flows only through R.
+All weights (ρ, w) are functions of no-grad log-probs, so the gradient flows only through R.
 
 Design decisions (documented because other frameworks differ):
 
+* MIS is importance sampling with rejection, as TRL's `token_mask` / `sequence_mask` and verl's rollout-correction
+  masking: a token (token level) or a whole answer (sequence level) whose ρ lies outside [mis_low, mis_high]
+  gets weight 0, an accepted one keeps its importance weight ρ (not 1), untruncated: the accepted range already
+  bounds it by mis_high. Sequence level uses ρ_seq = exp Σ_t log ρ_t over the answer's counted tokens (TRL's
+  sequence ratio) and applies it to every token of the answer. The bounds are inclusive (TRL masks ρ > cap) and
+  are compared in log space (log ρ against log mis_low / log mis_high), so ρ_seq never overflows before the test;
+  ρ is exponentiated only where accepted, where it is ≤ mis_high.
 * MIS rejects by *zeroing* a token's policy-gradient term; the token stays in the aggregation denominator.
   This keeps the loss scale independent of how many tokens were rejected and makes micro-batch losses sum
   exactly to the full-batch loss with the caller's `num_tokens` (which cannot know rejections in advance).
@@ -31,6 +39,10 @@ Design decisions (documented because other frameworks differ):
 * ACR: the paper was not public; we read "the bound loosens as divergence grows" as widening the *upper* clip
   bound by 1/r exactly where truncation min(ρ, C) = ρ·r shrank the effective range (r < 1 iff ρ > C).
   Where ρ ≤ C the objective equals token-level TIS.
+* The clip — and so ACR's widened bound and DAPO's clip-higher ε_high — binds only where π_θ ≠ π_prox, i.e. from
+  the second optimizer step on the same batch (train.mini_batch_size below the batch, or train.epochs > 1). With
+  one optimizer step per batch R = 1 at the only step: ACR trains exactly like TIS and ε_high does nothing
+  (RunConfig.validate warns). naive/bypass are the exception: their R̂ = π_θ/μ differs from 1 from the start.
 * Numeric guards: log R and log ρ are capped at +20 before `exp` (e^20 ≈ 4.9e8) so a wildly off-policy token
   yields a large finite loss instead of inf/NaN; positions outside `mask` are neutralised with `where`, so
   padding holding garbage (even ±inf) never reaches the loss or the gradient.
@@ -62,14 +74,19 @@ class LossConfig:
     """Objective, aggregation and mismatch correction (BRIEF §4). Call `validate()` to check and resolve it."""
 
     loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo"  (sets the default aggregation)
-    aggregation: str | None = None  # None -> by loss_type (see DEFAULT_AGGREGATION)
+    # None -> by loss_type: grpo seq-mean-token-mean, dapo token-mean, dr_grpo seq-mean-token-sum-norm
+    aggregation: str | None = None
     epsilon_low: float = 0.2  # PPO clip range below 1
     epsilon_high: float | None = None  # None -> 0.28 for dapo, else epsilon_low
-    correction: str = "tis"  # "naive" | "decoupled" | "tis" | "mis" | "acr" | "bypass"
-    correction_level: str = "token"  # "token" | "sequence"  (tis and mis only)
-    is_cap: float = 2.0  # C for tis/acr (upper truncation)
-    mis_low: float = 0.0  # mis keeps tokens/sequences with mis_low <= rho <= mis_high
-    mis_high: float = 3.0  # see mis_low
+    # naive (R=π_θ/μ, w=1) | decoupled (×ρ) | tis (×min(ρ,C)) | mis (×ρ or 0) | acr (tis+wider clip) | bypass (=naive)
+    correction: str = "tis"
+    # token: each token its ρ = π_prox/μ | sequence: exp(Σ_t log ρ_t) on every token of the answer (tis and mis only)
+    correction_level: str = "token"
+    # C: tis weight min(ρ, C); acr: that weight, upper clip (1+epsilon_high)·max(1, ρ/C) (binds from 2nd optimizer step)
+    is_cap: float = 2.0
+    # mis: weight ρ where mis_low <= ρ <= mis_high (bounds inclusive), weight 0 (rejected) where ρ is outside
+    mis_low: float = 0.0
+    mis_high: float = 3.0  # mis: upper acceptance bound on ρ (TRL's default 3); accepted weights stay <= mis_high
     kl_coef: float = 0.0  # beta for the k3 KL to a frozen reference
     max_new_tokens: int | None = None  # needed by the dr_grpo aggregation
 
@@ -236,7 +253,7 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
         floats over this batch's counted tokens: "clip/frac_low", "clip/frac_high", "is/weight_mean",
         "is/truncated_frac", "is/masked_frac", "is/ess", "policy/ratio_mean", and "policy/kl_ref" if a reference
         was given. "is/*" describe the weight actually applied to each token's clipped term (1 for naive and
-        bypass, ρ for decoupled, min(ρ, C) for tis/acr, the 0/1 keep for mis); "is/ess" is (Σw)²/(n·Σw²) over
+        bypass, ρ for decoupled, min(ρ, C) for tis/acr, ρ if accepted else 0 for mis); "is/ess" is (Σw)²/(n·Σw²) over
         tokens, or over answers for sequence-level corrections.
     """
     cfg = cfg.validate()
@@ -289,10 +306,12 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     elif cfg.correction == "mis":
         log_low = math.log(cfg.mis_low) if cfg.mis_low > 0 else -math.inf
         log_high = math.log(cfg.mis_high)
+        # log ρ (token) or log ρ_seq = Σ_t log ρ_t (sequence; masked positions already hold 0), tested in log space
         lr = log_rho.sum(dim=1, keepdim=True).expand_as(log_rho) if sequence_level else log_rho
         keep = (lr >= log_low) & (lr <= log_high)
         rejected = ~keep
-        weight = keep.to(dtype)
+        # accepted: weight ρ (≤ mis_high, so the clamp only guards the rejected branch against overflow); rejected: 0
+        weight = _masked_where(keep, torch.exp(lr.clamp(max=log_high)))
     else:  # acr
         weight = torch.exp(log_rho.clamp(max=log_cap))  # min(ρ, C) = ρ·r
         truncated = log_rho > log_cap

@@ -28,6 +28,7 @@ from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlon
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
 from quarl.rl.checkpoint import atomic_write_bytes, latest_checkpoint, load_checkpoint, save_checkpoint
 from quarl.rl.evaluate import evaluate
+from quarl.rl.master_weights import MasterWeightAdamW
 from quarl.rl.mismatch import mismatch_metrics
 from quarl.rl.objectives import policy_loss
 from quarl.rl.run_log import RunLog
@@ -121,7 +122,8 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters: check lora/precision settings")
-        self.optimizer = torch.optim.AdamW(
+        # float32 masters and moments for bf16 parameters: AdamW on bf16 weights rounds small updates away
+        self.optimizer = MasterWeightAdamW(
             self.params, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay
         )
         # Dr.GRPO divides by answers x max_new_tokens: resolved here, not written back into the config.
@@ -323,7 +325,7 @@ class Trainer:
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
                 losses.append(mini_loss)
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, tr.max_grad_norm)))
+                grad_norms.append(float(self.optimizer.clip_grad_norm_(tr.max_grad_norm)))
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
