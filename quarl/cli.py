@@ -89,6 +89,7 @@ BENCHMARKS = {
     "rollout": "B2: rollout throughput of the fast engine (Qwen2.5-7B architecture)",
     "step": "B3: one RL step of the real trainer, split into sync/rollout/prox/update",
     "memory": "B4: the largest Qwen2.5 model whose qlora RL step runs on this GPU",
+    "quality": "B6: learning quality of every precision flow on the real SmolLM2-135M (runs side by side)",
 }
 
 
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
     p.set_defaults(fn=_export)
 
-    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step, memory")
+    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step, memory, quality")
     bench = p.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHMARKS.items():
         _add_module_command(bench, name, help_text, f"quarl.bench.{name}", f"bench_{name}", f"quarl bench {name}")

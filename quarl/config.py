@@ -128,6 +128,8 @@ class EvalSection:
     n: int = 1  # answers per held-out problem (avg@n, pass@n)
     temperature: float = 0.0  # 0 = greedy
     max_new_tokens: int | None = None  # None -> rollout.max_new_tokens
+    # quantized flows: also score the trained policy with quantization off (eval_full/*; reference engine)
+    full_precision: bool = True
 
 
 @dataclass

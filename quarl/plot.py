@@ -8,7 +8,7 @@ from quarl.rl.run_log import read_metrics
 
 PANELS = {
     "reward": ["reward/mean"],
-    "heldout_accuracy": ["eval/accuracy"],
+    "heldout_accuracy": ["eval/accuracy", "eval_full/accuracy"],
     "mismatch_kl": ["mismatch/kl", "mismatch/k3_kl"],
     "is_weights": ["is/weight_mean", "is/truncated_frac", "is/masked_frac"],
     "clip": ["clip/frac_low", "clip/frac_high"],

@@ -76,6 +76,13 @@ class PrecisionConfig:
                 "precision.flow=qlora trains LoRA adapters on a frozen quantized base, but lora.rank is 0; "
                 "set lora.rank (e.g. 16 or 32) or choose flow=split/unified for full fine-tuning"
             )
+        if self.flow in ("unified", "qlora") and fmt == "fp8-tensor" and not self.resolved_weight_only:
+            raise ValueError(
+                f"precision.format=fp8-tensor with precision.flow={self.flow} quantizes activations with one scale per "
+                "tensor, so a token's rounding depends on the rest of the batch: rollout (a few tokens per step) and "
+                "training (whole sequences) would compute different functions. Use precision.format=fp8 (per-token "
+                "scales) or fp8-block, or precision.weight_only=true"
+            )
         if self.kv_cache not in KV_CACHE_FORMATS:
             raise ValueError(f"precision.kv_cache={self.kv_cache!r}; choose one of {KV_CACHE_FORMATS}")
         if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):

@@ -55,11 +55,11 @@ def test_add_rms_norm_kernel(m, h, quant):
     from quarl.kernels.decode_fused import rms_norm_rows
 
     x, d = torch.randn(m, h, device=DEV, dtype=BF16) * 3, torch.randn(m, h, device=DEV, dtype=BF16)
-    w, noise = 1 + 0.3 * torch.randn(h, device=DEV, dtype=BF16), 0.05 * torch.randn(h, device=DEV, dtype=BF16)
+    w, noise = 1 + 0.3 * torch.randn(h, device=DEV, dtype=BF16), 0.05 * torch.randn(h, device=DEV)  # noise: float32
     r, hh, codes, scales = rms_norm_rows(x, d, w, noise, 1e-6, quant)
     assert torch.equal(r, x + d)
     rf = (x + d).float()
-    want = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + noise).float()).to(BF16)
+    want = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.float() + noise)).to(BF16)
     one_rounding_apart(hh, want)
     if quant:
         assert_codes_of(hh, codes, scales, quant)

@@ -503,8 +503,9 @@ def test_sync_requantizes_a_frozen_base_only_when_it_changed(monkeypatch):
     import quarl.model.qlinear as qlinear
 
     calls = []
-    real = qlinear.quantize
-    monkeypatch.setattr(qlinear, "quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = qlinear.QuantLinear._quantize_into_rollout_copy
+    monkeypatch.setattr(qlinear.QuantLinear, "_quantize_into_rollout_copy",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     frozen = make_layer(rollout_format="int8", lora_rank=4)
     trained = make_layer(rollout_format="int8")
     assert not frozen.weight.requires_grad and trained.weight.requires_grad
@@ -550,3 +551,24 @@ def test_rollout_uses_a_cast_copy_of_the_adapter_refreshed_in_place():
     torch.testing.assert_close(layer._rollout_adapter[1], layer.lora_B * layer.scaling, rtol=0, atol=0)
     with torch.no_grad():
         assert not torch.equal(layer(x), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "nvfp4"])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (1536, 576), (576, 1536), (130, 200)])
+def test_cuda_sync_kernels_give_the_reference_codes(fmt, n, k):
+    """The per-step sync on a GPU (a one-pass kernel where one exists): the rollout copy's codes and scales equal
+    `quarl.formats.quantize` of the bf16 master bit for bit, after an update too, in the same buffers."""
+    if fmt.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    layer = make_layer(k=k, n=n, rollout_format=fmt, dtype=torch.bfloat16).cuda()
+    ptr = layer.qweight_data.data_ptr()
+    for _ in range(2):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn_like(layer.weight) * 0.01)
+        layer.refresh()
+        ref = quantize(layer.weight.detach(), fmt, "weight")
+        qw = layer.qweight
+        assert torch.equal(qw.data.view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(qw.scale.float(), ref.scale.float().reshape(qw.scale.shape))
+    assert layer.qweight_data.data_ptr() == ptr

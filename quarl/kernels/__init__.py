@@ -204,6 +204,27 @@ def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False):
     return quantize_fp8_block_weight(w, transpose)
 
 
+def try_quantize_weight(w: torch.Tensor, fmt: str):
+    """The weight QuantizedTensor of w [N, K] in one Triton pass on a GPU, bit for bit `quantize(w, fmt, "weight")`:
+    "fp8-block" by its tile quantizer, "int8" and "fp8" by the per-row activation quantizer (per-channel weight
+    scales are per-row scales). None for other formats, off the GPU, or where the kernels cannot run: use the
+    reference then. Used by the per-step sync, which re-quantizes every linear."""
+    if fmt == "fp8-block":
+        return try_quantize_fp8_block_weight(w)
+    if fmt not in ("int8", "fp8") or not (w.is_cuda and w.dim() == 2 and w.stride(1) == 1):
+        return None
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.shape[0] == 0:
+        return None
+    available = fp8_kernels_available if fmt == "fp8" else kernels_available
+    if not available(w.device):
+        return None
+    from quarl.formats import QuantizedTensor
+    from quarl.kernels.act_quant import quantize_activation
+
+    codes, scales = quantize_activation(w, fmt, w.shape[1])
+    return QuantizedTensor(fmt, "weight", codes, scales, None, w.shape)
+
+
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):
     """See `_quantized_matmul`; None also where the caller's bf16 path (for W8A8: fake-quantized activations times
     the dequantized weight) measured faster than every quantized kernel (`tuning.choose_plan`)."""
@@ -444,7 +465,7 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
     r, h, _, _ = rms_norm_rows(x, d, w, noise, 1e-6)
     r_ref = x + d
     rf = r_ref.float()
-    h_ref = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + noise).float()).to(dtype)
+    h_ref = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.float() + noise.float())).to(dtype)
     ok = torch.equal(r, r_ref) and _one_rounding_close(h, h_ref) and codes_match(
         h, lambda quant: rms_norm_rows(x, d, w, noise, 1e-6, quant, write_h=True)[2:])
 

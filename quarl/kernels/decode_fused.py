@@ -4,9 +4,9 @@ Unfused, each RMSNorm is seven PyTorch kernels, rotary embedding five per tensor
 linear first quantizes its input in a kernel of its own. At a rollout batch of 512 these small kernels took
 about a quarter of a 7B decode step on an H200 (bench/results/rollout.md). Here each group is one pass:
 
-  rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h, and optionally h's 8-bit
-                  codes and scales, per token or (fp8-block) per 1x128 group: the next linear's activation
-                  quantization;
+  rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h (w + noise in float32), and
+                  optionally h's 8-bit codes and scales, per token or (fp8-block) per 1x128 group: the next
+                  linear's activation quantization;
   silu_mul_rows   silu(gate) * up -> h, optionally with its codes and scales;
   rope_rows       rotary embedding of the q and k heads of the fused q/k/v projection output.
 
@@ -72,10 +72,10 @@ def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q
         tl.store(r_ptr + row * H + offs, x, mask=ok)
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)  # rsqrtf, as torch.rsqrt
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
-    if HAS_NOISE:  # AQN: the rollout weight is w + noise, rounded to the weight's dtype
-        w = (w.to(tl.float32) + tl.load(n_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(w.dtype)
-    h = (xf * inv * w.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_NOISE:  # AQN: the rollout weight is w + noise in float32, never rounded to the weight's dtype
+        w = w + tl.load(n_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    h = (xf * inv * w).to(h_ptr.dtype.element_ty)
     if WRITE_H:
         tl.store(h_ptr + row * H + offs, h, mask=ok)
     if QUANT:
@@ -322,9 +322,12 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     """x, delta: [M, H] (bf16/fp16, rows contiguous); weight, noise: [H] -> (residual, h, codes, scales).
 
     residual = x + delta ([M, H], new tensor; x itself when delta is None); h = RMSNorm(residual) with weight
-    (+ noise) ([M, H], None unless write_h); quant "int8"/"fp8": codes [M, H] (int8 / float8_e4m3fn) and
-    scales float32 [M, 1] of h per token; "fp8-block": float8_e4m3fn codes [M, H] and scales float32
-    [M, ceil(H/128)] per 1x128 group, column-major; else None, None. num_warps: per row (default by row length).
+    (+ noise) ([M, H], None unless write_h): (residual * rsqrt(mean(residual^2) + eps)) * (weight + noise) in
+    float32, rounded once to x's dtype. noise (AQN; RMSNorm keeps it float32) is read as float32 and added to
+    the weight in float32, never rounded to the weight's dtype (a narrower noise tensor is widened on load).
+    quant "int8"/"fp8": codes [M, H] (int8 / float8_e4m3fn) and scales float32 [M, 1] of h per token;
+    "fp8-block": float8_e4m3fn codes [M, H] and scales float32 [M, ceil(H/128)] per 1x128 group, column-major;
+    else None, None. num_warps: per row (default by row length).
     delta_scales: (per-token float32 [M, 1], per-channel float32 [H]) when delta is a unit-scale FP8 product:
     delta * both scales, rounded to x's dtype, is what gets added.
     """

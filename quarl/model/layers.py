@@ -22,16 +22,24 @@ from quarl.model.shared_input import shared_input_linears
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (float64 for float64 x) and cast back to x's dtype.
 
-    `rollout_noise` (same shape as `weight`, zero, not saved) is added to the weight in rollout mode only: AQN
-    (BRIEF §5) writes Gaussian noise into it at each sync, so the rollout model sees w + noise and the training
-    forward never does.
+    AQN (BRIEF §5): `rollout_noise` (same shape as `weight`, zero, not saved) is added to the weight in rollout
+    mode only, so the rollout model sees w + noise and the training forward never does. The noise is kept in
+    float32 and added in float32 inside the norm, y = (x * rsqrt(mean(x^2) + eps)) * (w + noise) with x, w and the
+    noise widened to float32, then cast to x's dtype: in a bf16 model w + noise rounded to bf16 (one ulp at 1.0 is
+    2^-7) would erase σ <= 1e-3 and turn larger σ into sparse one-ulp jumps. The buffer stays float32 whatever
+    the model's dtype (`_apply` undoes nn.Module's cast, keeping the values); write noise into it in place (CUDA
+    graphs and the fused decode kernels read it at its address).
+
+    Training takes torch's fused `F.rms_norm` on CUDA bf16/fp16 (the same float32 math in one pass); the rollout
+    forward always takes the float32 code with the noise term (adding a zero noise changes nothing), so a CUDA
+    graph captured before AQN's first noisy stage still adds the noise written later.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        self.register_buffer("rollout_noise", torch.zeros(dim, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rollout_noise", torch.zeros(dim, device=device, dtype=torch.float32), persistent=False)
         self.rollout = False
 
     def set_rollout(self, on: bool) -> None:
@@ -42,16 +50,32 @@ class RMSNorm(nn.Module):
         with torch.no_grad():
             self.rollout_noise.zero_()
 
+    def _apply(self, fn, recurse=True):
+        """nn.Module's `_apply` (behind `.to()`, `.cuda()`, `.bfloat16()`), with `rollout_noise` kept float32 and its
+        values unrounded."""
+        old = self.rollout_noise
+        out = super()._apply(fn, recurse)
+        new = self.rollout_noise
+        if new is not None and new.dtype != torch.float32:
+            exact = old is not None and not old.is_meta and not new.is_meta
+            self.rollout_noise = old.to(new.device, torch.float32) if exact else new.float()
+        return out
+
     def effective_weight(self) -> torch.Tensor:
-        """The weight this forward uses: [dim], w + rollout_noise in rollout mode, w otherwise."""
-        return self.weight + self.rollout_noise if self.rollout else self.weight
+        """The weight this forward uses: [dim], w + rollout_noise in float32 (float64 for a float64 weight) in
+        rollout mode, w otherwise."""
+        if not self.rollout:
+            return self.weight
+        dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        return self.weight.to(dtype) + self.rollout_noise.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
-            # torch's fused CUDA kernel (forward and backward): the same float32 math in one pass over x instead
-            # of six elementwise passes through a float32 copy (a training step spent ~5 % of its time there).
-            return F.rms_norm(x, (x.shape[-1],), self.effective_weight().to(x.dtype), self.eps)
+        if not self.rollout and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and \
+                self.weight.dtype == x.dtype:
+            # torch's fused CUDA kernel (forward and backward): one pass over x instead of six elementwise passes
+            # through a float32 copy.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x if x.dtype == torch.float64 else x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.effective_weight().to(xf.dtype)).to(x.dtype)

@@ -97,6 +97,24 @@ def rollout_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.set_rollout(False)
 
 
+@contextlib.contextmanager
+def full_precision(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block every QuantLinear that keeps a master weight computes x @ W^T + b in the compute dtype, in
+    rollout and training mode alike (its formats are set aside and restored on exit, also on an exception): the
+    trained policy without quantization. A frozen (qlora) base has no master weight and keeps its dequantized base,
+    which is its full-precision function. Use it with the reference engine: the fast engine's CUDA graphs and
+    stacked projections were built for the quantized paths."""
+    saved = [(m, m.rollout_format, m.train_format) for m in model.modules()
+             if isinstance(m, QuantLinear) and m.weight is not None]
+    try:
+        for m, _, _ in saved:
+            m.rollout_format = m.train_format = None
+        yield model
+    finally:
+        for m, rollout_format, train_format in saved:
+            m.rollout_format, m.train_format = rollout_format, train_format
+
+
 def unquantized_linears(model: nn.Module, precision: PrecisionConfig) -> list[str]:
     """Names of linear layers (nn.Linear or QuantLinear) that this precision should quantize but that are not
     quantized in its format (BRIEF §7: a linear silently left in bf16 by a name-matching bug).

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from quarl import kernels
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
+from quarl.formats.registry import quantize_unchecked
 from quarl.model import fp8_training
 from quarl.model.fp8_training import FrozenWeightCodes, fp8_block_linear
 
@@ -343,10 +344,29 @@ class QuantLinear(nn.Module):
         self._frozen_codes_key = None  # a write through .data bypasses the version counter: refresh sees it
         if self.qweight_data is None or self.frozen_base:
             return
-        qt = quantize(self.weight.detach().to(self.compute_dtype), self.rollout_format, "weight", out=self.qweight)
+        qt = self._quantize_into_rollout_copy(self.weight.detach().to(self.compute_dtype))
         self._rollout_source = self._weight_state()
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+
+    def _quantize_into_rollout_copy(self, w: torch.Tensor) -> QuantizedTensor:
+        """Quantize w [out, in] into the rollout copy's buffers (in place) and return the copy. One Triton pass on
+        a GPU where `kernels.try_quantize_weight` has one (the same codes as the reference), else the reference
+        without its NaN/Inf scan: the scan costs a device synchronisation per linear, hundreds per sync, and a
+        non-finite master weight is the optimizer's failure, not the quantizer's."""
+        out = self.qweight
+        fresh = kernels.try_quantize_weight(w, self.rollout_format)
+        if fresh is None:
+            fresh = quantize_unchecked(w, self.rollout_format, "weight")
+        if fresh.data.dtype != out.data.dtype or fresh.scale.numel() != out.scale.numel():
+            raise RuntimeError(f"{self.rollout_format} weight quantizer returned codes {fresh.data.dtype} and "
+                               f"{fresh.scale.numel()} scales; the rollout copy holds {out.data.dtype} and "
+                               f"{out.scale.numel()}")
+        out.data.copy_(fresh.data)
+        out.scale.copy_(fresh.scale.reshape(out.scale.shape))
+        if out.global_scale is not None:
+            out.global_scale.copy_(fresh.global_scale)
+        return out
 
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight [out, in] the training forward uses, detached: the master weight, or for a frozen

@@ -1,10 +1,11 @@
 """AQN, adaptive quantization noise (QeRL; BRIEF §5).
 
-At every sync, Gaussian noise N(0, σ²) is written into the `rollout_noise` buffer of the RMSNorms in front of
-q/k/v and gate/up. The decoder's RMSNorm adds that buffer to its weight only in rollout mode, so the training
-forward never sees it; because the norm weight scales the input channels of the following projections, the noise
-acts as per-input-channel multiplicative noise on those weights. σ follows a stage schedule: training is split
-into K equal stages, stage 0 has no noise, stages 1..K-1 decay exponentially from σ_start to σ_end.
+At every sync, Gaussian noise N(0, σ²) is written into the float32 `rollout_noise` buffer of the RMSNorms in front
+of q/k/v and gate/up. The decoder's RMSNorm adds that buffer to its weight, in float32 (a bf16 sum would round
+σ <= 1e-3 away), only in rollout mode, so the training forward never sees it; because the norm weight scales the
+input channels of the following projections, the noise acts as per-input-channel multiplicative noise on those
+weights. σ follows a stage schedule: training is split into K equal stages, stage 0 has no noise, stages 1..K-1
+decay exponentially from σ_start to σ_end.
 """
 
 from __future__ import annotations
@@ -42,13 +43,21 @@ def noised_norms(model: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def set_aqn_noise(model: nn.Module, sigma: float, generator: torch.Generator | None = None) -> int:
-    """Draw fresh N(0, σ²) noise into every targeted norm's rollout_noise (σ = 0 clears it). Returns #norms."""
+    """Draw fresh N(0, σ²) noise into every targeted norm's rollout_noise (σ = 0 clears it). Returns #norms.
+
+    The noise is drawn in float32 (on the CPU, from `generator`) and written in place into the float32 buffers,
+    which the norms add to their weight in float32: a buffer of another dtype is refused, since rounding the
+    noise (or w + noise) to bf16 erases σ <= 1e-3 next to weights near 1 (one bf16 ulp at 1.0 is 2^-7)."""
     norms = noised_norms(model)
+    for norm in norms:
+        buf = norm.rollout_noise
+        if buf.dtype != torch.float32:
+            raise TypeError(f"AQN noise must be float32, {type(norm).__name__}.rollout_noise is {buf.dtype}")
     for norm in norms:
         buf = norm.rollout_noise
         if sigma > 0:
             noise = torch.randn(buf.shape, generator=generator, dtype=torch.float32) * sigma
-            buf.copy_(noise.to(buf.device, buf.dtype))
+            buf.copy_(noise.to(buf.device))
         else:
             buf.zero_()
     return len(norms)

@@ -13,6 +13,7 @@ import math
 import shutil
 import signal
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import yaml
 from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device
 from quarl.model.layers import Attention
-from quarl.model.precision_apply import apply_precision, refresh_rollout_weights
+from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
@@ -395,12 +396,30 @@ class Trainer:
         if self.cfg.aqn.sigma_start > 0:
             set_aqn_noise(self.model, 0.0)
         e = self.cfg.eval
-        result = evaluate(
-            self.engine, self.task, self.task.eval_examples, n=e.n, temperature=e.temperature,
-            max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens, seed=self.cfg.train.seed,
-            stop=list(self.cfg.rollout.stop) or None,
-        )
-        return {f"eval/{k}": v for k, v in result.items()}
+        kwargs = dict(n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                      seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None)
+        result = evaluate(self.engine, self.task, self.task.eval_examples, **kwargs)
+        out = {f"eval/{k}": v for k, v in result.items()}
+        if e.full_precision and self.cfg.precision.flow != "bf16":
+            from quarl.rollout.engine import RolloutEngine
+
+            with full_precision(self.model):
+                engine = RolloutEngine(self.model, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size)
+                full = evaluate(engine, self.task, self.task.eval_examples, **kwargs)
+            out.update({f"eval_full/{k}": v for k, v in full.items() if k != "num_examples"})
+        return out
+
+    def warn_if_rollout_format_too_lossy(self, before: dict) -> None:
+        """Warn once when the quantized rollout model scores far below the same weights in full precision before
+        any training (e.g. FP4 formats on a small model): RL then learns from a much weaker behaviour policy."""
+        quantized, full = before.get("eval/accuracy"), before.get("eval_full/accuracy")
+        if quantized is None or full is None or not (full - quantized >= 0.05 and quantized < 0.5 * full):
+            return
+        fmt = self.cfg.precision.resolved_format
+        warnings.warn(
+            f"the {fmt} rollout model scores {quantized:.3f} on the held-out problems against {full:.3f} in full "
+            f"precision before training: {fmt} loses too much on this model (FP4 formats on small models do); try "
+            "precision.format=int8 / fp8 / fp8-block, or a larger model", UserWarning, stacklevel=2)
 
     def train(self) -> dict:
         """Run (or resume) the loop to cfg.train.steps; returns the last step's metrics (+ eval results)."""
@@ -413,6 +432,7 @@ class Trainer:
             summary["before"] = self.evaluate()
             self.log.log(0, summary["before"])
             print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
+            self.warn_if_rollout_format_too_lossy(summary["before"])
         interrupt = GracefulInterrupt()
         bar = tqdm(
             total=cfg.train.steps, initial=self.start_step, desc="quarl train", unit="step",
@@ -462,7 +482,11 @@ class Trainer:
 
 
 def _fmt(metrics: dict) -> str:
-    return ", ".join(f"{k.split('/', 1)[-1]}={v:.3f}" for k, v in metrics.items() if isinstance(v, float))
+    """"eval/accuracy" -> "accuracy=...", "eval_full/accuracy" (quantization off) -> "full_accuracy=..."."""
+    def name(key: str) -> str:
+        return key.replace("eval_full/", "full_") if key.startswith("eval_full/") else key.split("/", 1)[-1]
+
+    return ", ".join(f"{name(k)}={v:.3f}" for k, v in metrics.items() if isinstance(v, float))
 
 
 def train_from_config(config_path: str | None, overrides: list[str]) -> dict:

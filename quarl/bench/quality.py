@@ -1,0 +1,322 @@
+"""B6 — learning quality on a real model (`quarl bench quality`, docs/BENCHMARKS.md).
+
+Does a low-precision run train as well as bf16, and finish sooner? Every setting in `SETTINGS` (precision flow,
+format, correction, LoRA) trains the real SmolLM2-135M-Instruct with GRPO on a synthetic arithmetic task for each
+seed, all runs side by side as separate `quarl train` processes (one GPU is shared; OMP_NUM_THREADS=1 each). The
+task (`TASK`): + and -, operands 0-50, 2000 training and 256 held-out problems, 16 prompts x 8 answers per step,
+16 new tokens, temperature 0.7, GRPO + TIS (C = 2) unless the setting says otherwise.
+
+Reported per setting (mean and spread over seeds): held-out greedy accuracy before, at every eval and after, in
+the rollout precision (`eval/accuracy`) and for the trained policy with quantization off (`eval_full/accuracy`);
+the first eval step (and the summed step time up to it) at which the setting's mean accuracy reaches the bf16
+full fine-tuning run's final mean accuracy; mean `mismatch/kl`; median step time split into sync / rollout /
+prox / update; and the B6 targets checked against those numbers.
+
+`--summarize RUNS_DIR` rebuilds the report from the run folders alone (e.g. runs copied back from a GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
+
+DEFAULT_RESULTS = os.path.join("bench", "results", "quality.md")
+
+# The task and GRPO settings every run shares (docs/BENCHMARKS.md, B6).
+TASK = [
+    "model.name=smollm2-135m-instruct", "data.train=arithmetic", "data.ops=[+,-]", "data.min_operand=0",
+    "data.max_operand=50", "data.num_train=2000", "data.num_eval=256", "data.eval_limit=256",
+    "data.prompt_template=What is {prompt}? Answer with just the number.",
+    "rollout.prompts_per_step=16", "rollout.num_generations=8", "rollout.max_new_tokens=16",
+    "rollout.temperature=0.7", "rollout.stop=[\"\\n\"]", "loss.loss_type=grpo", "loss.correction=tis",
+    "loss.is_cap=2.0", "train.warmup_steps=2", "train.micro_batch_size=32", "eval.temperature=0.0",
+    "output.tensorboard=false", "output.progress=false", "output.samples_per_step=1",
+]
+FULL_LR, LORA_LR = "train.lr=1e-5", "train.lr=5e-5"
+LORA = ["lora.rank=32", LORA_LR]
+
+# name -> overrides on top of TASK. The first is the reference the others are measured against.
+SETTINGS: dict[str, list[str]] = {
+    "bf16": ["precision.flow=bf16", FULL_LR],
+    "bf16-lora": ["precision.flow=bf16", *LORA],
+    "split-int8-tis": ["precision.flow=split", "precision.format=int8", FULL_LR],
+    "split-int8-naive": ["precision.flow=split", "precision.format=int8", "loss.correction=naive", FULL_LR],
+    "split-fp8-tis": ["precision.flow=split", "precision.format=fp8", FULL_LR],
+    "split-fp8-block-tis": ["precision.flow=split", "precision.format=fp8-block", FULL_LR],
+    "unified-fp8-block": ["precision.flow=unified", "precision.format=fp8-block", FULL_LR],
+    "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", *LORA],
+    "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
+                        "aqn.sigma_end=5e-4"],
+    "split-nvfp4-tis": ["precision.flow=split", "precision.format=nvfp4", FULL_LR],
+    "split-mxfp4-tis": ["precision.flow=split", "precision.format=mxfp4", FULL_LR],
+}
+REFERENCE, LORA_REFERENCE = "bf16", "bf16-lora"
+# Targets (docs/BENCHMARKS.md): (setting, reference, allowed points below the reference at equal steps)
+WITHIN = [(s, REFERENCE, 0.02) for s in ("split-int8-tis", "split-fp8-tis", "split-fp8-block-tis",
+                                         "unified-fp8-block")] + [("qlora-nvfp4", LORA_REFERENCE, 0.03)]
+NAIVE_PAIRS = [("split-int8-naive", "split-int8-tis")]
+
+
+def add_bench_quality_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quarl bench quality`."""
+    parser.add_argument("--settings", default="all", help=f"comma list of settings, or all ({', '.join(SETTINGS)})")
+    parser.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
+    parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run")
+    parser.add_argument("--eval-every", type=int, default=25, help="held-out eval every N steps")
+    parser.add_argument("--runs-dir", default=os.path.join("runs", "quality"), help="folder of the run folders")
+    parser.add_argument("--parallel", type=int, default=0, help="runs at once (0 = all)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: runs still going then are interrupted (they save and stop; the report "
+                             "shows the steps they reached)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra run-config override for every run, repeatable (e.g. model.device=cpu)")
+    parser.add_argument("--summarize", default=None, metavar="RUNS_DIR",
+                        help="only summarize the run folders already in RUNS_DIR (no training)")
+    add_output_arguments(parser, DEFAULT_RESULTS)
+
+
+def parse_settings(text: str) -> list[str]:
+    names = list(SETTINGS) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown B6 setting(s) {unknown}; choose from {', '.join(SETTINGS)} or all")
+    return names
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds={text!r} must be a comma list of integers, e.g. 0,1,2") from None
+    if not seeds:
+        raise ValueError("--seeds is empty")
+    return seeds
+
+
+def run_overrides(setting: str, seed: int, args) -> list[str]:
+    """The `quarl train` overrides of one run."""
+    return [*TASK, *SETTINGS[setting], f"train.seed={seed}", f"train.steps={args.steps}",
+            f"eval.every={args.eval_every}", f"output.checkpoint_every={args.steps}",
+            f"output.dir={os.path.join(args.runs_dir, f'{setting}-s{seed}')}", *args.overrides]
+
+
+# ----------------------------------------------------------------------------------------------------- running
+def launch_all(jobs: list[tuple[str, int]], args) -> None:
+    """Run every (setting, seed) as a `quarl train` process, at most args.parallel at once, printing progress."""
+    os.makedirs(args.runs_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    pending, running = list(jobs), {}
+    limit = args.parallel or len(jobs)
+    start = time.time()
+    interrupted = False
+    last_report = 0.0
+    while pending or running:
+        while pending and len(running) < limit and not interrupted:
+            setting, seed = pending.pop(0)
+            log = open(os.path.join(args.runs_dir, f"{setting}-s{seed}.log"), "w")
+            cmd = [sys.executable, "-m", "quarl", "train", *run_overrides(setting, seed, args)]
+            running[(setting, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        for key, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[key]
+                status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see its .log)"
+                print(f"[quality] {key[0]} seed {key[1]}: {status} after {time.time() - start:.0f} s", flush=True)
+        if args.time_budget is not None and not interrupted and time.time() - start > args.time_budget:
+            interrupted = True
+            pending.clear()
+            print(f"[quality] time budget {args.time_budget:.0f} s spent: interrupting {len(running)} runs "
+                  "(each saves after its current step)", flush=True)
+            for proc, _ in running.values():
+                proc.send_signal(signal.SIGINT)
+        if time.time() - last_report > 60 and running:
+            last_report = time.time()
+            steps = {f"{s}-s{d}": _steps_done(Path(args.runs_dir) / f"{s}-s{d}") for s, d in running}
+            print(f"[quality] {time.time() - start:.0f} s: steps done " +
+                  ", ".join(f"{k} {v}" for k, v in sorted(steps.items())), flush=True)
+        time.sleep(1.0)
+
+
+def _steps_done(run_dir: Path) -> int:
+    records = read_records(run_dir)
+    return max((r["step"] for r in records if "time/step_s" in r), default=0)
+
+
+# ----------------------------------------------------------------------------------------------------- summary
+def read_records(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    return out
+
+
+def run_summary(records: list[dict]) -> dict:
+    """One run's numbers: evals {step: (rollout-precision acc, full-precision acc)}, steps, mismatch, times."""
+    evals: dict[int, list] = {}
+    steps = [r for r in records if "time/step_s" in r]
+    for r in records:
+        if "eval/accuracy" in r:
+            evals[r["step"]] = [r["eval/accuracy"], r.get("eval_full/accuracy")]
+    cumulative, total = {}, 0.0
+    for r in steps:
+        total += r["time/step_s"]
+        cumulative[r["step"]] = total
+
+    def median(key):
+        values = [r[key] for r in steps if key in r]
+        return statistics.median(values) if values else float("nan")
+
+    kl = [r["mismatch/kl"] for r in steps if "mismatch/kl" in r]
+    return {
+        "evals": evals, "steps": max((r["step"] for r in steps), default=0), "cumulative_s": cumulative,
+        "kl": sum(kl) / len(kl) if kl else float("nan"),
+        "times": {k: median(f"time/{k}") for k in ("step_s", "sync_s", "rollout_s", "prox_s", "train_s")},
+    }
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _fmt(mean: float, sd: float) -> str:
+    return "-" if mean != mean else f"{mean:.3f} ± {sd:.3f}"
+
+
+def setting_summary(runs: list[dict]) -> dict:
+    """Mean and spread over seeds: accuracy at each eval step present in every run, final accuracies, times."""
+    common = sorted(set.intersection(*(set(r["evals"]) for r in runs))) if runs else []
+    curve = {s: _mean_sd([r["evals"][s][0] for r in runs]) for s in common}
+    full_curve = {s: _mean_sd([r["evals"][s][1] for r in runs]) for s in common}
+    times = {k: statistics.fmean([r["times"][k] for r in runs]) for k in runs[0]["times"]} if runs else {}
+    return {
+        "curve": curve, "full_curve": full_curve, "steps": min((r["steps"] for r in runs), default=0),
+        "kl": _mean_sd([r["kl"] for r in runs if r["kl"] == r["kl"]]), "times": times, "runs": runs,
+        "final": curve[common[-1]] if common else (float("nan"), float("nan")),
+        "final_full": full_curve[common[-1]] if common else (float("nan"), float("nan")),
+    }
+
+
+def reach(summary: dict, target: float) -> tuple[int | None, float | None]:
+    """First eval step whose mean accuracy is >= target, and the mean summed step time to it (evals excluded)."""
+    for step, (mean, _) in summary["curve"].items():
+        if step > 0 and mean >= target - 1e-9:
+            times = [r["cumulative_s"].get(step) for r in summary["runs"]]
+            times = [t for t in times if t is not None]
+            return step, (statistics.fmean(times) if times else None)
+    return None, None
+
+
+def summarize(runs_dir: str, settings: list[str] | None = None) -> tuple[str, list[str]]:
+    """The markdown report (tables) and the target verdict lines for the run folders in runs_dir."""
+    root = Path(runs_dir)
+    found: dict[str, list[dict]] = {}
+    for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and (p / "metrics.jsonl").is_file()):
+        name, _, seed = run_dir.name.rpartition("-s")
+        if name in SETTINGS and seed.isdigit() and (settings is None or name in settings):
+            records = read_records(run_dir)
+            if records:
+                found.setdefault(name, []).append(run_summary(records))
+    if not found:
+        raise ValueError(f"no B6 run folders (SETTING-sSEED with metrics.jsonl) in {runs_dir}")
+    summaries = {name: setting_summary(found[name]) for name in SETTINGS if name in found}
+    steps = sorted(set().union(*(s["curve"] for s in summaries.values())))
+    lines = ["| setting | seeds | steps | " + " | ".join(f"acc @{s}" for s in steps) +
+             " | full-precision acc before -> after | mean mismatch/kl |",
+             "|---|---:|---:|" + "---:|" * len(steps) + "---|---:|"]
+    for name, s in summaries.items():
+        cells = [_fmt(*s["curve"][st]) if st in s["curve"] else "-" for st in steps]
+        full = s["full_curve"]
+        full_text = "-" if not full or full[min(full)][0] != full[min(full)][0] else \
+            f"{full[min(full)][0]:.3f} -> {s['final_full'][0]:.3f}"
+        kl = s["kl"]
+        lines.append(f"| {name} | {len(s['runs'])} | {s['steps']} | " + " | ".join(cells) +
+                     f" | {full_text} | {'-' if kl[0] != kl[0] else f'{kl[0]:.4f}'} |")
+    ref = summaries.get(REFERENCE)
+    target = ref["final"][0] if ref else None
+    lines += ["", f"Time to the bf16 run's final accuracy ({'-' if target is None else f'{target:.3f}'}) and median "
+              "step time (seconds; evals excluded):", "",
+              "| setting | reaches it at step | summed step time to it | step | sync | rollout | prox | update | "
+              "sync share | step vs bf16 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ref_step = ref["times"]["step_s"] if ref else None
+    for name, s in summaries.items():
+        at, secs = reach(s, target) if target is not None else (None, None)
+        t = s["times"]
+        share = t["sync_s"] / t["step_s"] if t.get("step_s") else float("nan")
+        ratio = f"{t['step_s'] / ref_step:.2f}x" if ref_step else "-"
+        lines.append(f"| {name} | {at if at is not None else 'not reached'} | "
+                     f"{'-' if secs is None else f'{secs:.0f}'} | {t['step_s']:.2f} | {t['sync_s']:.3f} | "
+                     f"{t['rollout_s']:.2f} | {t['prox_s']:.2f} | {t['train_s']:.2f} | {share:.1%} | {ratio} |")
+    return "\n".join(lines), verdicts(summaries)
+
+
+def verdicts(summaries: dict) -> list[str]:
+    """The B6 targets, each as 'met' / 'missed' with the numbers (final mean accuracies at equal steps)."""
+    out = []
+    for name, ref_name, points in WITHIN:
+        if name in summaries and ref_name in summaries:
+            a, r = summaries[name]["final"][0], summaries[ref_name]["final"][0]
+            ok = a >= r - points
+            out.append(f"{name} within {points * 100:.0f} points of {ref_name}: {a:.3f} vs {r:.3f} -> "
+                       f"{'met' if ok else 'missed'}")
+    for naive, corrected in NAIVE_PAIRS:
+        if naive in summaries and corrected in summaries:
+            a, c = summaries[naive]["final"][0], summaries[corrected]["final"][0]
+            out.append(f"{naive} below {corrected}: {a:.3f} vs {c:.3f} -> {'met' if a < c else 'missed'}")
+    if "unified-fp8-block" in summaries and REFERENCE in summaries:
+        u, b = summaries["unified-fp8-block"]["kl"][0], summaries[REFERENCE]["kl"][0]
+        out.append(f"unified mismatch/kl no higher than bf16's: {u:.4f} vs {b:.4f} -> {'met' if u <= b else 'missed'}")
+    if REFERENCE in summaries:
+        ref = summaries[REFERENCE]["times"]["step_s"]
+        slow = [f"{n} {s['times']['step_s'] / ref:.2f}x" for n, s in summaries.items()
+                if s["times"]["step_s"] > 1.1 * ref]
+        out.append("every median step <= 1.1x bf16's: " + ("met" if not slow else "missed (" + ", ".join(slow) + ")"))
+    return out
+
+
+def run_bench_quality(args) -> int:
+    settings = parse_settings(args.settings)
+    if args.summarize is None:
+        seeds = parse_seeds(args.seeds)
+        jobs = [(s, seed) for s in settings for seed in seeds]
+        print(f"[quality] {len(jobs)} runs ({len(settings)} settings x {len(seeds)} seeds), {args.steps} steps each, "
+              f"into {args.runs_dir}", flush=True)
+        launch_all(jobs, args)
+    runs_dir = args.summarize or args.runs_dir
+    table, verdict_lines = summarize(runs_dir, settings)
+    print(table)
+    print("\n".join(verdict_lines))
+    if not args.no_save:
+        append_entry(
+            args.out, "B6 — learning quality on a real model",
+            "SmolLM2-135M-Instruct, GRPO on + / - arithmetic (operands 0-50), 16 prompts x 8 answers, held-out "
+            "greedy accuracy on 256 problems; every setting x seeds side by side on one GPU (quarl/bench/quality.py).",
+            bench_command(args, "quality"),
+            [f"runs: {runs_dir}"] + [f"target: {v}" for v in verdict_lines], table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("quality", __doc__, add_bench_quality_arguments, run_bench_quality, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
