@@ -221,6 +221,9 @@ def test_evaluation_uses_fresh_weights_without_noise(tmp_path, monkeypatch):
     seen = {}
 
     def spy_evaluate(engine, task, examples, **kw):
+        if trainer.model.model.layers[0].self_attn.q_proj.rollout_format is None:
+            seen["full_precision_evals"] = seen.get("full_precision_evals", 0) + 1  # eval.full_precision
+            return {"accuracy": 0.0}
         norms = [m.rollout_noise for m in trainer.model.modules() if hasattr(m, "rollout_noise")]
         seen["noise"] = max(float(n.abs().max()) for n in norms)
         layer = trainer.model.model.layers[0].self_attn.q_proj
@@ -232,7 +235,7 @@ def test_evaluation_uses_fresh_weights_without_noise(tmp_path, monkeypatch):
 
     monkeypatch.setattr("quarl.rl.trainer.evaluate", spy_evaluate)
     trainer.train()
-    assert seen == {"noise": 0.0, "stale": 0.0}
+    assert seen == {"noise": 0.0, "stale": 0.0, "full_precision_evals": 1}
 
 
 def test_local_training_file_needs_a_held_out_source(tmp_path):

@@ -130,6 +130,14 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
             if proc.poll() is not None:
                 log.close()
                 del running[key]
+                if proc.returncode != 0 and not interrupted and _out_of_memory_at_start(args.runs_dir, *key):
+                    # Too many runs for the GPU's memory: run this one again once fewer are running, and never
+                    # start more at once than were running when it failed.
+                    limit = max(1, len(running))
+                    pending.append(key)
+                    print(f"[quality] {key[0]} seed {key[1]}: out of GPU memory at start-up; queued again "
+                          f"(at most {limit} runs at once from now on)", flush=True)
+                    continue
                 status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see its .log)"
                 print(f"[quality] {key[0]} seed {key[1]}: {status} after {time.time() - start:.0f} s", flush=True)
         if args.time_budget is not None and not interrupted and time.time() - start > args.time_budget:
@@ -145,6 +153,13 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
             print(f"[quality] {time.time() - start:.0f} s: steps done " +
                   ", ".join(f"{k} {v}" for k, v in sorted(steps.items())), flush=True)
         time.sleep(1.0)
+
+
+def _out_of_memory_at_start(runs_dir: str, setting: str, seed: int) -> bool:
+    """Whether the run died of CUDA out-of-memory before finishing a step (so running it again loses nothing)."""
+    log = Path(runs_dir) / f"{setting}-s{seed}.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return "OutOfMemoryError" in text and _steps_done(Path(runs_dir) / f"{setting}-s{seed}") == 0
 
 
 def _steps_done(run_dir: Path) -> int:

@@ -1,0 +1,86 @@
+"""B6 harness (`quarl bench quality`): every setting is a valid run config, and the report's numbers (means and
+spreads over seeds, time to the bf16 accuracy, targets) are computed from the run folders."""
+
+import argparse
+import json
+import statistics
+import warnings
+
+import pytest
+
+from quarl.bench import quality
+from quarl.config import load_config
+
+
+def _args(**kw):
+    base = dict(steps=100, eval_every=25, runs_dir="runs/quality", overrides=[])
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("setting", list(quality.SETTINGS))
+def test_every_setting_is_a_valid_run_config(setting):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. a clip setting that cannot bind
+        cfg = load_config(None, quality.run_overrides(setting, 2, _args()))
+    assert cfg.train.seed == 2 and cfg.train.steps == 100 and cfg.eval.every == 25
+    assert cfg.output.dir.endswith(f"{setting}-s2")
+    assert cfg.rollout.stop == ("\n",) and cfg.data.ops == ("+", "-") and cfg.data.eval_limit == 256
+    assert cfg.rollout.prompts_per_step * cfg.rollout.num_generations == 128
+
+
+def test_unknown_setting_and_bad_seeds_are_refused():
+    with pytest.raises(ValueError, match="unknown B6 setting"):
+        quality.parse_settings("bf16,fp3")
+    with pytest.raises(ValueError, match="comma list of integers"):
+        quality.parse_seeds("0,x")
+
+
+def _write_run(root, name, seed, evals, full, step_s, kl):
+    run = root / f"{name}-s{seed}"
+    run.mkdir(parents=True)
+    rows = []
+    for step in range(1, 5):
+        rows.append({"step": step, "time/step_s": step_s, "time/sync_s": 0.01, "time/rollout_s": 0.5,
+                     "time/prox_s": 0.0, "time/train_s": step_s - 0.51, "mismatch/kl": kl})
+    for step, acc in evals.items():
+        row = {"step": step, "eval/accuracy": acc}
+        if full is not None:
+            row["eval_full/accuracy"] = full[step]
+        rows.append(row)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in sorted(rows, key=lambda r: r["step"])))
+
+
+def test_summary_means_reach_and_targets(tmp_path):
+    ref = {0: [0.2, 0.3], 2: [0.5, 0.6], 4: [0.7, 0.8]}
+    fast = {0: [0.2, 0.2], 2: [0.76, 0.74], 4: [0.74, 0.76]}
+    for seed in range(2):
+        _write_run(tmp_path, "bf16", seed, {s: v[seed] for s, v in ref.items()}, None, 1.0, 0.001)
+        _write_run(tmp_path, "split-int8-tis", seed, {s: v[seed] for s, v in fast.items()},
+                   {s: v[seed] + 0.01 for s, v in fast.items()}, 1.5, 0.04)
+    table, verdicts = quality.summarize(str(tmp_path))
+    bf16_row = next(line for line in table.splitlines() if line.startswith("| bf16 |"))
+    assert f"0.750 ± {statistics.stdev([0.7, 0.8]):.3f}" in bf16_row
+    int8_row = next(line for line in table.splitlines() if line.startswith("| split-int8-tis |"))
+    assert "0.210 -> 0.760" in int8_row and "0.0400" in int8_row
+    # bf16's final mean 0.75 is first reached by int8 at step 2, after 2 steps of 1.5 s
+    timing = [line for line in table.splitlines() if line.startswith("| split-int8-tis |")][1]
+    assert timing.split("|")[2].strip() == "2" and timing.split("|")[3].strip() == "3"
+    assert "1.50x" in timing
+    assert "split-int8-tis within 2 points of bf16: 0.750 vs 0.750 -> met" in verdicts
+    assert any(v.startswith("every median step <= 1.1x bf16's: missed (split-int8-tis 1.50x") for v in verdicts)
+
+
+def test_summary_without_runs_says_where_it_looked(tmp_path):
+    with pytest.raises(ValueError, match="no B6 run folders"):
+        quality.summarize(str(tmp_path))
+
+
+def test_only_an_out_of_memory_death_before_any_step_is_retried(tmp_path):
+    _write_run(tmp_path, "bf16", 0, {0: 0.2}, None, 1.0, 0.0)  # made steps
+    (tmp_path / "bf16-s0.log").write_text("torch.OutOfMemoryError: CUDA out of memory")
+    (tmp_path / "bf16-s1.log").write_text("torch.OutOfMemoryError: CUDA out of memory")
+    (tmp_path / "bf16-s2.log").write_text("ValueError: something else")
+    assert not quality._out_of_memory_at_start(str(tmp_path), "bf16", 0)
+    assert quality._out_of_memory_at_start(str(tmp_path), "bf16", 1)
+    assert not quality._out_of_memory_at_start(str(tmp_path), "bf16", 2)
