@@ -592,3 +592,32 @@ def test_cuda_matches_float64_reference(corr):
         assert metrics.keys() == want_metrics.keys()
         for k in metrics:
             assert metrics[k] == pytest.approx(want_metrics[k], rel=1e-4, abs=1e-6), k
+
+
+def test_a_registered_correction_is_selectable_by_name():
+    """A new correction is one registered function: LossConfig accepts its name and policy_loss applies its
+    weights (here w = 0.5 on every token), metrics included."""
+    from quarl.rl import objectives
+
+    @objectives.register_correction("half-test")
+    def _half(log_rho, cfg, sequence_level):
+        return objectives.CorrectionWeights(torch.full_like(log_rho, 0.5))
+
+    try:
+        torch.manual_seed(5)
+        lp = torch.randn(3, 6, dtype=torch.float64) * 0.1 - 1.0
+        prox, beh = lp + 0.01 * torch.randn_like(lp), lp + 0.05 * torch.randn_like(lp)
+        adv, mask = torch.randn(3, dtype=torch.float64), torch.ones(3, 6, dtype=torch.bool)
+        half, metrics = policy_loss(lp, prox, beh, adv, mask, LossConfig(correction="half-test"))
+        plain, _ = policy_loss(lp, prox, beh, adv, mask, LossConfig(correction="naive"))
+        anchored = (lp - prox).exp()  # R against π_prox, unclipped here (R = 1 +- 1e-2 inside [0.8, 1.2])
+        expected = -(0.5 * anchored * adv[:, None]).mean(dim=1).mean()
+        torch.testing.assert_close(half, expected, rtol=1e-12, atol=0)
+        assert metrics["is/weight_mean"] == pytest.approx(0.5)
+        assert not torch.allclose(half, plain)
+        with pytest.raises(ValueError, match="half-test"):
+            LossConfig(correction="half-test", correction_level="sequence").validate()
+    finally:
+        objectives.CORRECTION_REGISTRY.pop("half-test")
+    with pytest.raises(ValueError, match="unknown; choose one of"):
+        LossConfig(correction="half-test").validate()

@@ -21,6 +21,11 @@ bypass         π_prox := μ (no extra forward); numerically the naive loss, off
 
 plus, when `kl_coef` > 0, β·k3 with k3 = exp(ref − θ) − (ref − θ) − 1 per token, before aggregation.
 
+Each correction is one pure function registered by name (`@register_correction`, as verl's
+`@register_policy_loss`): it maps log ρ [B, T] to the per-token weights (and which tokens were truncated or
+rejected, and a widened upper clip bound for ACR); `LossConfig.correction` selects it and the trainer asks the
+registry (`Correction.skips_proximal`), never the name, whether to compute π_prox.
+
 All weights (ρ, w) are functions of no-grad log-probs, so the gradient flows only through R.
 
 Design decisions (documented because other frameworks differ):
@@ -54,19 +59,112 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-CORRECTIONS = ("naive", "decoupled", "tis", "mis", "acr", "bypass")
 CORRECTION_LEVELS = ("token", "sequence")
 DEFAULT_AGGREGATION = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 DAPO_EPSILON_HIGH = 0.28  # DAPO "clip-higher"
 
 # exp(20) ≈ 4.9e8: far beyond any clip range, small enough that products with advantages stay finite in fp32.
 _MAX_LOG_RATIO = 20.0
+
+
+# ------------------------------------------------------------------------------------------------ corrections
+@dataclass
+class CorrectionWeights:
+    """What a correction applies to each token's clipped term: weight [B, T] (no grad), and for the metrics and
+    the clip, truncated / rejected bool [B, T] (None = none) and upper_scale [B, T] (None = 1), which multiplies
+    the upper clip bound 1 + ε_high."""
+
+    weight: Tensor
+    truncated: Tensor | None = None
+    rejected: Tensor | None = None
+    upper_scale: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Correction:
+    """A registered mismatch correction: `fn(log_rho [B, T], cfg, sequence_level) -> CorrectionWeights`, where
+    log_rho = log π_prox − log μ (0 outside the mask). anchor_is_behaviour: μ plays the old policy (R̂ = π_θ/μ,
+    ρ = 1); skips_proximal: the trainer computes no π_prox at all; sequence_level: correction_level="sequence"
+    applies."""
+
+    name: str
+    fn: Callable
+    anchor_is_behaviour: bool = False
+    skips_proximal: bool = False
+    sequence_level: bool = False
+
+
+CORRECTION_REGISTRY: dict[str, Correction] = {}
+
+
+def register_correction(name: str, *, anchor_is_behaviour: bool = False, skips_proximal: bool = False,
+                        sequence_level: bool = False):
+    """Decorator: register `fn(log_rho, cfg, sequence_level) -> CorrectionWeights` as `loss.correction=name`."""
+    def decorate(fn: Callable) -> Callable:
+        CORRECTION_REGISTRY[name] = Correction(name, fn, anchor_is_behaviour, skips_proximal, sequence_level)
+        return fn
+    return decorate
+
+
+def get_correction(name: str) -> Correction:
+    """The registered correction `name`; ValueError listing the registered ones otherwise."""
+    if name not in CORRECTION_REGISTRY:
+        raise ValueError(f"loss.correction={name!r} is unknown; choose one of {tuple(CORRECTION_REGISTRY)}")
+    return CORRECTION_REGISTRY[name]
+
+
+@register_correction("naive", anchor_is_behaviour=True)
+def _naive(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    return CorrectionWeights(torch.ones_like(log_rho))
+
+
+@register_correction("decoupled")
+def _decoupled(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    return CorrectionWeights(torch.exp(log_rho.clamp(max=_MAX_LOG_RATIO)))
+
+
+@register_correction("tis", sequence_level=True)
+def _tis(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    log_cap = math.log(cfg.is_cap)
+    if sequence_level:
+        log_rho_seq = log_rho.sum(dim=1, keepdim=True)  # masked positions already hold 0
+        return CorrectionWeights(torch.exp(log_rho_seq.clamp(max=log_cap)).expand_as(log_rho),
+                                 truncated=(log_rho_seq > log_cap).expand_as(log_rho))
+    return CorrectionWeights(torch.exp(log_rho.clamp(max=log_cap)), truncated=log_rho > log_cap)  # min(ρ, C)
+
+
+@register_correction("mis", sequence_level=True)
+def _mis(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    log_low = math.log(cfg.mis_low) if cfg.mis_low > 0 else -math.inf
+    log_high = math.log(cfg.mis_high)
+    # log ρ (token) or log ρ_seq = Σ_t log ρ_t (sequence; masked positions already hold 0), tested in log space
+    lr = log_rho.sum(dim=1, keepdim=True).expand_as(log_rho) if sequence_level else log_rho
+    keep = (lr >= log_low) & (lr <= log_high)
+    # accepted: weight ρ (≤ mis_high, so the clamp only guards the rejected branch against overflow); rejected: 0
+    return CorrectionWeights(_masked_where(keep, torch.exp(lr.clamp(max=log_high))), rejected=~keep)
+
+
+@register_correction("acr")
+def _acr(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    log_cap = math.log(cfg.is_cap)
+    # min(ρ, C) = ρ·r; the upper bound (1+ε_high)/r with r = min(1, C/ρ) ⇔ (1+ε_high)·max(1, ρ/C), in log space.
+    return CorrectionWeights(torch.exp(log_rho.clamp(max=log_cap)), truncated=log_rho > log_cap,
+                             upper_scale=torch.exp((log_rho - log_cap).clamp(min=0.0, max=_MAX_LOG_RATIO)))
+
+
+@register_correction("bypass", anchor_is_behaviour=True, skips_proximal=True)
+def _bypass(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    return CorrectionWeights(torch.ones_like(log_rho))
+
+
+CORRECTIONS = tuple(CORRECTION_REGISTRY)  # the built-in ones, in order (a later registration adds to the registry)
 
 
 @dataclass
@@ -111,12 +209,11 @@ class LossConfig:
         if agg not in AGGREGATIONS:
             raise ValueError(f"loss.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS} "
                              "or leave it None for the loss_type default")
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"loss.correction={self.correction!r} is unknown; choose one of {CORRECTIONS}")
+        correction = get_correction(self.correction)
         if self.correction_level not in CORRECTION_LEVELS:
             raise ValueError(
                 f"loss.correction_level={self.correction_level!r} is unknown; choose one of {CORRECTION_LEVELS}")
-        if self.correction_level == "sequence" and self.correction not in ("tis", "mis"):
+        if self.correction_level == "sequence" and not correction.sequence_level:
             raise ValueError(
                 f"loss.correction_level='sequence' applies to correction 'tis' or 'mis' only, not "
                 f"{self.correction!r}; use correction_level='token' or switch the correction")
@@ -264,12 +361,11 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
 
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 inputs are reduced in fp32
     m = mask.bool() if mask.dtype == torch.bool else mask != 0
+    correction = get_correction(cfg.correction)
     logprobs = logprobs.to(dtype)
     behaviour = behaviour_logprobs.detach().to(dtype)
-    if cfg.correction in ("bypass", "naive"):
-        anchor = behaviour  # μ plays the old policy: no proximal forward needed
-    else:
-        anchor = proximal_logprobs.detach().to(dtype)
+    # naive / bypass: μ plays the old policy (no proximal forward needed) and ρ = 1
+    anchor = behaviour if correction.anchor_is_behaviour else proximal_logprobs.detach().to(dtype)
     adv = advantages.detach().to(dtype)
     adv = adv.unsqueeze(1).expand_as(logprobs) if adv.dim() == 1 else adv
     adv = _masked_where(m, adv)
@@ -278,45 +374,17 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     log_ratio = _masked_where(m, logprobs - anchor).clamp(max=_MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
 
-    # Mismatch ratio ρ = π_prox / μ in log space (1 where there is no proximal policy).
-    if cfg.correction in ("bypass", "naive"):
-        log_rho = torch.zeros_like(behaviour)
-    else:
-        log_rho = _masked_where(m, anchor - behaviour)
-
-    eps_low, eps_high, cap = cfg.epsilon_low, cfg.epsilon_high, cfg.is_cap
-    log_cap = math.log(cap)
-    sequence_level = cfg.correction_level == "sequence" and cfg.correction in ("tis", "mis")
-    truncated = torch.zeros_like(m)
-    rejected = torch.zeros_like(m)
+    # Mismatch ratio ρ = π_prox / μ in log space (0 where there is no proximal policy, and outside the mask).
+    log_rho = _masked_where(m, anchor - behaviour)
+    sequence_level = cfg.correction_level == "sequence" and correction.sequence_level
+    applied = correction.fn(log_rho, cfg, sequence_level)
+    weight = applied.weight
+    truncated = applied.truncated if applied.truncated is not None else torch.zeros_like(m)
+    rejected = applied.rejected if applied.rejected is not None else torch.zeros_like(m)
+    eps_low, eps_high = cfg.epsilon_low, cfg.epsilon_high
     upper = torch.full_like(ratio, 1.0 + eps_high)
-
-    if cfg.correction in ("naive", "bypass"):
-        weight = torch.ones_like(ratio)
-    elif cfg.correction == "decoupled":
-        weight = torch.exp(log_rho.clamp(max=_MAX_LOG_RATIO))
-    elif cfg.correction == "tis":
-        if sequence_level:
-            log_rho_seq = log_rho.sum(dim=1, keepdim=True)  # masked positions already hold 0
-            weight = torch.exp(log_rho_seq.clamp(max=log_cap)).expand_as(ratio)
-            truncated = (log_rho_seq > log_cap).expand_as(m)
-        else:
-            weight = torch.exp(log_rho.clamp(max=log_cap))  # = min(ρ, C) without overflow
-            truncated = log_rho > log_cap
-    elif cfg.correction == "mis":
-        log_low = math.log(cfg.mis_low) if cfg.mis_low > 0 else -math.inf
-        log_high = math.log(cfg.mis_high)
-        # log ρ (token) or log ρ_seq = Σ_t log ρ_t (sequence; masked positions already hold 0), tested in log space
-        lr = log_rho.sum(dim=1, keepdim=True).expand_as(log_rho) if sequence_level else log_rho
-        keep = (lr >= log_low) & (lr <= log_high)
-        rejected = ~keep
-        # accepted: weight ρ (≤ mis_high, so the clamp only guards the rejected branch against overflow); rejected: 0
-        weight = _masked_where(keep, torch.exp(lr.clamp(max=log_high)))
-    else:  # acr
-        weight = torch.exp(log_rho.clamp(max=log_cap))  # min(ρ, C) = ρ·r
-        truncated = log_rho > log_cap
-        # (1+ε_high)/r with r = min(1, C/ρ)  ⇔  (1+ε_high)·max(1, ρ/C); computed in log space (no overflow).
-        upper = (1.0 + eps_high) * torch.exp((log_rho - log_cap).clamp(min=0.0, max=_MAX_LOG_RATIO))
+    if applied.upper_scale is not None:
+        upper = upper * applied.upper_scale
 
     lower = 1.0 - eps_low
     clipped_ratio = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, lower)), upper)
