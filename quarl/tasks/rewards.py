@@ -10,6 +10,7 @@ its tasks in its own main thread, where the timeouts work.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import importlib.util
@@ -18,6 +19,7 @@ import logging
 import os
 import re
 import threading
+import traceback
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -191,6 +193,36 @@ def format_reward(completion: str, pattern: str | re.Pattern, *, match: str = "s
     return 1.0 if regex.search(completion) else 0.0
 
 
+class RewardFunctionError(ValueError):
+    """A user reward function (reward.function) that cannot be used. The message is one line naming the function
+    ("module:function") and the problem. Subclasses also derive from AttributeError / TypeError, so callers that
+    catch those keep working, while the command line reports every case as a one-line error."""
+
+
+class RewardAttributeError(RewardFunctionError, AttributeError):
+    """The module has no such attribute."""
+
+
+class RewardTypeError(RewardFunctionError, TypeError):
+    """Not callable, a signature that cannot take (completion, example), or a result that is not a number."""
+
+
+def _one_line(text: Any, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _raised_at(err: BaseException, code_file: str | None = None) -> str:
+    """" (at file.py:12 in fn)": the deepest frame of the traceback in `code_file` (the user's file), else the
+    deepest frame of all; "" without a traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    mine = [f for f in frames if code_file and os.path.abspath(f.filename) == os.path.abspath(code_file)]
+    f = (mine or frames)[-1]
+    return f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
+
+
 def _import_target(target: str, spec: str):
     if target.endswith(".py") or os.sep in target or "/" in target:
         path = os.path.abspath(os.path.expanduser(target))
@@ -199,20 +231,53 @@ def _import_target(target: str, spec: str):
         name = "quarl_user_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # a syntax error, a failing import or statement in the user's file
+            raise RewardFunctionError(
+                f"reward spec {spec!r}: running {path} failed with {type(e).__name__}: {_one_line(e)}"
+                f"{_raised_at(e, path)}; fix the file"
+            ) from e
         return module
     try:
         return importlib.import_module(target)
     except ImportError as e:
-        raise ImportError(f"reward spec {spec!r}: cannot import module {target!r} ({e}); make it importable "
-                          "(installed or on PYTHONPATH) or give a file path: 'path/to/rewards.py:function'") from e
+        raise ImportError(f"reward spec {spec!r}: cannot import module {target!r} ({_one_line(e)}); make it "
+                          "importable (installed or on PYTHONPATH) or give a file path: "
+                          "'path/to/rewards.py:function'") from e
+    except Exception as e:  # the module exists but importing it fails (syntax error, failing statement)
+        raise RewardFunctionError(
+            f"reward spec {spec!r}: importing module {target!r} failed with {type(e).__name__}: {_one_line(e)}"
+            f"{_raised_at(e)}; fix the module"
+        ) from e
+
+
+def _as_number(value: Any, spec: str) -> float:
+    """`value` as a float: numbers (bool, int, float, numpy / one-element torch scalars) only; a string, None or a
+    list is an error even when float() would accept it ("1.0" is text, not a reward). NaN passes."""
+    if type(value) is float:
+        return value
+    kind = type(value)
+    if isinstance(value, (str, bytes)) or not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
+        raise RewardTypeError(f"reward function {spec!r} returned {_one_line(repr(value), 80)} (a {kind.__name__}); "
+                              "it must return a number (float, int or bool)")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise RewardTypeError(f"reward function {spec!r} returned {_one_line(repr(value), 80)} (a {kind.__name__}, "
+                              f"{_one_line(e, 80)}); it must return a number (float, int or bool)") from e
 
 
 def load_reward_function(spec: str) -> Callable[[str, dict], float]:
     """Load a user reward `fn(completion: str, example: dict) -> float` from "module:function" or "file.py:function".
 
-    The returned callable converts the result to float and raises TypeError, naming the spec, if the user
-    function returns something that is not a number.
+    The returned callable converts the result to float. It raises RewardTypeError (a ValueError and a TypeError),
+    naming the spec, if the user function returns something that is not a number (None, a string, a list ...;
+    bool and int are fine, NaN passes), and RewardFunctionError, naming the spec, the exception and where it was
+    raised, if the user function raises.
+    Loading errors are one line each: ImportError (module missing), FileNotFoundError (file missing),
+    RewardAttributeError (no such attribute), RewardTypeError (not callable, wrong signature), RewardFunctionError
+    (the module fails to import). See `validate_reward_function` to check a function once before training.
     """
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"reward spec {spec!r} must look like 'package.module:function' or "
@@ -225,24 +290,68 @@ def load_reward_function(spec: str) -> Callable[[str, dict], float]:
     fn = getattr(module, attr, None)
     if fn is None:
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise AttributeError(f"reward spec {spec!r}: {target!r} has no attribute {attr!r}; callables there: "
-                             f"{available}")
+        raise RewardAttributeError(f"reward spec {spec!r}: {target!r} has no attribute {attr!r}; callables there: "
+                                   f"{available}")
     if not callable(fn):
-        raise TypeError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        raise RewardTypeError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function; point "
+                              "reward.function at a function fn(completion: str, example: dict) -> float")
     try:
         inspect.signature(fn).bind("completion", {})
     except TypeError as e:
-        raise TypeError(f"reward spec {spec!r}: {attr} must accept (completion: str, example: dict); "
-                        f"its signature is {inspect.signature(fn)}") from e
+        raise RewardTypeError(f"reward spec {spec!r}: {attr} must accept (completion: str, example: dict); "
+                              f"its signature is {attr}{inspect.signature(fn)}") from e
     except ValueError:
         pass  # builtins without a signature: trust the caller
+    code_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
 
     @functools.wraps(fn)
     def reward(completion: str, example: dict[str, Any]) -> float:
-        value = fn(completion, example)
         try:
-            return float(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"reward function {spec!r} returned {value!r}; it must return a number") from e
+            value = fn(completion, example)
+        except Exception as e:  # the user's bug: one line with where it happened (the traceback stays chained)
+            raise RewardFunctionError(
+                f"reward function {spec!r} raised {type(e).__name__}: {_one_line(e)}{_raised_at(e, code_file)} on "
+                f"the completion {_one_line(repr(completion), 60)}; it must return a number for any completion"
+            ) from e
+        return _as_number(value, spec)
 
     return reward
+
+
+def validate_reward_function(spec: str | Callable[[str, dict], float], example: Any,
+                             completion: str | None = None) -> Callable[[str, dict], float]:
+    """Load the user reward `spec` ("module:function" / "file.py:function") and call it once, so that a broken
+    function fails when the task loads, not in the middle of the first rollout.
+
+    Args:
+        spec: the reward spec (or a function already returned by `load_reward_function`).
+        example: the first training example (a `quarl.tasks.datasets.Example` or the dict the function receives);
+            the function gets a copy, so the check cannot change it.
+        completion: the text to score; default the example's gold answer (a plausible completion).
+    Returns:
+        the loaded function (`load_reward_function(spec)`), to be used for training.
+    Raises:
+        one-line errors naming the function: ImportError / FileNotFoundError (module or file missing),
+        RewardFunctionError (a ValueError; also AttributeError / TypeError for a missing attribute, a
+        non-callable, a wrong signature or a non-number result) when it cannot be loaded, raises, or returns
+        something that is not a number. Booleans and ints are fine; NaN passes (the trainer guards non-finite
+        rewards).
+    """
+    fn = load_reward_function(spec) if isinstance(spec, str) else spec
+    name = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    record = copy.deepcopy(example if isinstance(example, dict) else dict(vars(example)))
+    if completion is None:
+        completion = str(record.get("gold", ""))
+    where = f"checked when the task loads, on the first training example (id {record.get('id')!r})"
+    try:
+        _as_number(fn(completion, record), name)
+    except RewardFunctionError as e:
+        msg = str(e)
+        if "on the completion" not in msg:
+            where += f" with the completion {_one_line(repr(completion), 60)}"
+        raise type(e)(f"{msg} ({where})") from e
+    except Exception as e:  # a plain callable (not from load_reward_function) that raises
+        raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {_one_line(e)}"
+                                  f"{_raised_at(e)} on the completion {_one_line(repr(completion), 60)} ({where})"
+                                  ) from e
+    return fn

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from quarl.tasks.datasets import Example, load_examples
-from quarl.tasks.rewards import format_reward, load_reward_function, math_reward
+from quarl.tasks.rewards import format_reward, load_reward_function, math_reward, validate_reward_function
 from quarl.tasks.synthetic import arithmetic_splits
 
 
@@ -23,9 +23,17 @@ class TaskData:
     correct_fn: Callable[[str, Example], float]  # correctness alone (no format bonus): 1 = correct
     seed: int = 0
     _orders: dict = field(default_factory=dict, repr=False)
+    _data_cfg: Any = field(default=None, repr=False)  # for set_tokenizer
 
     def render(self, example: Example) -> str:
         return self.render_fn(example)
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Bind the tokenizer prompts are rendered with: for a task loaded before the model
+        (`load_task(data_cfg, reward_cfg, tokenizer=None)`, which checks the data and the reward function early)."""
+        if self._data_cfg is None:
+            raise ValueError("this TaskData was built without its data config; build it with load_task")
+        self.render_fn = make_renderer(self._data_cfg, tokenizer)
 
     def reward(self, completion: str, example: Example) -> float:
         return float(self.reward_fn(completion, example))
@@ -65,16 +73,27 @@ def make_renderer(data_cfg, tokenizer) -> Callable[[Example], str]:
     def render(example: Example) -> str:
         user = template.format(prompt=example.prompt)
         if data_cfg.chat_template:
+            if tokenizer is None:
+                raise ValueError("the task was loaded without a tokenizer (load_task(..., tokenizer=None)); call "
+                                 "task.set_tokenizer(tokenizer) once the model is loaded, before rendering prompts")
             return apply_chat(tokenizer, user, system=data_cfg.system_prompt)
         return user if data_cfg.system_prompt is None else f"{data_cfg.system_prompt}\n\n{user}"
 
     return render
 
 
-def make_reward(reward_cfg) -> tuple[Callable[[str, Example], float], Callable[[str, Example], float]]:
-    """(training reward, correctness): the reward adds the optional format bonus to the correctness check."""
+def make_reward(reward_cfg, example: Example | None = None) -> tuple[Callable[[str, Example], float],
+                                                                     Callable[[str, Example], float]]:
+    """(training reward, correctness): the reward adds the optional format bonus to the correctness check.
+
+    With `example` (the first training example) a user reward.function is called once on it, with its gold answer
+    as the completion (`validate_reward_function`): a broken function fails here with one line naming it.
+    """
     if reward_cfg.function:
-        user_fn = load_reward_function(reward_cfg.function)
+        if example is not None:
+            user_fn = validate_reward_function(reward_cfg.function, example)
+        else:
+            user_fn = load_reward_function(reward_cfg.function)
         base = lambda text, ex: float(user_fn(text, ex.__dict__))  # noqa: E731
     else:
         base = lambda text, ex: math_reward(text, ex.gold, ex.gold_format)  # noqa: E731
@@ -84,8 +103,14 @@ def make_reward(reward_cfg) -> tuple[Callable[[str, Example], float], Callable[[
     return (lambda text, ex: base(text, ex) + w * format_reward(text, pattern)), base
 
 
-def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
-    """Build the task of a run config's `data` and `reward` sections."""
+def load_task(data_cfg, reward_cfg, tokenizer=None, seed: int = 0) -> TaskData:
+    """Build the task of a run config's `data` and `reward` sections.
+
+    Loads the examples (bad records, e.g. a non-numeric gold answer for a numeric gold format, fail here with the
+    file, record and field) and checks a user reward.function once on the first training example. `tokenizer`
+    may be None to do this before the model loads; call `task.set_tokenizer(tokenizer)` afterwards (a chat
+    template needs it).
+    """
     d = data_cfg
     if d.train == "arithmetic":
         # The question is the bare expression ("7 + 5"); data.prompt_template wraps it.
@@ -107,5 +132,5 @@ def load_task(data_cfg, reward_cfg, tokenizer, seed: int = 0) -> TaskData:
         held_out = held_out[: d.eval_limit]
     if not train:
         raise ValueError(f"data.train={d.train!r} gave no training examples")
-    reward, correct = make_reward(reward_cfg)
-    return TaskData(train, held_out, make_renderer(d, tokenizer), reward, correct, seed=seed)
+    reward, correct = make_reward(reward_cfg, train[0])
+    return TaskData(train, held_out, make_renderer(d, tokenizer), reward, correct, seed=seed, _data_cfg=d)
