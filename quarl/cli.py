@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-from quarl.precision import QUANT_FORMATS
-from quarl.rollout.generate_cli import add_engine_arguments
+# Heavy imports (torch) happen inside main(), so that Ctrl-C during start-up ends with one line, not a traceback.
+
+TRAIN_EPILOG = """exit status: 0 done; 1 the run stopped with an error it names (NaN/Inf for train.max_nonfinite_steps
+steps in a row or in the weights, run directory in use by another run); 2 bad config or input; 130 stopped by
+Ctrl-C, 143 stopped by SIGTERM (both after finishing the step and saving a checkpoint; a second Ctrl-C or SIGTERM
+stops at once with 130). Resuming a run directory runs the reward function named in its config.yaml."""
 
 
 def _train(args) -> int:
-    from quarl.rl.trainer import train_from_config
+    from quarl.rl.trainer import RunStopped, train_from_config
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)  # `quarl train key=value ...` with the built-in defaults
         config = None
-    summary = train_from_config(config, overrides)
-    return 130 if summary.get("interrupted") else 0
+    try:
+        summary = train_from_config(config, overrides)
+    except RunStopped as e:
+        print(f"quarl train: error: {e}", file=sys.stderr)
+        return 1
+    if summary.get("interrupted"):
+        return 128 + int(summary.get("signal") or signal.SIGINT)  # 130 after Ctrl-C, 143 after SIGTERM
+    return 0
 
 
 def _config(args) -> int:
@@ -80,7 +91,7 @@ def _plot(args) -> int:
 def _export(args) -> int:
     from quarl.export import export_from_run
 
-    print(export_from_run(args.run_dir, args.out))
+    print(export_from_run(args.run_dir, args.out, overwrite=args.overwrite))
     return 0
 
 
@@ -108,10 +119,14 @@ def _add_module_command(subparsers, name: str, help_text: str, module: str, stem
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from quarl.precision import QUANT_FORMATS
+    from quarl.rollout.generate_cli import add_engine_arguments
+
     parser = argparse.ArgumentParser(prog="quarl", description="RL post-training of LLMs with low-precision rollouts")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train with RL from a YAML config (plus key=value overrides)")
+    p = sub.add_parser("train", help="train with RL from a YAML config (plus key=value overrides)",
+                       epilog=TRAIN_EPILOG)
     p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5 precision.flow=unified; "
                                                  "resume=RUN_DIR continues a run")
@@ -153,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model (+ PEFT adapters)")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in the output folder")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step, memory, quality")
@@ -163,14 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from quarl.config import ConfigError
-
     try:
-        return int(args.fn(args) or 0)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
-        print(f"quarl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        from quarl.config import ConfigError
+
+        try:
+            return int(args.fn(args) or 0)
+        except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
+            print(f"quarl {args.command}: error: {e}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading, or a second Ctrl-C / SIGTERM during training
+        print("[quarl] interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,9 +22,10 @@ from typing import Any
 import yaml
 
 from quarl.precision import LoraConfig, PrecisionConfig
-from quarl.rl.objectives import LossConfig
+from quarl.rl.objectives import LossConfig, get_correction
 
 SAMPLERS = ("inverse-cdf", "gumbel")  # the fast engine's temperature samplers, default first
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")  # what quarl.devices.resolve_device accepts
 
 
 class ConfigError(ValueError):
@@ -31,10 +34,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    name: str = "smollm2-135m-instruct"  # HF dir, hub id, .gguf path, or the embedded default
+    # HF dir, hub id, .gguf path, the embedded default, or a built-in random tiny-random-llama / -qwen2 / -qwen3
+    name: str = "smollm2-135m-instruct"
     gguf_file: str | None = None  # file name inside a hub repo or folder that holds several .gguf files
     revision: str | None = None  # hub revision (branch, tag or commit)
-    device: str = "auto"  # auto -> cuda if available else cpu
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
 
 
 @dataclass
@@ -78,7 +82,14 @@ class DataSection:
 
 @dataclass
 class RewardSection:
-    function: str | None = None  # "module:function" user reward fn(completion, example) -> float
+    """A group with a NaN/Inf reward is dropped from the step's update and counted in groups/nonfinite_reward.
+
+    Dropping only the affected groups (rather than skipping the step) keeps training on the answers that were
+    scored; a step where every group is dropped skips its update, which counts toward train.max_nonfinite_steps.
+    """
+
+    # "module:function" user fn(completion, example) -> float; resuming a run directory runs the reward function named in its config.yaml
+    function: str | None = None
     format_weight: float = 0.0  # add format_weight * format_reward
     format_pattern: str = r"(?s).*\S"  # regex a completion must match for the format reward
 
@@ -99,6 +110,12 @@ class RolloutSection:
 
 @dataclass
 class TrainSection:
+    """A NaN/Inf loss or gradient norm skips that optimizer step (train/skipped_updates); NaN/Inf weights stop the run.
+
+    Every step that catches a NaN/Inf (a dropped group or a skipped update) is counted in train/nonfinite_total and
+    reported in one line; train.max_nonfinite_steps consecutive steps with a skipped update stop the run.
+    """
+
     steps: int = 20  # RL steps
     seed: int = 0  # seeds sampling, data order and LoRA init
     lr: float = 1e-6  # AdamW learning rate (LoRA runs use ~1e-5)
@@ -118,6 +135,8 @@ class TrainSection:
     overlong_filter: bool = False  # DAPO: mask answers cut at max_new_tokens
     overlong_buffer: int = 0  # DAPO soft overlong punishment length (0 = off)
     overlong_penalty: float = 1.0  # DAPO: largest penalty of the soft overlong punishment
+    # stop the run after this many consecutive steps whose update was skipped for NaN/Inf (0 = never stop)
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -135,7 +154,8 @@ class EvalSection:
 @dataclass
 class OutputSection:
     dir: str = "runs/demo"  # run directory (config, metrics, samples, checkpoints)
-    checkpoint_every: int = 10  # steps between checkpoints (also saved at the end and on Ctrl-C)
+    checkpoint_every: int = 10  # steps between checkpoints (also saved at the end and on Ctrl-C / SIGTERM)
+    keep_checkpoints: int = 2  # newest checkpoints kept in RUN_DIR/checkpoints (>= 1)
     samples_per_step: int = 4  # completions logged to samples.jsonl per step
     tensorboard: bool = True  # also write TensorBoard events
     export_hf: bool = False  # write a Hugging Face model directory (and PEFT adapters with LoRA) at the end
@@ -181,6 +201,31 @@ class RunConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{key}={value} must be >= 1")
+        non_negative = {
+            "train.warmup_steps": (self.train.warmup_steps, "0 = no warm-up"),
+            "train.max_nonfinite_steps": (self.train.max_nonfinite_steps, "0 = never stop for NaN/Inf"),
+            "eval.every": (self.eval.every, "0 = only before and after training"),
+            "output.samples_per_step": (self.output.samples_per_step, "0 = log no completions"),
+        }
+        for key, (value, meaning) in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{key}={value} must be >= 0 ({meaning})")
+        if self.output.keep_checkpoints < 1:
+            raise ConfigError(f"output.keep_checkpoints={self.output.keep_checkpoints} must be >= 1 (the newest "
+                              "checkpoint is always kept: resume needs it)")
+        if self.eval.max_new_tokens is not None and self.eval.max_new_tokens < 1:
+            raise ConfigError(f"eval.max_new_tokens={self.eval.max_new_tokens} must be >= 1, or null to use "
+                              "rollout.max_new_tokens")
+        if not (math.isfinite(self.train.lr) and self.train.lr > 0):
+            raise ConfigError(f"train.lr={self.train.lr} must be a finite number > 0 (e.g. 1e-6 for full "
+                              "fine-tuning, 1e-5 with LoRA)")
+        if not self.train.max_grad_norm > 0:  # also NaN
+            raise ConfigError(f"train.max_grad_norm={self.train.max_grad_norm} must be > 0 (the global gradient "
+                              "norm is clipped to it; a negative value would reverse the gradient); default 1.0")
+        if not self.output.dir.strip():
+            raise ConfigError("output.dir is empty: give the run directory, e.g. output.dir=runs/my-run")
+        if not DEVICE_NAME.fullmatch(self.model.device.strip().lower()):
+            raise ConfigError(f"model.device={self.model.device!r}; choose auto, cpu, cuda or cuda:N (N = GPU index)")
         if self.rollout.temperature <= 0:
             raise ConfigError(
                 f"rollout.temperature={self.rollout.temperature}: RL needs sampling (> 0); greedy answers to the same "
@@ -248,7 +293,7 @@ def warn_inert_clip(cfg: "RunConfig") -> str | None:
     inert = []
     if loss.correction == "acr":
         inert.append("loss.correction=acr only differs from tis")
-    if eps_high != loss.epsilon_low and loss.correction not in ("naive", "bypass"):
+    if eps_high != loss.epsilon_low and not get_correction(loss.correction).anchor_is_behaviour:
         source = "loss_type=dapo's default" if loss.epsilon_high is None else "set"
         inert.append(f"loss.epsilon_high={eps_high:g} ({source}, != epsilon_low={loss.epsilon_low:g}) only acts")
     if not inert:
@@ -338,6 +383,8 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             raise ConfigError(f"unknown config key {full!r}{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{full} must be a section (a mapping of {full}.KEY: value), got {value!r}")
             kwargs[key] = _build(tp, value or {}, f"{full}.")
         else:
             kwargs[key] = _coerce(value, tp, full)
@@ -381,6 +428,12 @@ def config_from_dict(data: dict) -> RunConfig:
     return _build(RunConfig, data, "").validate()
 
 
+def _kind(value: Any) -> str:
+    """"a list", "a string", ... for error messages about YAML values."""
+    names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (None = all defaults), apply dotted overrides, validate. Raises ConfigError."""
     data: dict = {}
@@ -389,9 +442,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        if data is None:  # an empty file: all defaults
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...), got "
+                              f"{_kind(data)}")
     data = _merge(data, parse_overrides(overrides or []))
     return config_from_dict(data)
 

@@ -65,8 +65,10 @@ class RunLog:
                 f.write(json.dumps({"step": step, **row}) + "\n")
 
     def close(self) -> None:
+        """Close the TensorBoard writer (metrics.jsonl and samples.jsonl are closed after every write); idempotent."""
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import math
+import os
 import shutil
 import signal
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -27,11 +30,11 @@ from quarl.model.precision_apply import apply_precision, full_precision, refresh
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
-from quarl.rl.checkpoint import atomic_write_bytes, latest_checkpoint, load_checkpoint, save_checkpoint
+from quarl.rl.checkpoint import atomic_write_bytes, load_latest_intact, save_checkpoint
 from quarl.rl.evaluate import evaluate
 from quarl.rl.master_weights import MasterWeightAdamW
 from quarl.rl.mismatch import mismatch_metrics
-from quarl.rl.objectives import policy_loss
+from quarl.rl.objectives import get_correction, policy_loss
 from quarl.rl.run_log import RunLog
 from quarl.rl.uaq import apply_uaq
 from quarl.tasks.task import TaskData, load_task
@@ -66,30 +69,132 @@ def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
                              kv_cache_dtype=cfg.precision.kv_cache, sampler=cfg.rollout.sampler)
 
 
+class RunStopped(RuntimeError):
+    """A run could not go on; the message is one line saying why and what to do (`quarl train` prints it, exit 1)."""
+
+
+class NonFiniteError(RunStopped):
+    """NaN/Inf stopped the run: too many consecutive skipped updates, or non-finite weights."""
+
+
+class RunDirInUse(RunStopped):
+    """Another quarl run holds the run directory's lock."""
+
+
+class RunDirError(ValueError):
+    """output.dir cannot be used: it is under a file, or a non-empty folder that is not a quarl run (exit 2)."""
+
+
+LOCK_NAME = ".quarl.lock"
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether a folder holds a quarl run: its lock file (every run since the lock was added writes it first), or
+    config.yaml together with metrics.jsonl or a checkpoints/ folder (runs written before)."""
+    if (path / LOCK_NAME).is_file():
+        return True
+    return (path / "config.yaml").is_file() and ((path / "metrics.jsonl").is_file() or (path / "checkpoints").is_dir())
+
+
+def check_output_dir(run_dir: Path) -> None:
+    """RunDirError when output.dir is a file or lies under one (nothing else can be created there)."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "is a file" if path == run_dir else f"lies under {path}, which is a file"
+                raise RunDirError(f"output.dir={run_dir} {where}, not a folder; choose another output.dir")
+            return
+
+
+def lock_run_dir(run_dir: Path):
+    """Take the run directory's exclusive lock (flock on RUN_DIR/.quarl.lock, non-blocking) and write this process's
+    id into it; returns the open file, which holds the lock until it is closed (or the process ends, however it
+    ends). RunDirInUse when another run holds it. File systems without flock (some network mounts): a warning, and
+    the run goes on unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    path = run_dir / LOCK_NAME
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            f.close()
+            warnings.warn(f"cannot lock {path} ({e.strerror}): two runs into {run_dir} would not be stopped",
+                          UserWarning, stacklevel=2)
+            return None
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirInUse(f"{run_dir} is in use by another quarl run (pid {pid}); wait for it to end or choose "
+                          "another output.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def reward_source(spec: str) -> str:
+    """The file a "module:function" / "file.py:function" reward spec runs code from (once it has been loaded)."""
+    target = spec.rpartition(":")[0]
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        return os.path.abspath(os.path.expanduser(target))
+    module = sys.modules.get(target)
+    return getattr(module, "__file__", None) or f"module {target}"
+
+
+def _finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """isfinite().all() of every tensor, with one host sync per device."""
+    flags: list[bool | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        ok = torch.stack([torch.isfinite(tensors[i]).all() for i in idx]).cpu().tolist()
+        for i, v in zip(idx, ok):
+            flags[i] = bool(v)
+    return flags
+
+
 class GracefulInterrupt:
-    """First Ctrl-C asks the loop to stop after the current step (and save); a second one stops at once."""
+    """The first Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current step and save a checkpoint;
+    `quarl train` then exits with 128 + the signal's number: 130 after Ctrl-C, 143 after SIGTERM (what a shell
+    reports for a process ended by that signal). A second one stops at once (KeyboardInterrupt: `quarl train`
+    prints one line and exits 130; no checkpoint of the unfinished step)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum: int | None = None
+        self._previous: dict = {}
 
     def _handler(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\n[quarl] interrupt: finishing this step, saving a checkpoint, then exiting (Ctrl-C again to abort)")
+        self.signum = signum
+        name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n[quarl] {name}: finishing this step, saving a checkpoint, then exiting (Ctrl-C or SIGTERM again "
+              "to abort)", flush=True)
 
     @contextmanager
     def installed(self):
+        self._previous = {}
         try:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handler)
         except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+            pass
         try:
             yield self
         finally:
-            if self._previous is not None:
-                signal.signal(signal.SIGINT, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            self._previous = {}
 
 
 class Trainer:
@@ -101,6 +206,10 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.model.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
+        # The data and a user reward function are checked before the (slow) model load; prompts render later.
+        self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed)
+        if cfg.reward.function:  # user code runs in this process: say which
+            print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
         if model is None:
             model, tokenizer = load_model(
@@ -132,30 +241,71 @@ class Trainer:
             cfg.loss, max_new_tokens=cfg.loss.max_new_tokens or cfg.rollout.max_new_tokens
         )
         self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
-        self.task: TaskData = load_task(cfg.data, cfg.reward, self.tokenizer, seed=cfg.train.seed)
+        self.task.set_tokenizer(self.tokenizer)
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
+        self.log: RunLog | None = None
+        self._lock = None  # the open RUN_DIR/.quarl.lock while this trainer holds the run directory
+        # NaN/Inf guard: steps that caught one (cumulative), consecutive steps with a skipped update, and the cause
+        self.nonfinite_total = 0
+        self.nonfinite_streak = 0
+        self.nonfinite_cause: str | None = None
+        self._nonfinite_reward_groups = (0, 0)  # (dropped, sampled) groups of the last rollout
 
     # ------------------------------------------------------------------------------------------------ setup
 
     def prepare_run_dir(self) -> None:
-        """Write the resolved config; restore the latest checkpoint when resuming. A fresh run never mixes with an
-        earlier run in the same folder: that run is moved aside (nothing is deleted)."""
-        if not self.cfg.resume and self.run_dir.is_dir() and any(self.run_dir.iterdir()):
-            aside = self.run_dir.with_name(f"{self.run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-            shutil.move(str(self.run_dir), str(aside))
-            print(f"[quarl] {self.run_dir} held an earlier run; moved it to {aside}")
+        """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.
+
+        Only one run writes into a folder: the first takes an exclusive lock on RUN_DIR/.quarl.lock (released when
+        the trainer closes or the process ends) and a second one fails at once (RunDirInUse). A fresh run never
+        mixes with an earlier run in the same folder: that run is moved aside to RUN_DIR.prev-DATE (nothing is
+        deleted). A non-empty folder that is not a quarl run (see `is_run_dir`), e.g. a source tree given as
+        output.dir, is refused (RunDirError) and left untouched.
+        """
+        run_dir = self.run_dir
+        check_output_dir(run_dir)
+        if not self.cfg.resume and run_dir.is_dir() and any(run_dir.iterdir()):
+            if not is_run_dir(run_dir):
+                raise RunDirError(
+                    f"output.dir={run_dir} is a non-empty folder that is not a quarl run (no {LOCK_NAME}, no "
+                    "config.yaml with metrics.jsonl or checkpoints/); nothing was changed: choose a new or empty "
+                    "folder for output.dir")
+            earlier = lock_run_dir(run_dir)  # not while another run writes there
+            try:
+                aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+                shutil.move(str(run_dir), str(aside))
+                print(f"[quarl] {run_dir} held an earlier run; moved it to {aside}")
+                run_dir.mkdir(parents=True, exist_ok=True)
+                self._lock = lock_run_dir(run_dir)
+            finally:
+                if earlier is not None:
+                    earlier.close()
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = lock_run_dir(run_dir)
         resume_step = None
         if self.cfg.resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"resume={self.cfg.resume}: no checkpoint in {self.run_dir}/checkpoints")
-            state = load_checkpoint(ckpt, self.model, self.optimizer)
+            # the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning)
+            state, ckpt = load_latest_intact(run_dir, self.model, self.optimizer)
             self.start_step = resume_step = state["step"]
+            self.nonfinite_total = int(state.get("nonfinite_total", 0))
+            self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
             refresh_rollout_weights(self.model)
             print(f"[quarl] resumed from {ckpt} (step {self.start_step})")
-        self.log = RunLog(self.run_dir, tensorboard=self.cfg.output.tensorboard, resume_step=resume_step)
-        atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(self.cfg)).encode())
+        self.log = RunLog(run_dir, tensorboard=self.cfg.output.tensorboard, resume_step=resume_step)
+        # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
+        saved = config_to_dict(self.cfg)
+        saved.pop("resume", None)
+        atomic_write_bytes(run_dir / "config.yaml", yaml.safe_dump(saved).encode())
+
+    def close(self) -> None:
+        """Close the run log and release the run directory's lock (train() does this however it ends)."""
+        if self.log is not None:
+            self.log.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -179,11 +329,16 @@ class Trainer:
         return sigma, time.perf_counter() - t0
 
     def rollout(self, step: int):
-        """Sample groups, score them, and (DAPO dynamic sampling) refill groups whose rewards are all equal."""
+        """Sample groups, score them, and (DAPO dynamic sampling) refill groups whose rewards are all equal.
+
+        A group with a NaN/Inf reward is dropped (its advantages would all be NaN) and counted in
+        `_nonfinite_reward_groups`; with dynamic sampling it is refilled like an uninformative group.
+        """
         r, tr = self.cfg.rollout, self.cfg.train
         wanted = r.prompts_per_step
         examples, outputs, rewards = [], [], []
-        sampled_rewards = []  # every answer's reward, kept or dropped by dynamic sampling
+        sampled_rewards = []  # every answer's reward, kept or dropped by dynamic sampling (finite groups only)
+        sampled_groups = dropped_groups = 0  # groups sampled; groups dropped for a NaN/Inf reward
         attempt = 0
         tokens = 0
         while True:
@@ -196,6 +351,10 @@ class Trainer:
             for ex, out in zip(batch, outs):
                 scores = torch.tensor([self.task.reward(c.text, ex) for c in out.completions])
                 tokens += sum(len(c.token_ids) for c in out.completions)
+                sampled_groups += 1
+                if not bool(torch.isfinite(scores).all()):
+                    dropped_groups += 1  # NaN/Inf would poison the whole group's advantages: not trained on
+                    continue
                 sampled_rewards.append(scores)
                 keep = not tr.dynamic_sampling or bool(dynamic_sampling_keep(scores, r.num_generations)[0])
                 if keep:
@@ -205,7 +364,9 @@ class Trainer:
             attempt += 1
             if not tr.dynamic_sampling or len(examples) >= wanted or attempt > tr.max_refills:
                 break
-        return examples, outputs, rewards, torch.cat(sampled_rewards), tokens, attempt
+        self._nonfinite_reward_groups = (dropped_groups, sampled_groups)
+        sampled = torch.cat(sampled_rewards) if sampled_rewards else torch.zeros(0)
+        return examples, outputs, rewards, sampled, tokens, attempt
 
     def assemble(self, outputs, rewards) -> tuple[RolloutBatch, dict]:
         r, tr = self.cfg.rollout, self.cfg.train
@@ -266,7 +427,7 @@ class Trainer:
         (no π_prox at all) and with train.recompute_proximal.
         """
         tr = self.cfg.train
-        if tr.recompute_proximal or self.cfg.loss.correction == "bypass" or tr.epochs != 1:
+        if tr.recompute_proximal or get_correction(self.cfg.loss.correction).skips_proximal or tr.epochs != 1:
             return False
         if tr.mini_batch_size is not None and tr.mini_batch_size < batch_size:
             return False
@@ -278,6 +439,10 @@ class Trainer:
         collect_proximal: `proximal` is None and the (single) optimizer step's forward supplies it, detached
         (see `proximal_from_update`); the collected log-probs and entropy [B, T-1] are then returned under the
         keys "_proximal" and "_entropy".
+
+        NaN/Inf guard: a minibatch whose loss or gradient norm is not finite gets no optimizer step (its gradients
+        are dropped); "train/skipped_updates" counts them and "_nonfinite" lists the causes. NonFiniteError when
+        the weights are not finite after an optimizer step (e.g. train.lr far too high).
         """
         tr = self.cfg.train
         if collect_proximal:
@@ -289,6 +454,7 @@ class Trainer:
         sums: dict[str, float] = {}
         weight_total = 0.0
         grad_norms, losses = [], []
+        skipped: list[str] = []  # the cause of each skipped optimizer step
         self.model.train()
         for _ in range(tr.epochs):
             order = torch.randperm(n, generator=gen) if tr.epochs > 1 or mini < n else torch.arange(n)
@@ -299,6 +465,9 @@ class Trainer:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_loss = 0.0
+                mini_sums: dict[str, float] = {}
+                mini_weight = 0.0
+                bad = None  # why this minibatch gets no optimizer step
                 for u0 in range(0, len(mini_rows), tr.micro_batch_size):
                     rows = mini_rows[u0 : u0 + tr.micro_batch_size]
                     sub = batch.select(rows)
@@ -319,24 +488,90 @@ class Trainer:
                         sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.loss_cfg,
                         reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
                     )
-                    loss.backward()
-                    mini_loss += loss.item()  # micro-batch losses are shares of the minibatch loss
+                    loss_value = loss.item()
+                    if bad is None and not math.isfinite(loss_value):
+                        bad = f"non-finite loss ({loss_value})"
+                    if bad is None:
+                        loss.backward()
+                    mini_loss += loss_value  # micro-batch losses are shares of the minibatch loss
                     w = float(sub.answer_mask.sum())
-                    weight_total += w
+                    mini_weight += w
                     for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * w
-                losses.append(mini_loss)
-                grad_norms.append(float(self.optimizer.clip_grad_norm_(tr.max_grad_norm)))
+                        mini_sums[k] = mini_sums.get(k, 0.0) + float(v) * w
+                grad_norm = float("nan")
+                if bad is None:
+                    grad_norm = float(self.optimizer.clip_grad_norm_(tr.max_grad_norm))
+                    if not math.isfinite(grad_norm):
+                        bad = f"non-finite gradient norm ({grad_norm})"
+                if bad is not None:
+                    self.optimizer.zero_grad(set_to_none=True)  # nothing of this minibatch reaches the weights
+                    skipped.append(bad)
+                    continue
                 self.optimizer.step()
+                losses.append(mini_loss)
+                grad_norms.append(grad_norm)
+                weight_total += mini_weight
+                for k, v in mini_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
         self.optimizer.zero_grad(set_to_none=True)
+        if grad_norms:
+            self.check_weights_finite(step + 1)
         out = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
         if grad_norms:
             out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
             out["train/loss"] = sum(losses) / len(losses)
         out["train/optimizer_steps"] = len(grad_norms)
+        out["train/skipped_updates"] = len(skipped)
+        out["_nonfinite"] = skipped
         if collect_proximal:
             out["_proximal"], out["_entropy"] = collected, collected_entropy
         return out
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of trainable parameters (or their float32 masters) holding NaN/Inf."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        tensors = [p.detach() for _, p in named]
+        names = [n for n, _ in named]
+        by_id = {id(p): n for n, p in named}
+        for p, master in zip(self.optimizer.params, self.optimizer.masters):
+            if master is not p:
+                tensors.append(master.detach())
+                names.append(f"{by_id.get(id(p), '?')} (float32 master)")
+        return [n for n, ok in zip(names, _finite_flags(tensors)) if not ok]
+
+    def check_weights_finite(self, step: int, doing: str = "after the optimizer step") -> None:
+        """NonFiniteError naming the (1-based) step when a trainable weight is NaN/Inf: nothing good follows."""
+        bad = self.nonfinite_weights()
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            raise NonFiniteError(
+                f"step {step}: the weights are non-finite {doing} (NaN/Inf in {bad[0]}{more}; train.lr="
+                f"{self.cfg.train.lr:g}); stopped without writing them: lower train.lr, and resume from the last "
+                "checkpoint (checkpoints already written are kept)")
+
+    def _nonfinite_report(self, step: int, metrics: dict, skipped: list[str], all_dropped: bool) -> None:
+        """Count this step's NaN/Inf events in its metrics and say them in one line."""
+        dropped, sampled = self._nonfinite_reward_groups
+        causes = []
+        if dropped:
+            causes.append(f"the reward function returned NaN/Inf in {dropped} of {sampled} groups (dropped)")
+        for cause in dict.fromkeys(skipped):  # distinct, in order
+            causes.append(cause)
+        n_skipped = len(skipped) + (1 if all_dropped else 0)
+        metrics["groups/nonfinite_reward"] = dropped
+        metrics["train/skipped_updates"] = n_skipped
+        if causes:
+            self.nonfinite_total += 1
+            self.nonfinite_cause = "; ".join(causes)
+            if all_dropped:
+                outcome = "no group left to train on: update skipped"
+            elif skipped:
+                total = n_skipped + int(metrics.get("train/optimizer_steps", 0))
+                outcome = "update skipped" if total == 1 else f"{n_skipped} of {total} updates skipped"
+            else:
+                outcome = "trained on the other groups"
+            print(f"[quarl] step {step + 1}: {self.nonfinite_cause}; {outcome}", file=sys.stderr, flush=True)
+        metrics["train/nonfinite_total"] = self.nonfinite_total
 
     def step(self, step: int) -> dict:
         t_step = time.perf_counter()
@@ -351,7 +586,8 @@ class Trainer:
         metrics["groups/kept"] = len(examples)
         metrics["groups/rollout_rounds"] = attempts
         metrics["reward/mean"] = sampled_rewards.mean().item()  # over everything sampled (DAPO drops some)
-        if not examples:  # dynamic sampling found no informative group: nothing to learn from this step
+        if not examples:  # dynamic sampling found no informative group, or every reward was NaN/Inf
+            self._nonfinite_report(step, metrics, [], all_dropped=self._nonfinite_reward_groups[0] > 0)
             metrics["time/step_s"] = time.perf_counter() - t_step
             return metrics
 
@@ -359,11 +595,11 @@ class Trainer:
         metrics.update(stats)
 
         t0 = time.perf_counter()
-        # bypass takes π_prox := μ and skips this forward (cheap, but the trust region then follows the rollout).
-        bypass = self.cfg.loss.correction == "bypass"
+        # a correction that skips π_prox (bypass: π_prox := μ) saves this forward; the trust region then follows μ
+        skip = get_correction(self.cfg.loss.correction).skips_proximal
         from_update = self.proximal_from_update(len(batch))  # then the update's forward supplies π_prox
         proximal = entropy = None
-        if not bypass and not from_update:
+        if not skip and not from_update:
             proximal, entropy = self.score(self.model, batch, with_entropy=True)
         reference = self.score(self.reference, batch, False)[0] if self.reference is not None else None
         metrics["time/prox_s"] = time.perf_counter() - t0
@@ -372,7 +608,9 @@ class Trainer:
         update_metrics = self.update(batch, proximal, reference, step, collect_proximal=from_update)
         if from_update:
             proximal, entropy = update_metrics.pop("_proximal"), update_metrics.pop("_entropy")
+        skipped = update_metrics.pop("_nonfinite")
         metrics.update(update_metrics)
+        self._nonfinite_report(step, metrics, skipped, all_dropped=False)
         metrics["time/train_s"] = time.perf_counter() - t0
         mask = batch.answer_mask
         if proximal is not None and mask.sum() > 0:
@@ -422,7 +660,18 @@ class Trainer:
             "precision.format=int8 / fp8 / fp8-block, or a larger model", UserWarning, stacklevel=2)
 
     def train(self) -> dict:
-        """Run (or resume) the loop to cfg.train.steps; returns the last step's metrics (+ eval results)."""
+        """Run (or resume) the loop to cfg.train.steps; returns the last step's metrics (+ eval results).
+
+        Stops early after Ctrl-C / SIGTERM (checkpoint saved; summary["interrupted"], summary["signal"]) and with
+        NonFiniteError after train.max_nonfinite_steps consecutive steps with a skipped update. The run directory
+        is locked for the duration and released however this ends.
+        """
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> dict:
         from tqdm import tqdm
 
         self.prepare_run_dir()
@@ -449,6 +698,7 @@ class Trainer:
                             and self.task.eval_examples):
                         last.update(self.evaluate())
                     self.log.log(step, last)
+                    self._count_skipped(step, last)
                     bar.update(1)
                     bar.set_postfix(
                         reward=f"{last.get('reward/mean', float('nan')):.3f}",
@@ -461,6 +711,7 @@ class Trainer:
                         print(f"[quarl] stopped after step {step}; resume with: quarl train {self.run_dir}/config.yaml "
                               f"resume={self.run_dir}")
                         summary["interrupted"] = True
+                        summary["signal"] = interrupt.signum
                         break
         finally:
             bar.close()
@@ -472,13 +723,28 @@ class Trainer:
             from quarl.export import export_run
 
             export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
-        self.log.close()
         summary["last"] = last
         summary["step"] = step
         return summary
 
+    def _count_skipped(self, step: int, metrics: dict) -> None:
+        """Consecutive steps with a skipped update; NonFiniteError at train.max_nonfinite_steps (0 = never)."""
+        if not metrics.get("train/skipped_updates"):
+            self.nonfinite_streak = 0
+            return
+        self.nonfinite_streak += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        if limit and self.nonfinite_streak >= limit:
+            raise NonFiniteError(
+                f"step {step}: {self.nonfinite_cause}; {self.nonfinite_streak} consecutive steps skipped their update "
+                f"(train.max_nonfinite_steps={limit}): check the reward function for NaN/Inf and lower train.lr "
+                "(checkpoints already written are kept)")
+
     def checkpoint(self, step: int) -> None:
-        save_checkpoint(self.run_dir, step, self.model, self.optimizer)
+        """Save after `step` completed steps (never non-finite weights), keeping output.keep_checkpoints."""
+        self.check_weights_finite(step, doing="at the checkpoint")
+        save_checkpoint(self.run_dir, step, self.model, self.optimizer, keep=self.cfg.output.keep_checkpoints,
+                        nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
 
 
 def _fmt(metrics: dict) -> str:
