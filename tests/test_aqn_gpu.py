@@ -1,5 +1,5 @@
-"""GPU: AQN noise reaches a bf16 norm on CUDA in float32 — in the module forward (which keeps torch's fused
-F.rms_norm while the noise is zero), in the fused decode norm kernel, and in a CUDA graph captured while the noise
+"""GPU: AQN noise reaches a bf16 norm on CUDA in float32 — in the module forward (which takes torch's fused
+F.rms_norm, as training does, until AQN is enabled on the norm), in the fused decode norm kernel, and in a CUDA graph captured while the noise
 was still zero (AQN's stage 0 has σ = 0; the graph must pick up the noise written at later syncs).
 
 Tolerance, as in tests/test_uaq_aqn.py: every element within one bf16 rounding (2^-7 relative) of the float64
@@ -26,6 +26,7 @@ def _norm_and_rows(dim, seed=0):
 
 
 def _write_noise(norm, sigma, g):
+    norm.aqn_enabled = True  # as quarl.rl.aqn.set_aqn_noise does
     with torch.no_grad():
         norm.rollout_noise.copy_((torch.randn(norm.weight.shape, generator=g) * sigma).to(DEV))
 
@@ -81,6 +82,7 @@ def test_fused_decode_norm_adds_float32_noise_on_cuda(dim, sigma):
 
 def test_graph_captured_with_zero_noise_sees_noise_written_later():
     norm, x, g = _norm_and_rows(4096)
+    norm.aqn_enabled = True  # the trainer's first sync enables AQN (σ = 0 in stage 0) before any rollout
     norm.set_rollout(True)
     out = torch.empty_like(x)
     side = torch.cuda.Stream()

@@ -67,7 +67,8 @@ def test_summary_means_reach_and_targets(tmp_path):
     timing = [line for line in table.splitlines() if line.startswith("| split-int8-tis |")][1]
     assert timing.split("|")[2].strip() == "2" and timing.split("|")[3].strip() == "3"
     assert "1.50x" in timing
-    assert "split-int8-tis within 2 points of bf16: 0.750 vs 0.750 -> met" in verdicts
+    assert "split-int8-tis within 2 points of bf16 at step 4: 0.750 vs 0.750 -> met" in verdicts
+    assert "sync <= 1 % of every step: met" in verdicts  # 0.01 s of 1.0 / 1.5 s steps
     assert any(v.startswith("every median step <= 1.1x bf16's: missed (split-int8-tis 1.50x") for v in verdicts)
 
 

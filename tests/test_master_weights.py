@@ -111,3 +111,20 @@ def test_resume_restores_float32_masters_exactly(tmp_path):
         assert torch.equal(a, b.detach())
     for p, m in zip(resumed.optimizer.params, resumed.optimizer.masters):
         assert torch.equal(p.detach(), m.detach().to(p.dtype))
+
+
+def test_a_state_without_masters_starts_them_from_the_loaded_weights():
+    """A float32 run resumed in bf16: the state holds no masters, so each master must start from the weight as
+    loaded from the checkpoint, not from the weight the optimizer was built with."""
+    torch.manual_seed(2)
+    trained = torch.randn(16, 8)
+    f32 = trained.clone().requires_grad_(True)
+    state = MasterWeightAdamW([f32], lr=1e-3).state_dict()
+    assert state["masters"] == {}
+    p = torch.zeros(16, 8, dtype=torch.bfloat16, requires_grad=True)  # built before the checkpoint's weights load
+    opt = MasterWeightAdamW([p], lr=1e-3)
+    with torch.no_grad():
+        p.copy_(trained)  # the checkpoint's weights, as load_checkpoint writes them
+    opt.load_state_dict(state)
+    assert torch.equal(opt.masters[0], trained.to(torch.bfloat16).float())
+    assert torch.equal(p.detach(), trained.to(torch.bfloat16))

@@ -19,7 +19,7 @@ from quarl.config import config_to_dict, load_config  # noqa: E402
 from quarl.rl import trainer as trainer_mod  # noqa: E402
 from quarl.rl.trainer import NonFiniteError, RunDirError, RunDirInUse, lock_run_dir  # noqa: E402
 
-FAST = ["rollout.max_new_tokens=3"]  # 2 prompts x 4 answers of 3 tokens per step: a step takes about a second
+FAST = ["rollout.max_new_tokens=3"]  # 2 prompts x 4 answers of 3 tokens per step
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -106,6 +106,19 @@ def write_config(tmp_path, cfg):
 
 
 # ------------------------------------------------------------------------------------------------ non-finite
+
+
+def test_a_group_with_nan_rewards_at_every_step_stops_the_run(tmp_path, scripted):
+    """Other groups still train, but a reward function that returns NaN at every step is broken: the steps that met
+    NaN count as consecutive, and the run stops at train.max_nonfinite_steps."""
+    scripted.update(nan_steps=(0, 1, 2, 3), nan_groups=(0,))
+    cfg = reward_cfg(tmp_path, "train.steps=4", "train.max_nonfinite_steps=2")
+    trainer = tracked(make_trainer(cfg))
+    with pytest.raises(NonFiniteError, match="2 consecutive steps met NaN/Inf"):
+        trainer.train()
+    records = read_metrics(tmp_path / "run")
+    assert [r["groups/nonfinite_reward"] for r in records] == [1, 1]  # both steps logged, then the stop
+    assert all(math.isfinite(r["reward/mean"]) for r in records)
 
 
 @pytest.mark.parametrize("case", ["one-group", "all-groups"])

@@ -30,9 +30,11 @@ class RMSNorm(nn.Module):
     the model's dtype (`_apply` undoes nn.Module's cast, keeping the values); write noise into it in place (CUDA
     graphs and the fused decode kernels read it at its address).
 
-    Training takes torch's fused `F.rms_norm` on CUDA bf16/fp16 (the same float32 math in one pass); the rollout
-    forward always takes the float32 code with the noise term (adding a zero noise changes nothing), so a CUDA
-    graph captured before AQN's first noisy stage still adds the noise written later.
+    Training takes torch's fused `F.rms_norm` on CUDA bf16/fp16 (the same float32 math in one pass), and so does
+    the rollout forward until AQN is enabled on the norm (`aqn_enabled`, set by `quarl.rl.aqn.set_aqn_noise`, which
+    the trainer calls from the first sync on): rollout and training then take one code path. From then on the
+    rollout forward always takes the float32 code with the noise term (a zero noise changes nothing), so a CUDA
+    graph captured during AQN's noiseless first stage still adds the noise written later.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
@@ -41,6 +43,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.register_buffer("rollout_noise", torch.zeros(dim, device=device, dtype=torch.float32), persistent=False)
         self.rollout = False
+        self.aqn_enabled = False
 
     def set_rollout(self, on: bool) -> None:
         self.rollout = bool(on)
@@ -71,14 +74,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
-        if not self.rollout and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and \
-                self.weight.dtype == x.dtype:
+        noisy = self.rollout and self.aqn_enabled
+        if not noisy and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
             # torch's fused CUDA kernel (forward and backward): one pass over x instead of six elementwise passes
             # through a float32 copy.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x if x.dtype == torch.float64 else x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.effective_weight().to(xf.dtype)).to(x.dtype)
+        w = self.effective_weight() if noisy else self.weight
+        return (normed * w.to(xf.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

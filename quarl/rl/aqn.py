@@ -54,6 +54,7 @@ def set_aqn_noise(model: nn.Module, sigma: float, generator: torch.Generator | N
         if buf.dtype != torch.float32:
             raise TypeError(f"AQN noise must be float32, {type(norm).__name__}.rollout_noise is {buf.dtype}")
     for norm in norms:
+        norm.aqn_enabled = True  # the rollout forward adds the noise from now on (also when it is zero)
         buf = norm.rollout_noise
         if sigma > 0:
             noise = torch.randn(buf.shape, generator=generator, dtype=torch.float32) * sigma

@@ -14,7 +14,8 @@ so an lr of 1e-6 changes almost nothing); with masters the small updates accumul
 bf16 value. Float32 parameters (a CPU run, LoRA adapters, which are float32 already) are their own masters.
 
 Memory per 16-bit trainable parameter: 2 bytes (the bf16 weight) + 4 (master) + 4 (float32 gradient) + 8 (AdamW
-moments) = 18 bytes, against 12 for AdamW on the bf16 weights alone (plus the rollout copy in every flow).
+moments) = 18 bytes, against 8 for AdamW on the bf16 weights alone (bf16 weight, gradient and moments), plus the
+rollout copy in every flow.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class MasterWeightAdamW:
     def _move_grad_to(master: torch.Tensor):
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
+            if grad is None:  # moved already (e.g. by another optimizer's hook on the same parameter)
+                return
             if master.grad is None:
                 master.grad = grad.float()
             else:
@@ -99,6 +102,11 @@ class MasterWeightAdamW:
         if "masters" not in state:
             raise ValueError("optimizer state without float32 masters: it was not written by MasterWeightAdamW")
         self.optimizer.load_state_dict(state["optimizer"])
+        # A master the state lacks (a float32 run resumed in bf16) starts from the weight as loaded, never from the
+        # weight this optimizer was built with.
+        for p, master in zip(self.params, self.masters):
+            if master is not p:
+                master.copy_(p.detach().float())
         for i, value in state["masters"].items():
             i = int(i)
             if not 0 <= i < len(self.masters) or self.masters[i] is self.params[i]:

@@ -215,7 +215,8 @@ class LossConfig:
                 f"loss.correction_level={self.correction_level!r} is unknown; choose one of {CORRECTION_LEVELS}")
         if self.correction_level == "sequence" and not correction.sequence_level:
             raise ValueError(
-                f"loss.correction_level='sequence' applies to correction 'tis' or 'mis' only, not "
+                "loss.correction_level='sequence' applies to correction "
+                f"{' or '.join(repr(c.name) for c in CORRECTION_REGISTRY.values() if c.sequence_level)} only, not "
                 f"{self.correction!r}; use correction_level='token' or switch the correction")
         if not 0.0 <= self.epsilon_low < 1.0:
             raise ValueError(f"loss.epsilon_low={self.epsilon_low} must lie in [0, 1) (clip range [1-eps_low, ...])")
@@ -264,7 +265,7 @@ def _check_inputs(logprobs, proximal_logprobs, behaviour_logprobs, advantages, m
                     ("advantages", advantages)):
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor; got {t.dtype}")
-    if proximal_logprobs is None and cfg.correction not in ("bypass", "naive"):
+    if proximal_logprobs is None and not get_correction(cfg.correction).anchor_is_behaviour:
         raise ValueError(f"correction {cfg.correction!r} needs proximal_logprobs (log pi_prox from a no-grad forward "
                          "of the training model at the pre-update weights); pass them, or use correction='bypass'")
     if cfg.kl_coef > 0 and reference_logprobs is None:

@@ -207,8 +207,10 @@ class Trainer:
         self.device = resolve_device(cfg.model.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
+        if cfg.reward.function:  # user code: say so before importing and trying it on one example
+            print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
         self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed)
-        if cfg.reward.function:  # user code runs in this process: say which
+        if cfg.reward.function:
             print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
         if model is None:
@@ -585,7 +587,9 @@ class Trainer:
         metrics["aqn/sigma"] = sigma
         metrics["groups/kept"] = len(examples)
         metrics["groups/rollout_rounds"] = attempts
-        metrics["reward/mean"] = sampled_rewards.mean().item()  # over everything sampled (DAPO drops some)
+        finite = sampled_rewards[torch.isfinite(sampled_rewards)]
+        # over every finite reward sampled (DAPO drops some groups; NaN/Inf rewards are counted apart)
+        metrics["reward/mean"] = finite.mean().item() if finite.numel() else float("nan")
         if not examples:  # dynamic sampling found no informative group, or every reward was NaN/Inf
             self._nonfinite_report(step, metrics, [], all_dropped=self._nonfinite_reward_groups[0] > 0)
             metrics["time/step_s"] = time.perf_counter() - t_step
@@ -728,15 +732,16 @@ class Trainer:
         return summary
 
     def _count_skipped(self, step: int, metrics: dict) -> None:
-        """Consecutive steps with a skipped update; NonFiniteError at train.max_nonfinite_steps (0 = never)."""
-        if not metrics.get("train/skipped_updates"):
+        """Consecutive steps with a skipped update or a NaN/Inf reward (a reward function that keeps returning them
+        is broken even when other groups still train); NonFiniteError at train.max_nonfinite_steps (0 = never)."""
+        if not metrics.get("train/skipped_updates") and not metrics.get("groups/nonfinite_reward"):
             self.nonfinite_streak = 0
             return
         self.nonfinite_streak += 1
         limit = self.cfg.train.max_nonfinite_steps
         if limit and self.nonfinite_streak >= limit:
             raise NonFiniteError(
-                f"step {step}: {self.nonfinite_cause}; {self.nonfinite_streak} consecutive steps skipped their update "
+                f"step {step}: {self.nonfinite_cause}; {self.nonfinite_streak} consecutive steps met NaN/Inf "
                 f"(train.max_nonfinite_steps={limit}): check the reward function for NaN/Inf and lower train.lr "
                 "(checkpoints already written are kept)")
 
