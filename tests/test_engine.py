@@ -289,6 +289,7 @@ def test_rollout_mode_during_generation_restored_after_errors_and_aqn_noise_used
     with torch.no_grad():
         for n in norms:
             n.rollout_noise.normal_(0, 0.2)
+            n.aqn_enabled = True  # as quarl.rl.aqn.set_aqn_noise does
     noisy = RolloutEngine(model, tok).generate(prompts, max_new_tokens=5, temperature=0.0)
     shifted = copy.deepcopy(model)
     with torch.no_grad():

@@ -167,6 +167,7 @@ def test_elementwise_pieces_match_the_modules():
     norm.set_rollout(True)
     with torch.no_grad():
         norm.rollout_noise.normal_(0, 0.1)
+    norm.aqn_enabled = True  # as quarl.rl.aqn.set_aqn_noise does
     x, d = torch.randn(3, model.config.hidden_size), torch.randn(3, model.config.hidden_size)
     r, h, codes = add_norm(norm, x, d, None)
     assert codes is None and torch.equal(r, x + d) and torch.equal(h, norm(x + d))

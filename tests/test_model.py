@@ -175,6 +175,7 @@ def test_rollout_mode_adds_noise_to_norms_only_in_rollout():
         base = model(ids)
         for n in norms:
             n.rollout_noise.normal_(0, 0.1)
+            n.aqn_enabled = True  # as quarl.rl.aqn.set_aqn_noise does
         assert torch.equal(model(ids), base)  # training forward never sees the noise
         model.set_rollout(True)
         assert all(n.rollout for n in norms) and all(m.rollout for m in model.modules() if isinstance(m, QuantLinear))

@@ -344,9 +344,9 @@ def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | Non
     column-major) when quant == "fp8-block" (then the normed values themselves are None).
     delta_scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale FP8 product
     (`unit_scale_matmul`): delta * scales, rounded to x's dtype, is added."""
-    # AQN: the float32 noise (RMSNorm keeps it float32), added to the weight in float32 by the kernel. Passed in
-    # rollout mode even while zero: a CUDA graph captured at σ = 0 must read the noise written at later syncs.
-    noise = norm.rollout_noise if norm.rollout else None
+    # AQN: the float32 noise, added to the weight in float32 by the kernel, passed once AQN is enabled on the norm
+    # (as RMSNorm.forward decides) even while zero: a CUDA graph captured at σ = 0 reads the noise of later syncs.
+    noise = norm.rollout_noise if norm.rollout and getattr(norm, "aqn_enabled", False) else None
     if x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype):
         from quarl.kernels.decode_fused import rms_norm_rows
 
