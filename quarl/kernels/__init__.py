@@ -332,7 +332,7 @@ def unit_scales_ok(qweight, m: int) -> bool:
     the next kernel applying the scales (`fused_decode.unit_scale_matmul`): where the plan is cuBLAS FP8 or the
     persistent TMA kernel on codes (rollout batches, where cuBLAS with per-tensor scales measured faster). The
     small-M Triton plans take the handed codes with their own scales, so that small batches compute exactly the
-    module path's values (the unit-scale product rounds once more: bench/results/rollout.md, session 13)."""
+    module path's values (the unit-scale product rounds once more)."""
     if getattr(qweight, "fmt", None) != "fp8" or not qweight.data.is_cuda:
         return False
     n, k = qweight.shape

@@ -32,8 +32,8 @@ ROW_BLOCK_MAX = 4096
 SPLIT_ROWS_BELOW = 1024
 # per-row scales of rows longer than one block (up to MAX_UNROLL blocks), fewer rows than this (decode batches):
 # each row's blocks spread over programs too, every program walking the whole row for its amax (the walk's loads
-# all in flight, the repeats L2 hits) and quantizing its own block, instead of one program walking the row twice
-# (bench/results/gemm.md, session 17: K = 18944 at 1 / 16 rows 3.9 -> 2.7, 4.0 -> 2.9 us; equal at 64 rows)
+# all in flight, the repeats L2 hits) and quantizing its own block, instead of one program walking the row twice:
+# faster at 1-16 rows, equal at 64 (bench/results/gemm.md)
 SPLIT_AMAX_ROWS_BELOW = 64
 # a program's blocks are unrolled (their loads issued together) up to this many
 MAX_UNROLL = 8
@@ -226,9 +226,9 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps:
         `quantize_columns_transposed(x)`.
     CP (default C rounded up to 128) may be larger, a multiple of 128: zero codes with scale 1 fill it. MP is M
     rounded up to 128. FP8 training reads x (and the output gradient) once for its two GEMMs this way.
-    num_warps: per 128 x 128 tile. On the H200 (bench/results/gemm.md, quantize_both_ways_sweep) 4 warps took
-    145 us for x [16384, 3584], 8 warps 194, 16 warps 220; the two one-way passes together 134 us: this pass
-    saves a launch and x's second read, not GPU time (each program loads one tile, then computes, then stores).
+    num_warps: per 128 x 128 tile; 4 was the fastest of 4 / 8 / 16 at training shapes (bench/results/gemm.md).
+    This pass saves a launch and x's second read, not GPU time (each program loads one tile, then computes, then
+    stores).
     """
     _check_rows_contiguous(x, "quantize_rows_and_columns")
     M, C = x.shape
@@ -297,7 +297,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         mode, scales = MODE_ROW, torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if block is None:
         # per-row scales: the whole row in one block up to ROW_BLOCK_MAX columns (every load in flight at once),
-        # in blocks of that size beyond (bench/act_quant_sweep.py at decode shapes, bench/results/gemm.md)
+        # in blocks of that size beyond (fastest at decode shapes, bench/results/gemm.md)
         block = min(triton.next_power_of_2(max(kp, 128)), ROW_BLOCK_MAX if mode == MODE_ROW else 1024)
     elif block < 128 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 128 (whole 1x128 groups), got {block}")

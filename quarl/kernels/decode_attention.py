@@ -54,8 +54,8 @@ def _attend_block(q, k_base, v_base, ks_base, vs_base, n0, end, offs_n, offs_d, 
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     if FP8_KV:
-        # Triton's own widening (0.112 ms per 7B layer at 512 sequences) measured faster than an inline-asm one
-        # pinned before V's change of layout (0.118 ms), bench/results/decode_attention.md.
+        # Triton's own widening: faster than an inline-asm one pinned before V's change of layout
+        # (bench/results/decode_attention.md).
         v = v.to(tl.float16)
         k = k.to(tl.float16)
     s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] float32, in log2 units with an FP8 cache
@@ -105,7 +105,7 @@ def _decode_attention_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     FP8_KV: tl.constexpr = k_ptr.dtype.element_ty != q_ptr.dtype.element_ty
     # Scores in log2 units, so the softmax takes exp2 directly. With an FP8 cache log2(e) is folded into q with the
-    # softmax scale: one multiply less per score than exp (3 % of that kernel's time at 512 sequences).
+    # softmax scale: one multiply less per score than exp.
     if FP8_KV:
         # FP8 cache: the E4M3 codes widen to fp16 exactly with one conversion per pair of values, so the dots run
         # in fp16 on the raw codes; kv_scale moves out of the loop (into q for the scores, onto acc at the end).
@@ -153,7 +153,7 @@ def _decode_attention_kernel(
     if NORMALIZE:
         # One column range: the result itself, in the output dtype (what merge_splits would compute). The IEEE
         # quotient acc / l from one reciprocal per head (`div_by_scale`): a full division per value (FCHK and a
-        # slow-path call each, 32 per thread) was about 4 % of the FP8 kernel's instructions.
+        # slow-path call each, 32 per thread) would be about 4 % of the FP8 kernel's instructions.
         l_safe = tl.where(g_ok, l_i, 1.0)
         tl.store(out_ptrs, div_by_scale(acc, l_safe[:, None]).to(acc_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
@@ -166,8 +166,9 @@ def _decode_attention_kernel(
 def choose_num_splits(batch: int, num_kv_heads: int, capacity: int, block_n: int = 64,
                       num_sms: int | None = None) -> int:
     """Column ranges per sequence so that batch * kv_heads * splits gives every SM at least two programs (at least
-    1, at most one range per `block_n` columns). More ranges cost a float32 partial per range and the torch merge:
-    at 128 sequences of the 7B geometry (512 programs on 132 SMs) one range took 0.031 ms per layer, two 0.060."""
+    1, at most one range per `block_n` columns). More ranges cost a float32 partial per range and the torch merge,
+    so no more are used than filling the SMs needs (at 128 sequences of the 7B geometry, 512 programs on 132 SMs,
+    one range is faster than two)."""
     if num_sms is None:
         num_sms = sm_count() if torch.cuda.is_available() else 132
     target = 2 * num_sms
@@ -189,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits: column ranges per sequence (see `choose_num_splits`); kv_scale: FP8 dequantisation scale.
         block_n, num_warps, num_stages: the tile; the defaults measured best or within 2 % of it for both cache
             dtypes at 128 and 512 sequences (bench/results/decode_attention.md). num_warps None = 2 for an FP8
-            cache (0.112 against 0.128 ms per 7B layer at 512 sequences, 0.031 against 0.043 at 128), else 4.
+            cache (faster than 4 at both batch sizes), else 4.
         k_scales, v_scales: [S, Hkv, C] float32 (last dim contiguous) per-token scales of a token-scaled FP8
             cache (values = stored * scale; kv_scale must then be 1), or None.
     Returns:

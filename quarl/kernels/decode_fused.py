@@ -1,8 +1,8 @@
 """Fused elementwise kernels of the rollout decode step (one token per sequence; rows = sequences).
 
 Unfused, each RMSNorm is seven PyTorch kernels, rotary embedding five per tensor, SiLU·mul two, and every W8A8
-linear first quantizes its input in a kernel of its own. At a rollout batch of 512 these small kernels took
-about a quarter of a 7B decode step on an H200 (bench/results/rollout.md). Here each group is one pass:
+linear first quantizes its input in a kernel of its own. At a rollout batch these small kernels take a large
+share of a decode step (bench/results/rollout.md). Here each group is one pass:
 
   rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h (w + noise in float32), and
                   optionally h's 8-bit codes and scales, per token or (fp8-block) per 1x128 group: the next
@@ -356,8 +356,8 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 
 ROW_ON_CHIP_MAX = 32768  # longest row `_silu_mul_row_kernel` holds (32 warps: 32 values per thread)
-# Warps per row of `_silu_mul_row_kernel`: on the H200 at 512 rows x 18944, 32 warps 20.8 us, 16 warps 22.4 us
-# (bench/results/decode_elementwise.md, 19:31).
+# Warps per row of `_silu_mul_row_kernel`: 32 is faster than 16 at a rollout batch of 7B rows (512 x 18944;
+# bench/results/decode_elementwise.md).
 SILU_ROW_WARPS = 32
 
 

@@ -3,12 +3,11 @@ takes M <= 4 rows, the 8-bit formats one row (M = 1, the decode of a single sequ
 takes the GEMM kernels).
 
 Why: with one token per call a tensor-core tile wastes 15 of its 16 rows, a split-K reduction and a separate
-activation-quantization kernel each cost a launch (~2-3 us, as long as streaming a small weight), and the
+activation-quantization kernel each cost a launch (as long as streaming a small weight), and the
 bytes per SM in flight matter more than arithmetic. Each program here owns BN output features, streams their
 whole K once (no split, no second kernel), keeps per-lane partial sums in registers and reduces them once at
 the end. For W8A8 the activation is quantized inside (x_mode "fused": the row amax over K first, then the same
-codes as `quarl.formats`), so one launch does everything. On an H200 the FP8 GEMV of the Qwen2.5-7B linears
-runs at 1.18-1.69x cuBLAS bf16 (bench/results/gemm.md).
+codes as `quarl.formats`), so one launch does everything (its speed against cuBLAS bf16: bench/results/gemm.md).
 
 Same semantics and decodes as `fp4_gemm` / `w8a8_gemm` (see there); results differ only by fp32 summation order.
 """
@@ -87,8 +86,8 @@ def _w8_gemv_kernel(
     fp8-block) times the 8-bit weight codes w [N, KP] (int8, or fp8 as uint8 bytes; scales ws float32 [N] with
     stride stride_wsn, 0 for one per tensor, or [ceil(N/128), KP/128] for fp8-block) -> out [N] in its dtype.
     X_MODE as in `w8a8_gemm._w8a8_kernel`. 2-D tiles: the weight tile [BN, BK] is multiplied in the layout it was
-    loaded in (a [M, BN, BK] product for several rows moved every tile through shared memory into a slice of the
-    3-D layout, and streamed the weight at about half this speed on an H200). fp8-block needs BK a multiple of
+    loaded in (a [M, BN, BK] product for several rows would move every tile through shared memory into a slice
+    of a 3-D layout, which streams the weight far more slowly). fp8-block needs BK a multiple of
     128 and BN dividing 128: a program's rows lie in one 128-row weight tile, so each 128-column group of a K step
     has one weight scale, applied to x's BK values before the product (not to BN * BK weights). XC: columns per
     load of the fused per-row amax pass (a few wide loads: that pass runs before the weight stream starts, so

@@ -111,9 +111,8 @@ def _quantize_input(x: torch.Tensor, kp: int, keep_x_codes: bool):
 
 def _quantize_rows(t: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """t [M, K] -> fp8-block codes [M, kp] and column-major scales, as torch._scaled_mm takes them. Two warps per
-    program (a program per row from 1024 rows on): at 20k training rows (K = 512 / 3584 / 18944) that runs at
-    51 / 86 / 96 % of copy bandwidth against 35 / 73 / 86 % with four (bench/results/gemm.md,
-    bench/act_quant_sweep.py)."""
+    program (a program per row from 1024 rows on): at training row counts two warps stream closer to copy
+    bandwidth than four (bench/results/gemm.md)."""
     return quantize_activation(t, "fp8-block", kp, scales_column_major=True, num_warps=2)
 
 

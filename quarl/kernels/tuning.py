@@ -22,8 +22,8 @@ Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-bl
 (8-bit formats with weight_only=True).
 
 `MEASURED` holds, per family, weight shape (N, K) of Qwen2.5-7B and M bucket, the fastest quantized path and its
-speed-up over the bf16 GEMM (F.linear) from `quarl bench gemm --sweep` on one H200 (torch 2.11, Triton 3.6;
-activation quantization included; bench/results/gemm.md). Policy (`choose_plan`): the plan is "bf16" (no kernel)
+speed-up over the bf16 GEMM (F.linear), chosen by `quarl bench gemm --sweep` on an H200 (activation
+quantization included; bench/results/gemm.md). Policy (`choose_plan`): the plan is "bf16" (no kernel)
 where the kernel is not MIN_SPEEDUP (1.05) times as fast as the path a layer runs without it, unless the caller
 asks for the kernel anyway (prefer_kernel=True: a layer that holds only the quantized weight has no bf16 path).
 Without a kernel, a layer with quantized activations still computes the quantized values: it fake-quantizes the
@@ -145,7 +145,7 @@ C, P = Cfg, Plan
 MEASURED = {
     "w4a16": {
         (4608, 3584): {  # qkv
-            1: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.25),  # bench/fp4_decode_sweep.py
+            1: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.25),
             16: (P("fp4_decode", C(16, 64, 128, split_k=8)), 1.17),
             64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.59),
             256: (P("deq_mm"), 0.55),
@@ -183,9 +183,9 @@ MEASURED = {
     },
     "int8": {
         (4608, 3584): {  # qkv
-            # mean of the sweep and the B1 run (1.07, 0.99x), session 16: within noise of bf16
+            # mean of the sweep and a B1 run: within noise of bf16
             1: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.03),
-            # mean of the sweep and the B1 run (1.05, 0.99x), session 16: within noise of bf16
+            # mean of the sweep and a B1 run: within noise of bf16
             16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.02),
             64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.11),
             256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.79),
@@ -199,7 +199,7 @@ MEASURED = {
             64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 0.96),
             256: (P("w8a8", C(64, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.81),
             512: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.95),
-            # mean of four B1 runs (1.07, 0.96, 1.07, 1.00x): within run-to-run noise of bf16
+            # mean of four B1 runs: within run-to-run noise of bf16
             1024: (P("w8a8", C(256, 128, 128, warps=8, native=True, tma=True), "prequant"), 1.03),
             4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.22),
         },
@@ -225,7 +225,7 @@ MEASURED = {
     "fp8": {
         (4608, 3584): {  # qkv
             1: (P("gemv", C(1, 4, 512)), 1.19),
-            # mean of the sweep and the B1 run (1.06, 1.01x), session 16: within noise of bf16
+            # mean of the sweep and a B1 run: within noise of bf16
             16: (P("w8a8", C(16, 64, 256, split_k=2, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.04),
             64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.18),
             256: (P("scaled_mm"), 0.94),
@@ -236,7 +236,7 @@ MEASURED = {
         (3584, 3584): {  # o
             1: (P("gemv", C(1, 8, 1024)), 1.42),
             16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.25),
-            # mean of the sweep and the B1 run (1.06, 1.02x), session 16: within noise of bf16
+            # mean of the sweep and a B1 run: within noise of bf16
             64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.04),
             256: (P("w8a8", C(64, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.87),
             512: (P("scaled_mm"), 1.14),
@@ -303,13 +303,13 @@ MEASURED = {
 }
 
 # A quantized plan runs only where it measured at least this much faster than bf16: the same kernel's speed-up
-# differs by up to ~5 % between two H200s and runs (bench/results/gemm.md), and a near-tie is not worth the
-# rounding of a quantized GEMM.
+# differs by a few percent between two GPUs of one model and between runs (bench/results/gemm.md), and a near-tie
+# is not worth the rounding of a quantized GEMM.
 MIN_SPEEDUP = 1.05
 
 # family -> (N, K) -> M bucket -> time of the W8A8 fallback (fake-quantized activations, then the bf16 GEMM on the
 # dequantized weight) over the bf16 GEMM's, from `quarl bench gemm --m 1,16,64,256,512,1024,4096` (its "W8A8
-# fallback" table; bench/results/gemm.md, 2026-11-30 06:53 entry), at least 1 (below is noise: the extra pass
+# fallback" table, on an H200; bench/results/gemm.md), at least 1 (below is noise: the extra pass
 # costs time). fp8-tensor uses the fp8 rows.
 FALLBACK_COST = {
     "int8": {

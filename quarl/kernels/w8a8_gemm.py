@@ -222,10 +222,9 @@ def _w8a8_tma_swap_kernel(
     """Decode W8A8 (M <= BM rows; the tables use BM 16 and 64) from prequantized codes, transposed and fed by
     TMA: the program's [BN, BK] weight block sits on the wgmma's 64-row side, the [BM, BK] block of token codes on
     its narrow side, and both arrive by TMA. Streaming the weight is the whole cost at these sizes, and a TMA
-    copy is one instruction per block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step. On
-    an H200, on codes made beforehand, the 7B gate/up GEMM measured 2.0-2.1x bf16 at 1-16 rows (1.6-1.7x from
-    `_w8a8_kernel`) and 1.85-1.9x at 64 rows (1.33-1.35x); down, whose split-K partials a second launch sums,
-    gained little (bench/results/gemm.md, 05:46 entry against 03:47).
+    copy is one instruction per block where `_w8a8_kernel`'s loads issue a 16-byte copy per thread and step, so
+    this kernel beats `_w8a8_kernel` on the wide 7B shapes (gate/up) at 1-64 rows; down, whose split-K partials
+    a second launch sums, gains little (bench/results/gemm.md).
 
     x_desc: codes [M, KP] in [BM, BK] blocks (rows past M read as zeros); w_desc: weight codes [N, KP] in [BN, BK]
     blocks; xs float32 [M] (stride stride_xsm, 0: one per tensor); ws float32 [N] (stride stride_wsn); bias [N];
@@ -255,7 +254,7 @@ def _split_k(kp: int, bk: int, split_k: int) -> tuple[int, int]:
 def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
     """Launch `_w8a8_tma_swap_kernel` on xin codes [M, KP] (M <= cfg.bm) and w codes [N, KP] (int8, or
     float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1 (summing them
-    in the kernel's last program per tile measured no faster here either: bench/results/gemm.md, session 16)."""
+    in the kernel's last program per tile measured no faster here either: bench/results/gemm.md)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = out.shape
@@ -367,7 +366,7 @@ def w8a8_matmul(
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # Split-K partials are summed by a second kernel: summing them in the GEMM's last program per tile (tickets,
-    # as fp4_decode does) measured no faster at M = 16 and 64 on an H200 (bench/results/gemm.md, 2026-11-30).
+    # as fp4_decode does) measured no faster at M = 16 and 64 (bench/results/gemm.md).
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _w8a8_kernel[grid](
         xin, xs, w, ws, bias if bias is not None else out, target,
