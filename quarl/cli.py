@@ -49,8 +49,43 @@ def _config(args) -> int:
     return 0
 
 
+# The instruction each benchmark's answers are usually asked with, in the form its gold answer is checked
+# (quarl.tasks.rewards.math_reward reads the last \boxed{} of a completion, else its last number).
+EVAL_TEMPLATES = {
+    "gsm8k": "{prompt}\nLet's think step by step and output the final answer after \"####\".",
+    "boxed": "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    "arithmetic": "What is {prompt}? Answer with just the number.",
+}
+
+
+def default_eval_template(data: str, gold_format: str | None) -> str:
+    """The prompt template `quarl eval` uses without --prompt-template: GSM8K's "####" instruction for GSM8K-style
+    gold answers, the \\boxed{} instruction for MATH-500 / AIME and other LaTeX or plain answers."""
+    if data == "arithmetic":
+        return EVAL_TEMPLATES["arithmetic"]
+    return EVAL_TEMPLATES["gsm8k" if gold_format == "gsm8k" else "boxed"]
+
+
+def _eval_out_path(args) -> "Path":
+    from pathlib import Path
+    import re
+
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir() or args.out.endswith(("/", "\\")):
+            raise ValueError(f"--out {args.out} is a folder; give the JSON file to write, e.g. {args.out.rstrip('/')}/"
+                             "result.json")
+        return out if out.suffix == ".json" else out.with_name(out.name + ".json")
+    name = "-".join(re.sub(r"[^A-Za-z0-9_.+]+", "_", Path(str(part).rstrip("/")).stem or str(part)).strip("_")
+                    for part in (args.model, args.data, args.split, args.precision))
+    if args.n > 1:
+        name += f"-n{args.n}"
+    return Path("runs") / "eval" / f"{name}.json"
+
+
 def _eval(args) -> int:
     import json
+    from dataclasses import replace
 
     from quarl.config import DataSection, RewardSection
     from quarl.model.loading import load_model
@@ -58,25 +93,45 @@ def _eval(args) -> int:
     from quarl.devices import resolve_device
     from quarl.rl.evaluate import evaluate
     from quarl.rollout.generate_cli import make_engine, precision_config
-    from quarl.tasks.task import load_task
+    from quarl.tasks.task import load_task, make_renderer
 
+    verbose = not args.quiet
+    out_path = _eval_out_path(args)  # a bad --out fails before the model loads
     device = resolve_device(args.device)
     precision = precision_config(args.precision)
-    model, tok = load_model(args.model, device=str(device), dtype=precision.torch_dtype(device),
-                            gguf_file=args.gguf_file)
-    apply_precision(model, precision)
     data = DataSection(train=args.data, eval=args.data, eval_split=args.split, train_split=args.split,
                        eval_limit=args.limit, limit=args.limit, data_dir=args.data_dir,
-                       prompt_template=args.prompt_template, system_prompt=args.system_prompt,
+                       prompt_template=args.prompt_template or "{prompt}", system_prompt=args.system_prompt,
                        chat_template=not args.no_chat, num_eval=args.limit or 64)
-    task = load_task(data, RewardSection(), tok, seed=args.seed)
+    task = load_task(data, RewardSection(), None, seed=args.seed)  # bad data fails before the model loads
+    if not task.eval_examples:
+        raise ValueError(f"--data {args.data} --split {args.split} has no examples to evaluate")
+    template = args.prompt_template or default_eval_template(args.data, task.eval_examples[0].gold_format)
+    model, tok = load_model(args.model, device=str(device), dtype=precision.torch_dtype(device),
+                            gguf_file=args.gguf_file, progress=verbose)
+    apply_precision(model, precision)
+    task.render_fn = make_renderer(replace(data, prompt_template=template), tok)
     engine = make_engine(model, tok, args.engine, args.kv_cache, len(task.eval_examples) * args.n, args.n,
                          args.sampler)
+    records: list[dict] = []
     result = evaluate(engine, task, task.eval_examples, n=args.n, temperature=args.temperature,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed)
-    print(json.dumps({"model": args.model, "data": args.data, "split": args.split, "precision": args.precision,
-                      "engine": type(engine).__name__, "kv_cache": args.kv_cache,
-                      "sampler": getattr(engine, "sampler", "gumbel"), **result}, indent=2))
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, progress=None if verbose else False,
+                      desc=f"quarl eval {args.data}", records=records)
+    samples_path = out_path.with_name(out_path.stem + ".samples.jsonl")
+    summary = {"model": args.model, "data": args.data, "split": args.split, "precision": args.precision,
+               "engine": type(engine).__name__, "kv_cache": args.kv_cache,
+               "sampler": getattr(engine, "sampler", "gumbel"), "prompt_template": template,
+               "system_prompt": args.system_prompt, "chat_template": not args.no_chat, "n": args.n,
+               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+               **result, "samples": str(samples_path)}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with samples_path.open("w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    out_path.write_text(json.dumps(summary, indent=2) + "\n")
+    if verbose:
+        print(f"[quarl] wrote {out_path} and the completions with their scores to {samples_path}", file=sys.stderr)
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -91,7 +146,8 @@ def _plot(args) -> int:
 def _export(args) -> int:
     from quarl.export import export_from_run
 
-    print(export_from_run(args.run_dir, args.out, overwrite=args.overwrite))
+    print(export_from_run(args.run_dir, args.out, overwrite=args.overwrite, dtype=args.dtype,
+                          verbose=not args.quiet))
     return 0
 
 
@@ -141,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_command(sub, "generate", "sample completions from a model in any precision",
                         "quarl.rollout.generate_cli", "generate", "quarl generate")
 
-    p = sub.add_parser("eval", help="accuracy / avg@k / pass@k of a model on a dataset, in any precision")
+    p = sub.add_parser("eval", help="accuracy / avg@k / pass@k of a model on a dataset, in any precision",
+                       description="Score a model on a dataset. The result (JSON) is printed and saved to --out, "
+                                   "the completions with their per-problem scores next to it (.samples.jsonl).")
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF dir, hub id, .gguf file, or a run's export")
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--data", default="gsm8k", help="gsm8k | math500 | aime24 | arithmetic | .jsonl/.parquet | hub id")
@@ -152,15 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1, help="answers per problem (avg@n, pass@n)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--prompt-template", default="{prompt}")
+    p.add_argument("--prompt-template", default=None,
+                   help="the user turn, {prompt} is the question (default: the dataset's usual instruction: for "
+                        "GSM8K step by step with the answer after ####, for MATH-500 / AIME the answer in \\boxed{})")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON result file (default runs/eval/MODEL-DATA-SPLIT-PRECISION.json); "
+                                               "the completions go to OUT's stem + .samples.jsonl")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines or bars on stderr")
     add_engine_arguments(p)
     p.set_defaults(fn=_eval)
 
-    p = sub.add_parser("plot", help="PNG curves of a run (reward, held-out accuracy, mismatch KL, IS weights, time)")
+    p = sub.add_parser("plot", help="a PNG page of a run's curves (reward, held-out accuracy, loss, grad norm, "
+                                    "entropy, mismatch KL, IS weights, clipping, time) and a Markdown summary")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
     p.set_defaults(fn=_plot)
@@ -169,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in the output folder")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights (default bfloat16; float32 keeps full training precision)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step, memory, quality")

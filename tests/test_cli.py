@@ -16,6 +16,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import make_cfg, make_trainer  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """`quarl eval` saves its result under ./runs/eval by default: keep that out of the source tree."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     torch.manual_seed(0)
@@ -68,15 +74,15 @@ def test_plot_and_export_of_a_lora_run(tmp_path):
     trainer.train()
     run = tmp_path / "run"
     assert main(["plot", str(run)]) == 0
-    pngs = sorted(p.name for p in (run / "plots").glob("*.png"))
-    assert {"reward.png", "mismatch_kl.png", "step_time.png"} <= set(pngs)
+    assert (run / "plots" / "overview.png").stat().st_size > 10_000
+    assert "mean reward" in (run / "plots" / "summary.md").read_text()
     # export rebuilds the model from the run's config + checkpoint: use the tiny model through a saved base
     base_dir = tmp_path / "base"
     torch.manual_seed(0)
     save_pretrained(QuarlForCausalLM(tiny_config("llama")), tiny_tokenizer(), base_dir)
     cfg_path = run / "config.yaml"
     cfg_path.write_text(cfg_path.read_text().replace("smollm2-135m-instruct", str(base_dir)))
-    assert main(["export", str(run)]) == 0
+    assert main(["export", str(run), "--dtype", "float32"]) == 0
     hf = AutoModelForCausalLM.from_pretrained(run / "export" / "hf", dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 9))
     trainer.model.eval()

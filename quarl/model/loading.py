@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -262,15 +264,15 @@ def _safetensors_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
                 yield key, value
 
 
-def load_hf_directory(directory: str, device, dtype) -> QuarlForCausalLM:
-    """Model from a HF directory (config.json + safetensors)."""
+def load_hf_directory(directory: str, device, dtype, bar=None) -> QuarlForCausalLM:
+    """Model from a HF directory (config.json + safetensors). `bar`: a progress bar advanced per tensor."""
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{directory} has no config.json")
     config = config_from_file(config_path)
     files = _safetensors_files(directory)
     model = build_empty_model(config, device, dtype)
-    load_weights(model, _safetensors_tensors(files), directory)
+    load_weights(model, _counted(_safetensors_tensors(files), bar), directory)
     return model
 
 
@@ -298,8 +300,9 @@ def _bad_gguf(path: str, err: BaseException) -> ValueError:
     )
 
 
-def load_gguf(path: str, device, dtype) -> QuarlForCausalLM:
-    """Model from a GGUF file (tensors dequantized to float32, then cast to `dtype`).
+def load_gguf(path: str, device, dtype, bar=None) -> QuarlForCausalLM:
+    """Model from a GGUF file (tensors dequantized to float32, then cast to `dtype`). `bar`: a progress bar
+    advanced per tensor.
 
     A truncated or garbage file, or one without the metadata the decoder needs, raises ValueError naming it.
     """
@@ -317,7 +320,9 @@ def load_gguf(path: str, device, dtype) -> QuarlForCausalLM:
         raise ValueError(f"{path} lacks GGUF metadata the decoder needs ({type(e).__name__}: {_one_line(e)}); the "
                          "file is truncated, corrupt or not a llama/qwen2/qwen3 checkpoint") from e
     model = build_empty_model(config, device, dtype)
-    load_weights(model, gguf_tensors(reader, config, path), path)
+    if bar is not None:
+        bar.reset(total=len(reader.tensors))
+    load_weights(model, _counted(gguf_tensors(reader, config, path), bar), path)
     return model
 
 
@@ -361,7 +366,7 @@ def check_finite(model: torch.nn.Module, source: str, chunk: int = 1 << 26) -> N
 
 def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str = "cpu",
                dtype: torch.dtype | str = torch.float32, gguf_file: str | None = None,
-               revision: str | None = None) -> tuple[QuarlForCausalLM, object]:
+               revision: str | None = None, progress: bool = True) -> tuple[QuarlForCausalLM, object]:
     """Load (model, tokenizer) from a HF directory, a hub id, a GGUF file, or "smollm2-135m-instruct".
 
     Args:
@@ -369,6 +374,8 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
         device, dtype: where and in which floating dtype the weights live (GGUF weights are dequantized).
         gguf_file: a GGUF file name inside the directory (or hub repo) `name_or_path`.
         revision: hub revision.
+        progress: say on stderr what is loaded and how long it took, with a bar over the tensors on a terminal
+            (loading a GGUF checkpoint dequantizes every tensor on the CPU, which takes a while).
     Returns:
         (QuarlForCausalLM with full-precision weights and `set_rollout(False)`, Hugging Face tokenizer).
     Raises:
@@ -381,14 +388,42 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
             raise ValueError(f"{name_or_path!r} is a built-in random model with no files; drop gguf_file={gguf_file!r}")
         return tiny_random_model(name_or_path, device, dtype), tiny_tokenizer()
     kind, path = resolve_source(name_or_path, gguf_file, revision)
-    if kind == "gguf":
-        model = load_gguf(path, device, dtype)
-        tokenizer = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
-    else:
-        model = load_hf_directory(path, device, dtype)
-        tokenizer = load_tokenizer(path)
+    dtype_name = str(dtype).replace("torch.", "")
+    what = "GGUF, dequantizing its tensors" if kind == "gguf" else "Hugging Face checkpoint"
+    _say(progress, f"loading {name_or_path} ({what}) on {device} in {dtype_name} ...")
+    start = time.perf_counter()
+    with _tensor_bar(progress, os.path.basename(path.rstrip("/"))) as bar:
+        if kind == "gguf":
+            model = load_gguf(path, device, dtype, bar=bar)
+            tokenizer = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+        else:
+            model = load_hf_directory(path, device, dtype, bar=bar)
+            tokenizer = load_tokenizer(path)
     check_finite(model, path)
+    params = sum(p.numel() for p in model.parameters())
+    _say(progress, f"loaded {name_or_path} ({params / 1e6:.0f}M parameters) in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[quarl] {message}", file=sys.stderr, flush=True)
+
+
+def _tensor_bar(progress: bool, desc: str):
+    """A tqdm bar counting loaded tensors: on stderr, shown only on a terminal (a log file gets the two lines of
+    `_say` instead), removed once loading is done."""
+    from tqdm import tqdm
+
+    return tqdm(desc=f"loading {desc}", unit="tensor", disable=None if progress else True, leave=False,
+                dynamic_ncols=True)
+
+
+def _counted(items: Iterable, bar) -> Iterator:
+    for item in items:
+        yield item
+        if bar is not None:
+            bar.update(1)
 
 
 # ---------------------------------------------------------------------------------------------------- save

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import time
 from math import comb
 
 
@@ -14,13 +16,26 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def _takes_progress(engine) -> bool:
+    try:
+        return "progress" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
 def evaluate(engine, task, examples, *, n: int = 1, temperature: float = 0.0, max_new_tokens: int = 256,
-             seed: int = 0, stop: list[str] | None = None, batch_prompts: int = 64) -> dict[str, float]:
+             seed: int = 0, stop: list[str] | None = None, batch_prompts: int = 64, progress: bool | None = None,
+             desc: str = "evaluating", records: list | None = None) -> dict[str, float]:
     """Score `n` answers per example with the task's correctness check (no format bonus).
 
     Returns {"accuracy": mean reward of the first answer, "avg@n": mean over all answers,
     "pass@n": fraction of problems with at least one correct answer (unbiased), "num_examples": count}.
+
+    progress: a tqdm bar on stderr counting problems (True: always, False: never, None: only on a terminal).
+    records: a list that receives one dict per problem: id, prompt (as rendered), gold, completions, scores.
     """
+    from tqdm import tqdm
+
     if not examples:
         raise ValueError("evaluate: no examples to evaluate")
     if n < 1:
@@ -28,14 +43,35 @@ def evaluate(engine, task, examples, *, n: int = 1, temperature: float = 0.0, ma
     if n > 1 and temperature == 0:
         raise ValueError("evaluate: n > 1 needs sampling (temperature > 0); greedy answers would all be equal")
     first, mean_all, passed = 0.0, 0.0, 0.0
-    for start in range(0, len(examples), batch_prompts):
-        chunk = examples[start : start + batch_prompts]
-        outputs = engine.generate([task.render(ex) for ex in chunk], n=n, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, stop=stop, seed=seed + start)
-        for ex, out in zip(chunk, outputs):
-            scores = [task.correct(c.text, ex) for c in out.completions]
-            first += scores[0]
-            mean_all += sum(scores) / n
-            passed += pass_at_k(n, sum(scores), n)
+    with tqdm(total=len(examples), desc=desc, unit="problem", disable=None if progress is None else not progress,
+              dynamic_ncols=True, leave=False) as bar:
+        extra = {}
+        if not bar.disable and _takes_progress(engine):
+            # The engine generates a whole chunk at once: its token count keeps the bar alive within a chunk.
+            tokens = [0, time.monotonic()]
+
+            def on_tokens(count: int) -> None:
+                tokens[0] += count
+                if time.monotonic() - tokens[1] >= 0.5:
+                    tokens[1] = time.monotonic()
+                    bar.set_postfix_str(f"{tokens[0]} tokens", refresh=True)
+
+            extra["progress"] = on_tokens
+        for start in range(0, len(examples), batch_prompts):
+            chunk = examples[start : start + batch_prompts]
+            prompts = [task.render(ex) for ex in chunk]
+            outputs = engine.generate(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      stop=stop, seed=seed + start, **extra)
+            for ex, prompt, out in zip(chunk, prompts, outputs):
+                scores = [bool(task.correct(c.text, ex)) for c in out.completions]
+                first += scores[0]
+                mean_all += sum(scores) / n
+                passed += pass_at_k(n, sum(scores), n)
+                if records is not None:
+                    records.append({"id": ex.id, "prompt": prompt, "gold": ex.gold,
+                                    "completions": [c.text for c in out.completions],
+                                    "scores": [float(s) for s in scores], "correct": scores[0]})
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"accuracy {first / (start + len(chunk)):.3f}", refresh=False)
     m = len(examples)
     return {"accuracy": first / m, f"avg@{n}": mean_all / m, f"pass@{n}": passed / m, "num_examples": float(m)}
