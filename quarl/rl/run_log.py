@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import warnings
 from pathlib import Path
 
@@ -148,7 +149,7 @@ class RunLog:
         id_path = self.dir / WANDB_ID_FILE
         run_id = id_path.read_text().strip() if resuming and id_path.is_file() else None
         if not run_id:
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(6)  # W&B run ids: letters and digits
             atomic_write_bytes(id_path, run_id.encode())
         return wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "quarl", name=name or self.dir.name,
                           id=run_id, resume="allow", dir=str(self.dir), config=config or {})

@@ -1,0 +1,142 @@
+"""The run log's trackers: TensorBoard gets the config, hyperparameters and completions; W&B (offline) gets
+metrics, config and tables; output.report_to is read from the config with a clear error for unknown names."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from quarl.config import load_config
+from quarl.rl.run_log import RunLog, flatten_config, parse_report_to, samples_markdown
+
+CONFIG = {"model": {"name": "tiny-random-llama"}, "train": {"lr": 0.00123, "steps": 3},
+          "data": {"ops": ["+", "-"], "eval": None}}
+
+
+def _tb_events(path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def _text(acc, tag: str) -> list[tuple[int, str]]:
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(f"{tag}/text_summary")]
+
+
+def test_tensorboard_gets_config_hparams_scalars_and_completions(tmp_path):
+    log = RunLog(tmp_path / "run", report_to=["tensorboard"], config=CONFIG)
+    log.log(1, {"reward/mean": 0.25, "train/loss": float("nan"), "fallbacks": {"gemm": "eager"}})
+    log.samples(1, [{"prompt": "2 + 3", "gold": "5", "completion": "it is 5 | done\nyes", "reward": 1.0}])
+    log.eval_samples(1, [{"id": "e1", "prompt": "9 + 1", "completions": ["10"], "scores": [1.0]}])
+    log.close()
+    acc = _tb_events(tmp_path / "run" / "tb")
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.25)]
+    assert "train/loss" not in acc.Tags()["scalars"]  # NaN stays out of TensorBoard (metrics.jsonl has null)
+    config_text = _text(acc, "config")[0][1]
+    assert "lr: 0.00123" in config_text and "tiny-random-llama" in config_text
+    (step, samples), = _text(acc, "samples")
+    assert step == 1 and "it is 5 \\| done<br>yes" in samples and "| prompt | gold | completion | reward |" in samples
+    assert "9 + 1" in _text(acc, "eval_samples")[0][1]
+    # the HParams tab: the flattened config as this run's hyperparameters
+    hparams = acc.PluginTagToContent("hparams")
+    assert "_hparams_/session_start_info" in hparams
+    assert b"train.lr" in hparams["_hparams_/session_start_info"]
+    records = [json.loads(x) for x in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
+    assert records == [{"step": 1, "id": "e1", "prompt": "9 + 1", "completions": ["10"], "scores": [1.0]}]
+
+
+def test_flatten_and_markdown_helpers():
+    assert flatten_config(CONFIG) == {"model.name": "tiny-random-llama", "train.lr": 0.00123, "train.steps": 3,
+                                      "data.ops": "['+', '-']", "data.eval": "none"}
+    table = samples_markdown([{"a": 1}, {"b": "x|y"}])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 |  |", "|  | x\\|y |"]
+
+
+def test_report_to_names():
+    assert parse_report_to(["TensorBoard", "wandb", "wandb"]) == ["tensorboard", "wandb"]
+    assert parse_report_to("tensorboard,wandb") == ["tensorboard", "wandb"]
+    assert parse_report_to("none") == [] and parse_report_to([]) == []
+    with pytest.raises(ValueError, match=r"unknown tracker 'mlflow'; choose from tensorboard, wandb"):
+        parse_report_to(["tensorboard", "mlflow"])
+
+
+def test_from_config_reads_report_to_with_defaults(tmp_path):
+    cfg = load_config(None, [f"output.dir={tmp_path}"])
+    log = RunLog.from_config(tmp_path / "a", cfg)
+    assert log.trackers == ["tensorboard"] and log.writer is not None
+    log.close()
+    cfg = load_config(None, ["output.tensorboard=false"])
+    log = RunLog.from_config(tmp_path / "b", cfg)
+    assert log.trackers == [] and log.writer is None
+    log.close()
+    # a config object that carries output.report_to (the key the trainer's config passes on)
+    cfg = types.SimpleNamespace(output=types.SimpleNamespace(report_to=["bogus"], tensorboard=True))
+    with pytest.raises(ValueError, match="output.report_to"):
+        RunLog.from_config(tmp_path / "c", cfg)
+
+
+def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'quarl\[wandb\]'"):
+        RunLog(tmp_path / "run", report_to=["wandb"])
+
+
+class _FakeRun:
+    def __init__(self, **kwargs):
+        self.init = kwargs
+        self.logged = []
+        self.finished = False
+
+    def log(self, data, step):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: runs.append(_FakeRun(**kw)) or runs[-1]
+    fake.Table = lambda columns, data: ("table", columns, data)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run_dir = tmp_path / "run"
+    log = RunLog(run_dir, report_to=["wandb"], config=CONFIG, wandb_project="proj")
+    log.log(1, {"reward/mean": 0.5, "note": "text", "bad": float("inf")})
+    log.samples(1, [{"prompt": "p", "completion": "c", "reward": 0.0}])
+    log.log(2, {"reward/mean": 0.75})
+    log.close()
+    first = runs[0]
+    assert first.finished and first.init["project"] == "proj" and first.init["name"] == "run"
+    assert first.init["config"] == CONFIG and first.init["dir"] == str(run_dir)
+    assert first.logged[0] == (1, {"reward/mean": 0.5})
+    assert first.logged[1] == (1, {"samples": ("table", ["prompt", "completion", "reward"], [["p", "c", 0.0]])})
+    log = RunLog(run_dir, report_to=["wandb"], resume_step=1)
+    log.close()
+    assert runs[1].init["id"] == first.init["id"] and runs[1].init["resume"] == "allow"
+    log = RunLog(run_dir, report_to=["wandb"])  # a fresh run in the same folder is a new W&B run
+    log.close()
+    assert runs[2].init["id"] != first.init["id"]
+
+
+def test_wandb_offline_run_holds_metrics_config_and_samples(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    log = RunLog(tmp_path / "run", report_to=["wandb"], config=CONFIG, wandb_project="quarl-test")
+    log.log(1, {"reward/mean": 0.5})
+    log.samples(1, [{"prompt": "2 + 3", "completion": "five", "reward": 0.0}])
+    log.log(2, {"reward/mean": 0.8125})
+    log.close()
+    offline = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    data = next(offline[0].glob("run-*.wandb")).read_bytes()
+    assert b"reward/mean" in data and b"0.8125" in data and b'"lr":0.00123' in data
+    table = next(offline[0].glob("files/media/table/samples_1_*.table.json"))
+    assert json.loads(table.read_text()) == {"columns": ["prompt", "completion", "reward"],
+                                             "data": [["2 + 3", "five", 0.0]]}
