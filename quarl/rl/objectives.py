@@ -17,9 +17,18 @@ mis            −w·J_clip, w = ρ·1[mis_low ≤ ρ ≤ mis_high] (token), or 
                w = ρ_seq·1[mis_low ≤ ρ_seq ≤ mis_high] with ρ_seq = exp Σ_t log ρ_t (sequence)
 acr            −min(ρ, C)·min(R·A, clip(R, 1−ε_low, (1+ε_high)/r)·A), r = min(1, C/ρ)
 bypass         π_prox := μ (no extra forward); numerically the naive loss, offered as a labelled choice
+geo_mask       −1[geo_low ≤ ρ_geo ≤ geo_high]·J_clip, ρ_geo = exp(mean_t log ρ_t) over the answer (verl)
+seq_mask_tis   −1[geo_low ≤ ρ_geo ≤ geo_high]·min(ρ_t, C)·J_clip (sequence mask + token TIS)
+icepop         −ρ·1[icepop_low ≤ ρ ≤ icepop_high]·J_clip (IcePop token masking)
+tbpo           −ρ_geo·1[1/band ≤ ρ_geo ≤ band]·J_dual (QaRL trust band), J_dual = J_clip, or for A < 0
+               max(J_clip, c·A) with c = dual_clip (default 3)
+ais            −(λ·min(ρ_seq, C) + (1−λ)·min(ρ_t, C))·J_clip, λ = ESS(ρ_seq)/n over the answers (adaptive IS)
 =============  =====================================================================================
 
 plus, when `kl_coef` > 0, β·k3 with k3 = exp(ref − θ) − (ref − θ) − 1 per token, before aggregation.
+`importance_sampling_level="sequence"` (GSPO) replaces R_t by s_i = exp(mean_t log R_t) of answer i in J_clip
+for any correction; `dual_clip` = c > 1 adds the dual clip to any correction. docs/CORRECTIONS.md has the
+formulas, the config keys and the papers.
 
 Each correction is one pure function registered by name (`@register_correction`, as verl's
 `@register_policy_loss`): it maps log ρ [B, T] to the per-token weights (and which tokens were truncated or
@@ -67,6 +76,8 @@ from torch import Tensor
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 CORRECTION_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+ERROR_TOKEN_GUARDS = ("off", "mask", "drop")
 DEFAULT_AGGREGATION = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 DAPO_EPSILON_HIGH = 0.28  # DAPO "clip-higher"
 
@@ -85,6 +96,10 @@ class CorrectionWeights:
     truncated: Tensor | None = None
     rejected: Tensor | None = None
     upper_scale: Tensor | None = None
+    # one weight per answer (the same on all its tokens): "is/ess" is then taken over answers, not tokens
+    per_sequence: bool = False
+    # extra diagnostics, 0-dim tensors, reported with the loss metrics (e.g. AIS's mixing coefficient)
+    metrics: dict[str, Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,23 +107,29 @@ class Correction:
     """A registered mismatch correction: `fn(log_rho [B, T], cfg, sequence_level) -> CorrectionWeights`, where
     log_rho = log π_prox − log μ (0 outside the mask). anchor_is_behaviour: μ plays the old policy (R̂ = π_θ/μ,
     ρ = 1); skips_proximal: the trainer computes no π_prox at all; sequence_level: correction_level="sequence"
-    applies."""
+    applies; uses_mask: fn also takes the bool mask [B, T] as a fourth argument (sequence statistics such as the
+    geometric mean need each answer's token count); dual_clip: the dual-clip constant c used when
+    loss.dual_clip is left None (None = no dual clip by default)."""
 
     name: str
     fn: Callable
     anchor_is_behaviour: bool = False
     skips_proximal: bool = False
     sequence_level: bool = False
+    uses_mask: bool = False
+    dual_clip: float | None = None
 
 
 CORRECTION_REGISTRY: dict[str, Correction] = {}
 
 
 def register_correction(name: str, *, anchor_is_behaviour: bool = False, skips_proximal: bool = False,
-                        sequence_level: bool = False):
-    """Decorator: register `fn(log_rho, cfg, sequence_level) -> CorrectionWeights` as `loss.correction=name`."""
+                        sequence_level: bool = False, uses_mask: bool = False, dual_clip: float | None = None):
+    """Decorator: register `fn(log_rho, cfg, sequence_level[, mask]) -> CorrectionWeights` as
+    `loss.correction=name` (the mask is passed when uses_mask=True)."""
     def decorate(fn: Callable) -> Callable:
-        CORRECTION_REGISTRY[name] = Correction(name, fn, anchor_is_behaviour, skips_proximal, sequence_level)
+        CORRECTION_REGISTRY[name] = Correction(name, fn, anchor_is_behaviour, skips_proximal, sequence_level,
+                                               uses_mask, dual_clip)
         return fn
     return decorate
 
@@ -164,6 +185,90 @@ def _bypass(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> Correct
     return CorrectionWeights(torch.ones_like(log_rho))
 
 
+def _answer_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B, 1]: the mean of x [B, T] over each answer's counted tokens (0 for an answer with none)."""
+    return _masked_where(mask, x).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def _geo_bounds(cfg: "LossConfig") -> tuple[float, float]:
+    """log lower / log upper bound of the geometric-mean band (geo_low None -> 1/geo_high, verl's default)."""
+    log_high = math.log(cfg.geo_high)
+    return (math.log(cfg.geo_low) if cfg.geo_low is not None else -log_high), log_high
+
+
+@register_correction("geo_mask", uses_mask=True)
+def _geo_mask(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool, mask: Tensor) -> CorrectionWeights:
+    # verl's geometric rejection: log ρ_geo = mean_t log ρ_t is length-normalised, so one band fits any length.
+    log_low, log_high = _geo_bounds(cfg)
+    geo = _answer_mean(log_rho, mask)
+    keep = ((geo >= log_low) & (geo <= log_high)).expand_as(log_rho)
+    # pure rejection, no importance weight: accepted answers train at weight 1
+    return CorrectionWeights(keep.to(log_rho.dtype), rejected=~keep, per_sequence=True)
+
+
+@register_correction("seq_mask_tis", uses_mask=True)
+def _seq_mask_tis(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool, mask: Tensor) -> CorrectionWeights:
+    log_low, log_high = _geo_bounds(cfg)
+    geo = _answer_mean(log_rho, mask)
+    keep = ((geo >= log_low) & (geo <= log_high)).expand_as(log_rho)
+    log_cap = math.log(cfg.is_cap)
+    tis = torch.exp(log_rho.clamp(max=log_cap))  # token-level min(ρ_t, C) inside accepted answers
+    return CorrectionWeights(_masked_where(keep, tis), truncated=keep & (log_rho > log_cap), rejected=~keep)
+
+
+@register_correction("icepop")
+def _icepop(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool) -> CorrectionWeights:
+    # IcePop's M(ρ; α, β) = ρ on [α, β], 0 outside: token-level masking with its own (wider) default band
+    log_low = math.log(cfg.icepop_low) if cfg.icepop_low > 0 else -math.inf
+    log_high = math.log(cfg.icepop_high)
+    keep = (log_rho >= log_low) & (log_rho <= log_high)
+    return CorrectionWeights(_masked_where(keep, torch.exp(log_rho.clamp(max=log_high))), rejected=~keep)
+
+
+@register_correction("tbpo", uses_mask=True, dual_clip=3.0)
+def _tbpo(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool, mask: Tensor) -> CorrectionWeights:
+    # Trust band: an answer whose geometric-mean ρ leaves [1/band, band] is rejected; an accepted one is weighted
+    # by that geometric mean (≤ band, so bounded without truncation). The dual clip on A < 0 is applied by
+    # policy_loss (Correction.dual_clip = 3 is the default of loss.dual_clip for this correction).
+    log_band = math.log(cfg.tbpo_band)
+    geo = _answer_mean(log_rho, mask)
+    keep = (geo.abs() <= log_band).expand_as(log_rho)
+    weight = _masked_where(keep, torch.exp(geo.clamp(min=-log_band, max=log_band)).expand_as(log_rho))
+    return CorrectionWeights(weight, rejected=~keep, per_sequence=True)
+
+
+@register_correction("ais", uses_mask=True)
+def _ais(log_rho: Tensor, cfg: "LossConfig", sequence_level: bool, mask: Tensor) -> CorrectionWeights:
+    # Adaptive IS: w = λ·min(ρ_seq, C) + (1 − λ)·min(ρ_t, C) with λ = the normalised ESS of the *raw* sequence
+    # weights ρ_seq = exp Σ_t log ρ_t over the answers in this call. Sequence-level IS is the unbiased estimator
+    # for a sequence reward but its variance explodes as the mismatch grows (ESS → 1/n); the token-level one is
+    # biased but stays low-variance. λ moves from the first to the second exactly as the live mismatch makes the
+    # sequence weights degenerate. ESS is computed in log space: 2·LSE(l) − LSE(2l) − log n.
+    log_cap = math.log(cfg.is_cap)
+    rows = mask.any(dim=1)
+    n = rows.sum()
+    log_seq = log_rho.sum(dim=1)  # masked positions already hold 0
+    neg_inf = torch.full_like(log_seq, -math.inf)
+    ls = torch.where(rows, log_seq, neg_inf)
+    log_ess = 2 * torch.logsumexp(ls, 0) - torch.logsumexp(2 * ls, 0) - torch.log(n.to(log_rho.dtype).clamp(min=1))
+    ess_seq = torch.where(n > 0, torch.exp(log_ess.clamp(max=0.0)), torch.zeros_like(log_ess))
+    lam = ess_seq.detach()
+    w_seq = torch.exp(log_seq.clamp(max=log_cap)).unsqueeze(1).expand_as(log_rho)
+    w_tok = torch.exp(log_rho.clamp(max=log_cap))
+    weight = lam * w_seq + (1 - lam) * w_tok
+    # diagnostics: token-level ESS of the raw ρ_t and the k1 estimate of KL(μ‖π_prox) = mean(−log ρ_t)
+    lt = torch.where(mask, log_rho, torch.full_like(log_rho, -math.inf)).flatten()
+    n_tok = mask.sum().to(log_rho.dtype)
+    ess_tok = torch.where(n_tok > 0, torch.exp((2 * torch.logsumexp(lt, 0) - torch.logsumexp(2 * lt, 0)
+                                                - torch.log(n_tok.clamp(min=1))).clamp(max=0.0)),
+                          torch.zeros_like(n_tok))
+    kl = -_masked_where(mask, log_rho).sum() / n_tok.clamp(min=1)
+    truncated = (log_rho > log_cap) | ((log_seq > log_cap).unsqueeze(1) & (lam > 0))
+    return CorrectionWeights(weight, truncated=truncated,
+                             metrics={"ais/lambda": lam, "ais/ess_seq": ess_seq, "ais/ess_token": ess_tok,
+                                      "ais/kl": kl})
+
+
 CORRECTIONS = tuple(CORRECTION_REGISTRY)  # the built-in ones, in order (a later registration adds to the registry)
 
 
@@ -187,6 +292,25 @@ class LossConfig:
     mis_high: float = 3.0  # mis: upper acceptance bound on ρ (TRL's default 3); accepted weights stay <= mis_high
     kl_coef: float = 0.0  # beta for the k3 KL to a frozen reference
     max_new_tokens: int | None = None  # needed by the dr_grpo aggregation
+    # token: R_t = π_θ/π_old per token | sequence (GSPO): s_i = exp(mean_t log R_t) on every token of answer i
+    importance_sampling_level: str = "token"
+    # dual clip c > 1 for A < 0: per-token objective max(min(R·A, clip(R)·A), c·A); None -> the correction's
+    # default (3.0 for tbpo, off otherwise); 0 -> off
+    dual_clip: float | None = None
+    # geo_mask / seq_mask_tis: keep answers whose geometric-mean ρ lies in [geo_low, geo_high] (verl: 1/1.001, 1.001)
+    geo_low: float | None = None  # None -> 1/geo_high
+    geo_high: float = 1.001
+    # icepop: token weight ρ on [icepop_low, icepop_high], 0 outside (IcePop's α = 0.5, β = 5)
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    tbpo_band: float = 1.05  # tbpo: keep answers whose geometric-mean ρ lies in [1/band, band]; weight = that mean
+    # error-token guard (quarl.rl.error_tokens): off (metrics only) | mask (flagged answers get loss weight 0) |
+    # drop (flagged answers leave the batch)
+    error_token_guard: str = "off"
+    error_loop_max_ngram: int = 16  # loops of n-grams with 1 <= n <= this are detected
+    error_loop_min_repeats: int = 4  # ... repeated back to back at least this many times
+    error_loop_min_tokens: int = 16  # ... covering at least this many tokens
+    error_max_abs_log_ratio: float = 6.0  # a token with |log μ − log π_prox| above this flags its answer (0 = off)
 
     @property
     def resolved_aggregation(self) -> str:
@@ -237,7 +361,35 @@ class LossConfig:
         if agg == "seq-mean-token-sum-norm" and self.max_new_tokens is None:
             raise ValueError("aggregation 'seq-mean-token-sum-norm' (dr_grpo) divides by answers x max_new_tokens; "
                              "set loss.max_new_tokens to the rollout's max_new_tokens")
-        return replace(self, aggregation=agg, epsilon_high=eps_high)
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"loss.importance_sampling_level={self.importance_sampling_level!r} is unknown; choose "
+                             f"one of {IMPORTANCE_SAMPLING_LEVELS} (sequence = GSPO)")
+        dual_clip = self.dual_clip if self.dual_clip is not None else (correction.dual_clip or 0.0)
+        if not (dual_clip == 0.0 or (dual_clip > 1.0 and math.isfinite(dual_clip))):
+            raise ValueError(f"loss.dual_clip={self.dual_clip} must be 0 (off) or a finite number > 1 "
+                             "(dual-clip PPO uses 3), or None for the correction's default")
+        if not (self.geo_high > 1.0 and math.isfinite(self.geo_high)):
+            raise ValueError(f"loss.geo_high={self.geo_high} must be a finite number > 1 (verl's default 1.001)")
+        if self.geo_low is not None and not 0.0 < self.geo_low < self.geo_high:
+            raise ValueError(f"loss.geo_low={self.geo_low} must lie in (0, geo_high={self.geo_high}), or be None "
+                             "for 1/geo_high")
+        if not (0.0 <= self.icepop_low < self.icepop_high and math.isfinite(self.icepop_high)):
+            raise ValueError(f"loss.icepop_low={self.icepop_low}, icepop_high={self.icepop_high}: need "
+                             "0 <= icepop_low < icepop_high < inf (IcePop: 0.5 and 5)")
+        if not (self.tbpo_band > 1.0 and math.isfinite(self.tbpo_band)):
+            raise ValueError(f"loss.tbpo_band={self.tbpo_band} must be a finite number > 1 (e.g. 1.05)")
+        if self.error_token_guard not in ERROR_TOKEN_GUARDS:
+            raise ValueError(f"loss.error_token_guard={self.error_token_guard!r} is unknown; choose one of "
+                             f"{ERROR_TOKEN_GUARDS}")
+        for key in ("error_loop_max_ngram", "error_loop_min_repeats", "error_loop_min_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if key.endswith("repeats") else 1):
+                raise ValueError(f"loss.{key}={value!r} must be an int >= "
+                                 f"{2 if key.endswith('repeats') else 1}")
+        if not (self.error_max_abs_log_ratio >= 0.0 and math.isfinite(self.error_max_abs_log_ratio)):
+            raise ValueError(f"loss.error_max_abs_log_ratio={self.error_max_abs_log_ratio} must be a finite number "
+                             ">= 0 (0 turns the log-ratio test off; e.g. 6 flags a token 400x off)")
+        return replace(self, aggregation=agg, epsilon_high=eps_high, dual_clip=float(dual_clip))
 
 
 def _masked_where(mask: Tensor, values: Tensor) -> Tensor:
@@ -289,7 +441,8 @@ def _aggregate(per_token: Tensor, mask: Tensor, agg: str, num_sequences: int | N
 
 
 def _metrics(m: Tensor, adv: Tensor, ratio: Tensor, lower: float, upper: Tensor, weight: Tensor,
-             truncated: Tensor, rejected: Tensor, kl_ref: Tensor | None, sequence_level: bool) -> dict[str, float]:
+             truncated: Tensor, rejected: Tensor, kl_ref: Tensor | None, sequence_level: bool,
+             dual_clip: float = 0.0, extra: dict[str, Tensor] | None = None) -> dict[str, float]:
     """Loss diagnostics over the counted tokens, reduced in float64 and fetched with one device sync."""
     f64 = torch.float64
     n = m.sum().to(f64)
@@ -321,8 +474,12 @@ def _metrics(m: Tensor, adv: Tensor, ratio: Tensor, lower: float, upper: Tensor,
         "is/ess": ess,
         "policy/ratio_mean": mean(ratio),
     }
+    if dual_clip > 0:  # the dual clip binds where A < 0 and R > c
+        values["clip/frac_dual"] = frac((adv < 0) & (ratio > dual_clip))
     if kl_ref is not None:
         values["policy/kl_ref"] = mean(kl_ref)
+    for k, v in (extra or {}).items():
+        values[k] = v.detach().to(f64).reshape(())
     return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
 
@@ -349,8 +506,9 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     Returns:
         (loss, metrics): loss a 0-dim tensor (float32, or float64 for float64 inputs) to minimise; metrics python
         floats over this batch's counted tokens: "clip/frac_low", "clip/frac_high", "is/weight_mean",
-        "is/truncated_frac", "is/masked_frac", "is/ess", "policy/ratio_mean", and "policy/kl_ref" if a reference
-        was given. "is/*" describe the weight actually applied to each token's clipped term (1 for naive and
+        "is/truncated_frac", "is/masked_frac", "is/ess", "policy/ratio_mean", "policy/kl_ref" if a reference
+        was given, "clip/frac_dual" (A < 0 and R > c) when the dual clip is on, and the correction's own
+        diagnostics (ais: "ais/lambda", "ais/ess_seq", "ais/ess_token", "ais/kl"). "is/*" describe the weight actually applied to each token's clipped term (1 for naive and
         bypass, ρ for decoupled, min(ρ, C) for tis/acr, ρ if accepted else 0 for mis); "is/ess" is (Σw)²/(n·Σw²) over
         tokens, or over answers for sequence-level corrections.
     """
@@ -371,14 +529,18 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     adv = adv.unsqueeze(1).expand_as(logprobs) if adv.dim() == 1 else adv
     adv = _masked_where(m, adv)
 
-    # Trust-region ratio R = π_θ / anchor.
-    log_ratio = _masked_where(m, logprobs - anchor).clamp(max=_MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
+    # Trust-region ratio R = π_θ / anchor: per token, or GSPO's s_i = exp(mean_t log R_t) on every token of
+    # answer i (the gradient of s_i reaches all of the answer's tokens).
+    log_ratio = _masked_where(m, logprobs - anchor)
+    if cfg.importance_sampling_level == "sequence":
+        log_ratio = _answer_mean(log_ratio, m).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))
 
     # Mismatch ratio ρ = π_prox / μ in log space (0 where there is no proximal policy, and outside the mask).
     log_rho = _masked_where(m, anchor - behaviour)
     sequence_level = cfg.correction_level == "sequence" and correction.sequence_level
-    applied = correction.fn(log_rho, cfg, sequence_level)
+    applied = correction.fn(log_rho, cfg, sequence_level, m) if correction.uses_mask else \
+        correction.fn(log_rho, cfg, sequence_level)
     weight = applied.weight
     truncated = applied.truncated if applied.truncated is not None else torch.zeros_like(m)
     rejected = applied.rejected if applied.rejected is not None else torch.zeros_like(m)
@@ -390,6 +552,10 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     lower = 1.0 - eps_low
     clipped_ratio = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, lower)), upper)
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    if cfg.dual_clip > 0:
+        # dual-clip PPO: for A < 0 the objective is bounded below by c·A, so a huge R on a bad answer cannot
+        # produce an unbounded loss (no gradient through R where the bound binds)
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
     per_token = -weight.detach() * surrogate
 
     kl_ref = None
@@ -403,5 +569,6 @@ def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behaviour_lo
     loss = _aggregate(per_token, m, cfg.aggregation, num_sequences, num_tokens, cfg.max_new_tokens)
 
     with torch.no_grad():
-        metrics = _metrics(m, adv, ratio, lower, upper, weight, truncated, rejected, kl_ref, sequence_level)
+        metrics = _metrics(m, adv, ratio, lower, upper, weight, truncated, rejected, kl_ref,
+                           sequence_level or applied.per_sequence, cfg.dual_clip, applied.metrics)
     return loss, metrics
