@@ -6,9 +6,10 @@ For the Qwen2.5-7B linear shapes (qkv, o, gate_up, down) with M tokens, times y 
   * bf16: F.linear on the bf16 master weight (the bf16 / split flows' training GEMMs);
   * unified: the straight-through unified forward (fake-quantized x and W, bf16 GEMMs, bf16 gradients);
   * fp8-backward: `quarl.model.fp8_training.FP8BlockLinear` (precision.quantized_backward=true), on its default
-    path (all three GEMMs on cuBLAS where `training_gemm_ok`), or with --unfused on the per-GEMM path;
+    path (all three GEMMs on cuBLAS where `training_gemm_ok`), or with --unfused on the per-GEMM path
+    (`FastPaths.fused_cublas_path` off);
   * with --wgrad-kernel, fp8-backward again with its weight gradient on the FP8 tensor cores
-    (`fp8_training.FP8_WEIGHT_GRAD_KERNEL`), and that gradient's largest difference from the bf16-GEMM one
+    (`FastPaths.fp8_weight_grad_kernel`), and that gradient's largest difference from the bf16-GEMM one
     relative to its largest value (both multiply the same rounded operands);
   * with --profile, the CUDA kernels of three fp8-backward iterations (weight-gradient kernel on with
     --wgrad-kernel), largest total time first: where the layer's time goes.
@@ -21,6 +22,7 @@ quantization of every operand included).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -44,9 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--wgrad-kernel", action="store_true",
                         help="also time fp8-backward with the weight gradient on the FP8 kernel "
-                             "(quarl.model.fp8_training.FP8_WEIGHT_GRAD_KERNEL)")
+                             "(quarl.fast_paths.FastPaths.fp8_weight_grad_kernel)")
     parser.add_argument("--unfused", action="store_true",
-                        help="fp8-backward without the all-cuBLAS path (quarl.model.fp8_training.FUSED_CUBLAS_PATH)")
+                        help="fp8-backward without the all-cuBLAS path (quarl.fast_paths.FastPaths.fused_cublas_path)")
     parser.add_argument("--profile", action="store_true", help="print the CUDA kernels of fp8-backward per shape")
     parser.add_argument("--host-profile", action="store_true",
                         help="print where the host (Python) time of fp8-backward goes per shape (cProfile)")
@@ -56,10 +58,10 @@ def main(argv=None) -> int:
         return 2
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; M = {args.tokens} tokens")
-    from quarl.model import fp8_training
+    from quarl.fast_paths import FastPaths
 
-    fp8_training.FUSED_CUBLAS_PATH = not args.unfused
-    print(f"fp8-backward: {'unfused (FUSED_CUBLAS_PATH off)' if args.unfused else 'defaults'}")
+    paths = FastPaths(fused_cublas_path=not args.unfused)
+    print(f"fp8-backward: {'unfused (fused_cublas_path off)' if args.unfused else 'defaults'}")
     extra = " fp8 wgrad (ms) | fp8 wgrad vs bf16 | wgrad rel. diff |" if args.wgrad_kernel else ""
     print("| shape (N x K) | bf16 (ms) | unified (ms) | fp8-backward (ms) | fp8-backward vs bf16 |" + extra)
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.wgrad_kernel else ""))
@@ -71,6 +73,7 @@ def main(argv=None) -> int:
         for mode, backward in (("unified", False), ("fp8-backward", True)):
             layer = QuantLinear(k, n, device="cuda", dtype=torch.bfloat16)
             layer.configure(rollout_format="fp8-block", train_format="fp8-block", quantized_backward=backward)
+            layer.fast_paths = paths
             layers[mode] = layer
         w = layers["unified"].weight
 
@@ -92,22 +95,22 @@ def main(argv=None) -> int:
             layer.weight.grad = None
             layer(x).backward(g)
             ref = layer.weight.grad.float()
-            fp8_training.FP8_WEIGHT_GRAD_KERNEL = True
+            layer.fast_paths = dataclasses.replace(paths, fp8_weight_grad_kernel=True)
             try:
                 t = 1e3 * median_time(torch, run(layer), args.repeats)
                 layer.weight.grad = None
                 layer(x).backward(g)
                 diff = float((layer.weight.grad.float() - ref).abs().max() / ref.abs().max())
             finally:
-                fp8_training.FP8_WEIGHT_GRAD_KERNEL = False
+                layer.fast_paths = paths
             row += f" {t:.2f} | {ms['bf16'] / t:.2f}x | {diff:.1e} |"
         print(row, flush=True)
         if args.profile:
-            fp8_training.FP8_WEIGHT_GRAD_KERNEL = args.wgrad_kernel
+            layers["fp8-backward"].fast_paths = dataclasses.replace(paths, fp8_weight_grad_kernel=args.wgrad_kernel)
             try:
                 _print_profile(torch, run(layers["fp8-backward"]), name)
             finally:
-                fp8_training.FP8_WEIGHT_GRAD_KERNEL = False
+                layers["fp8-backward"].fast_paths = paths
         if args.host_profile:
             _print_host_profile(torch, run(layers["fp8-backward"]), name)
         x = g = layers = w = None  # free them (not `del`: the timed closures use the names)

@@ -4,11 +4,11 @@ setting, on a random-weight Qwen2.5 architecture cut to a few layers: where the 
     PYTHONPATH=. python3 bench/update_profile.py --model-size 7b --layers 4 --lora-rank 32 --checkpointing
 
 Settings: bf16 (full precision training), unified-qb (unified flow, fp8-block, precision.quantized_backward:
-Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized too). The optional paths below are
-off in a setting unless a suffix turns them on (whatever their defaults): "+rope" the fused training rotary
-embedding (`quarl.model.layers.FUSED_ROPE`), "+lp" the fused answer log-probs (`quarl.rl.batch.FUSED_LOGPROBS`),
-"+share" one quantization of the input shared by q/k/v and by gate/up (`quarl.model.fp8_training.SHARE_INPUT_CODES`),
-"+lorastack" one stacked first LoRA GEMM per group (`quarl.model.shared_input.STACK_LORA`, off by default);
+Jet-RL's FP8 forward and gradient GEMMs) and unified-qb-head (lm_head quantized too). The optional paths below
+(fields of the model's `quarl.fast_paths.FastPaths`) are off in a setting unless a suffix turns them on (whatever
+their defaults): "+rope" the fused training rotary embedding (`fused_rope`), "+lp" the fused answer log-probs
+(`fused_logprobs`), "+share" one quantization of the input shared by q/k/v and by gate/up (`share_input_codes`),
+"+lorastack" one stacked first LoRA GEMM per group (`stack_lora`, off by default);
 "+kv" makes the training attention mimic an FP8 KV cache, as the unified flow does with precision.kv_cache=fp8 (B3's
 FP8 setting). E.g. `--settings bf16+rope+lp,unified-qb-head+kv+rope+lp+share`. Prints ms per micro-batch and, with
 --top N, the N CUDA kernels with the most total time in one profiled micro-batch.
@@ -23,11 +23,11 @@ import time
 import torch
 
 from quarl.bench.rollout import model_config
-from quarl.model import fp8_training, layers, shared_input
+from quarl.fast_paths import FastPaths
+from quarl.model import layers
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import LoraConfig, PrecisionConfig
-from quarl.rl import batch
 from quarl.rl.batch import answer_logprobs
 
 SETTINGS = {
@@ -37,12 +37,21 @@ SETTINGS = {
 }
 
 
+def setting_paths(setting: str) -> FastPaths:
+    """The fast paths of `setting`: each on only where a suffix names it (see the module docstring); the fused
+    decode's paths do not enter the update."""
+    suffixes = set(setting.split("+")[1:])
+    return FastPaths(fused_rope="rope" in suffixes, fused_logprobs="lp" in suffixes,
+                     share_input_codes="share" in suffixes, stack_lora="lorastack" in suffixes)
+
+
 def build(args, setting: str) -> QuarlForCausalLM:
-    """A cut-down random-weight model configured for `setting` (its name before any "+" suffix)."""
+    """A cut-down random-weight model configured for `setting` (its name before any "+" suffix, its fast paths
+    from the suffixes)."""
     cfg = dataclasses.replace(model_config(args.model_size), num_layers=args.layers)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = QuarlForCausalLM(cfg, init_std=None)
+        model = QuarlForCausalLM(cfg, init_std=None, fast_paths=setting_paths(setting))
     model = model.to(torch.bfloat16)
     model.materialize(args.device, 0.02, None)
     model.requires_grad_(True)
@@ -85,10 +94,6 @@ def main() -> None:
           f"checkpointing {args.checkpointing}")
     times = {}
     for setting in args.settings.split(","):
-        suffixes = set(setting.split("+")[1:])
-        layers.FUSED_ROPE, batch.FUSED_LOGPROBS = "rope" in suffixes, "lp" in suffixes
-        fp8_training.SHARE_INPUT_CODES = "share" in suffixes
-        shared_input.STACK_LORA = "lorastack" in suffixes
         model = build(args, setting)
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (args.rows, args.prompt_len + args.answer_len), device=args.device)
@@ -116,8 +121,6 @@ def main() -> None:
                 print(table)
         del model
         torch.cuda.empty_cache()
-    layers.FUSED_ROPE = batch.FUSED_LOGPROBS = fp8_training.SHARE_INPUT_CODES = True  # the defaults again
-    shared_input.STACK_LORA = False
     base = times.get("bf16")
     if base:
         for s, t in times.items():

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from quarl.fast_paths import FastPaths
 from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rl.objectives import LossConfig, get_correction
 
@@ -176,6 +177,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     output: OutputSection = field(default_factory=OutputSection)
+    fast_paths: FastPaths = field(default_factory=FastPaths)
     resume: str | None = None  # a run directory to continue from
 
     def validate(self) -> "RunConfig":

@@ -65,7 +65,7 @@ def test_breakdown_times_the_fused_step_gemms_on_codes_where_the_step_hands_code
             return torch.zeros(codes.shape[0], qweight.shape[0], dtype=dtype)
 
         monkeypatch.setattr(FusedProjection, "codes_handoff", lambda self, m: "fp8")
-        monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m: "fp8")
+        monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m, fast_paths: "fp8")
         monkeypatch.setattr(kernels, "matmul_from_codes", fake_matmul)
         runs = _fused_linear_runs(decoder, model, inputs, batch)
         for run in runs:

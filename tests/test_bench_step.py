@@ -180,25 +180,28 @@ def test_lowp_overrides_reach_only_the_low_precision_settings():
     assert low.train.micro_batch_size == full.train.micro_batch_size == 3
 
 
-def test_optional_paths_are_turned_on_and_off_by_name(monkeypatch):
-    """`quarl bench step --with` / `--without` set the named flags, leave the others and refuse unknown names;
-    every PATHS entry names a flag that exists."""
-    import importlib
+def test_optional_paths_become_fast_paths_overrides_by_name():
+    """`quarl bench step --with` / `--without` become `fast_paths.<field>` overrides of every setting's run config:
+    the named paths on / off, the others at their defaults; every PATHS entry names a `FastPaths` field (and every
+    field has a name); unknown names and a name in both lists are refused."""
+    import dataclasses
 
-    from quarl.bench.step import PATHS, set_paths
-    from quarl.model import fp8_training, layers, shared_input
-    from quarl.rl import batch
+    from quarl.bench.step import PATHS, path_overrides, path_settings, run_config
+    from quarl.fast_paths import FastPaths
 
-    for module, flag in PATHS.values():
-        assert hasattr(importlib.import_module(module), flag), (module, flag)
-        monkeypatch.setattr(importlib.import_module(module), flag, True)  # restored after the test
-    assert set_paths("rope, share-codes", False) == ["rope", "share-codes"]
-    assert (layers.FUSED_ROPE, fp8_training.SHARE_INPUT_CODES, batch.FUSED_LOGPROBS) == (False, False, True)
-    monkeypatch.setattr(shared_input, "STACK_LORA", False)
-    set_paths("lora-stack", True)
-    assert shared_input.STACK_LORA
+    assert sorted(PATHS.values()) == sorted(f.name for f in dataclasses.fields(FastPaths))
+    assert path_overrides("lora-stack", "rope, share-codes") == [
+        "fast_paths.stack_lora=true", "fast_paths.fused_rope=false", "fast_paths.share_input_codes=false"]
+    cpu = torch.device("cpu")
+    args = parse("--no-save", "--with", "lora-stack", "--without", "rope,share-codes")
+    for setting in (Setting("bf16"), Setting("split", "int8")):
+        cfg = run_config(args, setting, "/tmp/unused", cpu)
+        assert cfg.fast_paths == FastPaths(stack_lora=True, fused_rope=False, share_input_codes=False)
+    assert run_config(parse("--no-save"), Setting("bf16"), "/tmp/unused", cpu).fast_paths == FastPaths()
     with pytest.raises(ValueError, match="--without turbo: unknown; choose from"):
-        set_paths("rope,turbo", False)
+        path_settings("", "rope,turbo")
     with pytest.raises(ValueError, match="--with turbo: unknown"):
-        set_paths("turbo", True)
-    assert set_paths("", True) == []
+        path_settings("turbo", "")
+    with pytest.raises(ValueError, match="name the same path"):
+        path_settings("rope", "rope")
+    assert path_settings("", "") == {}

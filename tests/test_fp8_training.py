@@ -10,6 +10,7 @@ as in tests/test_qlinear.py), checked elementwise.
 import pytest
 import torch
 
+from quarl.fast_paths import FastPaths
 from quarl.formats import fake_quantize
 from quarl.model.fp8_training import FP8BlockLinear, block_matmul, fp8_block_linear, quantized_weight
 from quarl.model.qlinear import QuantLinear
@@ -137,22 +138,20 @@ def test_weight_gradient_gemm_scales_each_row_group_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(257, 384, 528), (300, 400, 272), (257, 384, 520), (1, 96, 208)])
-def test_cuda_fp8_weight_gradient_kernel_matches_the_float64_product(monkeypatch, m, n, k):
-    """With `FP8_WEIGHT_GRAD_KERNEL` the weight gradient runs on the FP8 tensor cores
+def test_cuda_fp8_weight_gradient_kernel_matches_the_float64_product(m, n, k):
+    """With `FastPaths.fp8_weight_grad_kernel` the weight gradient runs on the FP8 tensor cores
     (`training_gemm.fp8_block_weight_grad`: cuBLAS 1x128 x 1x128 where N and K are multiples of 16, the Triton
     kernel otherwise, both taken here; with M <= 128 cuBLAS sees the rowwise recipe): it equals the float64
     product of the same rounded operands within bf16 output rounding, M not a multiple of 128 (a partial last
     group), and agrees with the bf16-GEMM path to 2^-7."""
-    from quarl.model import fp8_training
-
     x = (torch.randn(m, k) * 2).to(torch.bfloat16)
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     g = (torch.randn(m, n) * torch.rand(1, n) * 3).to(torch.bfloat16)
     grads = {}
     for on in (False, True):
-        monkeypatch.setattr(fp8_training, "FP8_WEIGHT_GRAD_KERNEL", on)
+        paths = FastPaths(fp8_weight_grad_kernel=on)
         xc, wc = x.cuda().requires_grad_(True), w.cuda().requires_grad_(True)
-        FP8BlockLinear.apply(xc, wc, None).backward(g.cuda())
+        FP8BlockLinear.apply(xc, wc, None, None, paths).backward(g.cuda())
         grads[on] = wc.grad.cpu()
     assert_product_close(grads[True], q_rows(g.t()), q_rows(x.t()), torch.bfloat16)
     scale = float(grads[False].float().abs().max())
@@ -224,9 +223,9 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
     monkeypatch.setattr(training_gemm, "linear_forward", lambda *a, **kw: calls.append(kw) or real_forward(*a, **kw))
     out = {}
     for fused in (True, False):
-        monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", fused)
+        paths = FastPaths(fused_cublas_path=fused)
         xc, wc, bc = x.clone().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-        y = FP8BlockLinear.apply(xc, wc, bc)
+        y = FP8BlockLinear.apply(xc, wc, bc, None, paths)
         y.backward(g)
         out[fused] = (y, xc.grad, wc.grad, bc.grad)
     assert calls == [{"keep_x_codes": True, "qweight": None, "share": None}]
@@ -238,9 +237,8 @@ def test_cuda_fused_cublas_linear_matches_the_float64_products(monkeypatch, m, n
     assert_product_close(dw.cpu(), q_rows(g.cpu().t()), q_rows(x.cpu().t()), torch.bfloat16)
     if n % 512 == 0 and k % 512 == 0:
         assert torch.equal(y, y0) and torch.equal(dx, dx0)
-    monkeypatch.setattr(fp8_training, "FUSED_CUBLAS_PATH", True)
     xc = x.clone().requires_grad_(True)
-    FP8BlockLinear.apply(xc, w, None).backward(g)  # frozen weight: input gradient only
+    FP8BlockLinear.apply(xc, w, None).backward(g)  # frozen weight: input gradient only (default paths: fused)
     assert calls[-1] == {"keep_x_codes": False, "qweight": None, "share": None} and torch.equal(xc.grad, dx)
     # ... and with its codes quantized once (FrozenWeightCodes, as a LoRA-frozen base passes them): the same
     # cuBLAS calls on the same codes, so the same values bit for bit.
@@ -536,8 +534,8 @@ def test_cuda_sibling_linears_quantize_their_shared_input_once(monkeypatch, rank
 
 
 def _check_shared_input_codes(monkeypatch, model, ids, trained_base=False):
-    """Forward + backward of mean(logits^2) with SHARE_INPUT_CODES on and off: 3 input quantizations fewer per
-    layer with it on, the same logits and gradients (LoRA's, or every parameter's with trained_base) bit for
+    """Forward + backward of mean(logits^2) with the model's `FastPaths.share_input_codes` on and off (set as a
+    run sets it, `model.set_fast_paths`): 3 input quantizations fewer per layer with it on, the same logits and gradients (LoRA's, or every parameter's with trained_base) bit for
     bit."""
     from quarl.kernels import training_gemm
     from quarl.model import fp8_training
@@ -549,7 +547,7 @@ def _check_shared_input_codes(monkeypatch, model, ids, trained_base=False):
                         lambda x, kp, keep: calls.append(x.shape) or real_quantize(x, kp, keep))
     out = {}
     for share in (True, False):
-        monkeypatch.setattr(fp8_training, "SHARE_INPUT_CODES", share)
+        model.set_fast_paths(FastPaths(share_input_codes=share))
         calls.clear()
         model.zero_grad()
         logits = model(ids)
@@ -565,10 +563,10 @@ def _check_shared_input_codes(monkeypatch, model, ids, trained_base=False):
         assert torch.equal(a, b)
 
 
-def test_shared_input_codes_block_is_scoped(monkeypatch):
+def test_shared_input_codes_block_is_scoped():
     """The sharing dict exists only inside a block, per thread; a nested block has its own and the outer one's is
-    back after it; every block's dict is dropped when it ends, also by an exception; none opens with
-    SHARE_INPUT_CODES off."""
+    back after it; every block's dict is dropped when it ends, also by an exception; none opens when disabled
+    (`FastPaths.share_input_codes` off)."""
     import threading
 
     from quarl.model import fp8_training
@@ -588,8 +586,7 @@ def test_shared_input_codes_block_is_scoped(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"), fp8_training.shared_input_codes():
         raise RuntimeError("boom")
     assert fp8_training.shared_input() is None
-    monkeypatch.setattr(fp8_training, "SHARE_INPUT_CODES", False)
-    with fp8_training.shared_input_codes():
+    with fp8_training.shared_input_codes(False):
         assert fp8_training.shared_input() is None
 
 

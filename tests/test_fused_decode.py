@@ -78,10 +78,11 @@ def test_fused_projection_restacks_after_reconfigure_and_skips_unstackable_block
 
 
 @pytest.mark.parametrize("stack", [True, False])
-def test_fused_projection_adds_each_parts_lora(monkeypatch, stack):
+def test_fused_projection_adds_each_parts_lora(stack):
     """In rollout the group adds every part's adapter into its columns: as one stacked pair of GEMMs
-    (STACK_ROLLOUT_LORA, the default) or part by part; both equal the parts run one by one."""
-    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", stack)
+    (`FastPaths.stack_rollout_lora`, the default) or part by part; both equal the parts run one by one."""
+    from quarl.fast_paths import FastPaths
+
     torch.manual_seed(0)
     parts = _parts("fp8")
     for p in parts:
@@ -90,7 +91,7 @@ def test_fused_projection_adds_each_parts_lora(monkeypatch, stack):
         with torch.no_grad():
             p.lora_B.normal_()
         p.set_rollout(True)  # a rollout starts: the adapter's rollout copy is made
-    fused = FusedProjection(parts)
+    fused = FusedProjection(parts, FastPaths(stack_rollout_lora=stack))
     fused.prepare()
     assert (fused._adapter is not None) == stack
     x = torch.randn(4, 48)
@@ -98,7 +99,7 @@ def test_fused_projection_adds_each_parts_lora(monkeypatch, stack):
         close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
-def test_fused_projection_stacks_the_rollout_adapters(monkeypatch):
+def test_fused_projection_stacks_the_rollout_adapters():
     """prepare() stacks the parts' rollout adapters (ranks 4 and 2, the middle part without one) into one A and a
     block-diagonal B whose blocks are the parts' own copies: the group's output equals the parts one by one. A new
     rollout rewrites the copies in place (no re-stacking, same buffers: captured graphs stay valid) and the output
@@ -113,8 +114,7 @@ def test_fused_projection_stacks_the_rollout_adapters(monkeypatch):
             with torch.no_grad():
                 p.lora_B.normal_()
         p.set_rollout(True)
-    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", True)
-    fused = FusedProjection(parts)
+    fused = FusedProjection(parts)  # the default paths stack the rollout adapters
     x = torch.randn(5, 48)
 
     def one_by_one():  # from the parameters themselves, not from the rollout copies the stack holds
@@ -351,7 +351,7 @@ def _deferred_setup(monkeypatch, dtype):
     decoder = FusedDecoder.for_model(model)
     decoder.prepare()
     monkeypatch.setattr(FusedProjection, "codes_handoff", lambda self, m: "fp8")
-    monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m: "fp8")
+    monkeypatch.setattr(fused_decode, "linear_codes_handoff", lambda linear, m, fast_paths: "fp8")
     monkeypatch.setattr(kernels, "unit_scales_ok", lambda qweight, m: True)  # as for cuBLAS plans on a GPU
     return model, engine, decoder
 
@@ -568,17 +568,18 @@ def test_group_codes_of_the_fused_kernels_in_the_interpreter():
     run_in_interpreter(INTERPRETER_PATCH + _GROUP_CODES_CHECK)
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, deferred):
-    """LORA_CODES_HANDOFF: with adapters on every linear, the fused decoder still hands FP8 codes to each base
-    GEMM (as on a GPU; here the torch pieces) and adds each adapter from the bf16 activations written alongside;
-    the unit-scale (deferred) path is skipped for linears with adapters. Float32 logits equal the module path's
-    to 1e-5 of the largest logit, and every GEMM took the handed codes."""
+@pytest.mark.parametrize("deferred,handoff", [(False, True), (True, True), (False, False)])
+def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, deferred, handoff):
+    """`FastPaths.lora_codes_handoff` (the engine's): with adapters on every linear, the fused decoder still hands
+    FP8 codes to each base GEMM (as on a GPU; here the torch pieces) and adds each adapter from the bf16
+    activations written alongside; the unit-scale (deferred) path is skipped for linears with adapters. Float32
+    logits equal the module path's to 1e-5 of the largest logit, and every GEMM took the handed codes; with the
+    handoff off in the engine's paths, none did, and the logits are still the module path's."""
     from quarl import kernels
+    from quarl.fast_paths import FastPaths
     from quarl.precision import LoraConfig
     from quarl.rollout import fused_decode
 
-    monkeypatch.setattr(fused_decode, "LORA_CODES_HANDOFF", True)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
     model = make_model("qwen2", dtype=torch.float32)
     apply_precision(model, PrecisionConfig(flow="split", format="fp8", lora=LoraConfig(rank=4)))
@@ -586,17 +587,19 @@ def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, 
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.2)
-    engine = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=True)
+    engine = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=True,
+                               fast_paths=FastPaths(lora_codes_handoff=handoff))
     engine.generate(rand_prompts([5, 3, 8]), n=1, max_new_tokens=6, temperature=0.0)  # fill the cache
     decoder = FusedDecoder.for_model(model)
     decoder.prepare()
+    assert decoder.fast_paths is engine.fast_paths
     monkeypatch.setattr(fused_decode, "_handoff", lambda qweight, linear, m: True)
     handed = []
     monkeypatch.setattr(kernels, "matmul_from_codes", _codes_matmul_f32(handed))
     monkeypatch.setattr(fused_decode, "unit_scale_matmul", lambda *a: pytest.fail("a unit-scale GEMM with LoRA"))
     want, got = _step_logits(model, engine, decoder, deferred)
     cfg = model.config
-    assert len(handed) == 3 * cfg.num_layers  # q/k/v, gate/up and down of every layer took the codes
+    assert len(handed) == (3 * cfg.num_layers if handoff else 0)  # q/k/v, gate/up and down of every layer
     lora_free = _step_logits_without_lora(model, engine, decoder)
     assert (got - lora_free).abs().max() > 1e-3  # the adapters act
     close(got, want)

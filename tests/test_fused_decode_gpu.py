@@ -301,15 +301,12 @@ def _greedy_rounds_around_an_update(model, update, check_round=lambda fused: Non
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
-def test_captured_graphs_follow_the_adapter_update(monkeypatch, fmt):
-    """A LoRA model with STACK_ROLLOUT_LORA: generate, change every adapter (as an optimizer step would), generate
+def test_captured_graphs_follow_the_adapter_update(fmt):
+    """A LoRA model with `FastPaths.stack_rollout_lora` (the default): generate, change every adapter (as an optimizer step would), generate
     again. The second round replays the graphs captured in the first, which read the stacked adapters that the
     next rollout start rewrites in place: its greedy tokens keep agreeing with the module-path engine's, and both
     change from the first round."""
     from quarl.precision import LoraConfig
-    from quarl.rollout import fused_decode
-
-    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", True)
 
     torch.manual_seed(0)
     model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
@@ -338,15 +335,13 @@ def test_captured_graphs_follow_the_adapter_update(monkeypatch, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
-def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(monkeypatch, fmt):
+def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(fmt):
     """Rollout with LoRA on CUDA: the stacked projection adds the parts' adapters as one stacked pair (x @ A^T,
     then addmm with the block-diagonal B into the whole output); equal to the parts run one by one (each adding
     its adapter into its own columns) within one bf16 rounding of the output."""
     from quarl.model.qlinear import QuantLinear
-    from quarl.rollout import fused_decode
     from quarl.rollout.fused_decode import FusedProjection
 
-    monkeypatch.setattr(fused_decode, "STACK_ROLLOUT_LORA", True)
     seed = int(torch.randint(0, 2**31, (1,)))
     torch.manual_seed(seed)
     parts = []
@@ -358,7 +353,7 @@ def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(monkeypatch,
             p.lora_B.normal_()
         p.set_rollout(True)
         parts.append(p)
-    fused = FusedProjection(parts)
+    fused = FusedProjection(parts)  # the default paths stack the rollout adapters
     fused.prepare()
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -378,14 +373,13 @@ def test_cuda_fused_projection_accumulates_each_parts_lora_in_place(monkeypatch,
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
 def test_lora_codes_handoff_matches_the_module_path(monkeypatch, fmt):
-    """LORA_CODES_HANDOFF on the GPU: with adapters on every linear, at 512 rows the norm / SiLU·mul kernels write
+    """`FastPaths.lora_codes_handoff` (the default) on the GPU: with adapters on every linear, at 512 rows the norm / SiLU·mul kernels write
     codes and activations, the base GEMMs take the codes (counted) and the adapters the activations; logits as in
     `test_fused_decoder_logits_match_the_module_path` (3e-2 of the largest, argmaxes agree)."""
     from quarl import kernels
     from quarl.precision import LoraConfig
     from quarl.rollout import fused_decode
 
-    monkeypatch.setattr(fused_decode, "LORA_CODES_HANDOFF", True)
     torch.manual_seed(0)
     model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
     apply_precision(model, PrecisionConfig(flow="split", format=fmt, lora=LoraConfig(rank=8)))

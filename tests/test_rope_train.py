@@ -76,18 +76,26 @@ def test_cuda_rope_matches_torch_bit_for_bit(dtype):
 
 @pytest.mark.gpu
 def test_cuda_attention_with_fused_rope_equals_the_torch_rope(monkeypatch):
-    """A bf16 model with FUSED_ROPE on gives the logits and q_proj weight gradient of FUSED_ROPE off within bf16
-    rounding (the rotated q/k are equal bit for bit, but attention may pick another kernel for their layout)."""
-    from quarl.model import layers
+    """A bf16 model with `FastPaths.fused_rope` on (the kernel runs) gives the logits and q_proj weight gradient
+    of it off (the kernel does not run) within bf16 rounding (the rotated q/k are equal bit for bit, but attention
+    may pick another kernel for their layout)."""
+    from quarl.fast_paths import FastPaths
+    from quarl.kernels import rope_train
     from quarl.model.decoder import QuarlForCausalLM
     from quarl.model.tiny import tiny_config
+
+    calls = []
+    real = rope_train.rope
+    monkeypatch.setattr(rope_train, "rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     model = QuarlForCausalLM(tiny_config("qwen2")).cuda().to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 11), device="cuda")
     out = {}
     for fused in (False, True):
-        monkeypatch.setattr(layers, "FUSED_ROPE", fused)
+        model.set_fast_paths(FastPaths(fused_rope=fused))
+        calls.clear()
         logits, (grad,) = logits_and_grads(model, ids, [model.model.layers[0].self_attn.q_proj.weight])
+        assert bool(calls) == fused
         out[fused] = (logits, grad)
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-6 * float(b.float().abs().max()))

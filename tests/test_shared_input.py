@@ -4,6 +4,7 @@ one by one, and the cases it must not take run one by one."""
 import pytest
 import torch
 
+from quarl.fast_paths import FastPaths
 from quarl.model import shared_input
 from quarl.model.qlinear import QuantLinear
 from tiny_models import logits_and_grads
@@ -23,14 +24,13 @@ def _group(ranks, dropout=0.0, k=40, sizes=(48, 16, 16), dtype=torch.float32):
     return linears
 
 
-def _run(linears, x, stacked, monkeypatch):
+def _run(linears, x, stacked):
     """Outputs, and gradients of x and of every trainable parameter after a backward of a fixed random projection,
-    with STACK_LORA set to `stacked`."""
-    monkeypatch.setattr(shared_input, "STACK_LORA", stacked)
+    with `FastPaths.stack_lora` set to `stacked`."""
     for linear in linears:
         linear.zero_grad()
     xg = x.clone().requires_grad_(True)
-    ys = shared_input.shared_input_linears(linears, xg)
+    ys = shared_input.shared_input_linears(linears, xg, FastPaths(stack_lora=stacked))
     gen = torch.Generator().manual_seed(1)
     sum((y * torch.randn(y.shape, generator=gen).to(y.dtype)).sum() for y in ys).backward()
     params = [p for linear in linears for p in linear.parameters() if p.requires_grad]
@@ -62,10 +62,10 @@ def test_stacked_adapters_equal_the_linears_one_by_one(monkeypatch, ranks, dtype
     linears = _group(ranks, dtype=dtype)
     x = torch.randn(2, 3, 40).to(dtype)
     calls = _count_stacked_adds(monkeypatch)
-    stacked = _run(linears, x, True, monkeypatch)
+    stacked = _run(linears, x, True)
     adapted = sum(1 for r in ranks if r)
     assert calls == [True] * adapted
-    one_by_one = _run(linears, x, False, monkeypatch)
+    one_by_one = _run(linears, x, False)
     assert calls[adapted:] == [False] * adapted
     # outputs, x, then A and B of each adapted linear (its base frozen), weight and bias of the others
     assert len(stacked) == len(one_by_one) == 3 + 1 + 2 * len(ranks)
@@ -76,7 +76,7 @@ def test_stacked_adapters_equal_the_linears_one_by_one(monkeypatch, ranks, dtype
 
 
 def test_a_lora_model_takes_the_stacked_path_with_the_same_values(monkeypatch):
-    """A tiny Qwen2 with LoRA on every linear: with STACK_LORA on, q/k/v's and gate/up's adapters (5 of 7 per
+    """A tiny Qwen2 with LoRA on every linear: with the model's `FastPaths.stack_lora` on, q/k/v's and gate/up's adapters (5 of 7 per
     layer) take the stacked product, and the logits and LoRA gradients equal the per-linear run (float32, 1e-5
     relative), with gradient checkpointing too."""
     from quarl.model.decoder import QuarlForCausalLM
@@ -97,7 +97,7 @@ def test_a_lora_model_takes_the_stacked_path_with_the_same_values(monkeypatch):
     calls = _count_stacked_adds(monkeypatch)
     out = {}
     for stacked, checkpointing in [(True, False), (False, False), (True, True)]:
-        monkeypatch.setattr(shared_input, "STACK_LORA", stacked)
+        model.set_fast_paths(FastPaths(stack_lora=stacked))
         model.gradient_checkpointing = checkpointing
         model.train()
         model.zero_grad()
@@ -114,36 +114,34 @@ def test_a_lora_model_takes_the_stacked_path_with_the_same_values(monkeypatch):
                                        msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_only_plain_groups_stack(monkeypatch):
-    """Stacking needs STACK_LORA, two adapters or more, no dropout in training, no rollout mode, QuantLinears of
-    one input size and no forward hooks."""
-    monkeypatch.setattr(shared_input, "STACK_LORA", True)
-    assert shared_input._stack_adapters(_group((4, 0, 2)))
-    assert not shared_input._stack_adapters(_group((4, 0, 0)))
+def test_only_plain_groups_stack():
+    """Stacking needs `FastPaths.stack_lora`, two adapters or more, no dropout in training, no rollout mode,
+    QuantLinears of one input size and no forward hooks."""
+    assert shared_input._stack_adapters(_group((4, 0, 2)), True)
+    assert not shared_input._stack_adapters(_group((4, 0, 0)), True)
     dropped = _group((4, 4, 4), dropout=0.1)
-    assert not shared_input._stack_adapters(dropped)
+    assert not shared_input._stack_adapters(dropped, True)
     for linear in dropped:
         linear.eval()  # dropout acts only in training
-    assert shared_input._stack_adapters(dropped)
+    assert shared_input._stack_adapters(dropped, True)
     rolled = _group((4, 4, 4))
     rolled[1].configure(rollout_format="fp8", lora_rank=4)
     rolled[1].set_rollout(True)
-    assert not shared_input._stack_adapters(rolled)
-    assert not shared_input._stack_adapters(_group((4, 4)) + [torch.nn.Linear(40, 8)])
+    assert not shared_input._stack_adapters(rolled, True)
+    assert not shared_input._stack_adapters(_group((4, 4)) + [torch.nn.Linear(40, 8)], True)
     wider = _group((4, 4)) + [QuantLinear(41, 8)]
-    assert not shared_input._stack_adapters(wider)
+    assert not shared_input._stack_adapters(wider, True)
     hooked = _group((4, 4, 4))
     hooked[2].register_forward_hook(lambda module, args, out: None)
-    assert not shared_input._stack_adapters(hooked)
-    monkeypatch.setattr(shared_input, "STACK_LORA", False)
-    assert not shared_input._stack_adapters(_group((4, 4, 4)))
+    assert not shared_input._stack_adapters(hooked, True)
+    assert not shared_input._stack_adapters(_group((4, 4, 4)), False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flow", ["bf16", "jet-rl"])
 def test_cuda_stacked_lora_matches_the_per_linear_path(monkeypatch, flow):
     """On the GPU, a bf16 LoRA model (float32 adapters), plain or in the Jet-RL setting (unified fp8-block,
-    quantized backward): STACK_LORA on and off give logits within bf16 rounding and LoRA gradients within 2^-5
+    quantized backward): `FastPaths.stack_lora` on and off give logits within bf16 rounding and LoRA gradients within 2^-5
     relative (Frobenius; 2^-3 in the Jet-RL setting). The stacked GEMM may sum in another order, and the FP8
     backward re-rounds gradients that differ by an ulp, flipping E4M3 codes (2^-4 steps; a one-ulp change
     upstream measured 4.6 % Frobenius there). Mixed-up adapters would miss by O(1)."""
@@ -167,7 +165,7 @@ def test_cuda_stacked_lora_matches_the_per_linear_path(monkeypatch, flow):
     calls = _count_stacked_adds(monkeypatch)
     out = {}
     for stacked in (True, False):
-        monkeypatch.setattr(shared_input, "STACK_LORA", stacked)
+        model.set_fast_paths(FastPaths(stack_lora=stacked))
         logits, grads = logits_and_grads(model, ids, [p for n, p in model.named_parameters() if "lora_" in n])
         out[stacked] = [logits.float()] + [g.float() for g in grads]
     assert calls.count(True) == 5 * cfg.num_layers

@@ -83,11 +83,18 @@ def test_cuda_token_logprobs_match_float64(dtype):
 
 @pytest.mark.gpu
 def test_cuda_answer_logprobs_with_the_kernel_equal_the_torch_path(monkeypatch):
-    """answer_logprobs with FUSED_LOGPROBS on: log-probs, entropy and a weight gradient as with it off, within
-    float32 summation order (1e-4) and bf16 gradient rounding."""
+    """answer_logprobs with `FastPaths.fused_logprobs` on (the kernel runs): log-probs, entropy and a weight
+    gradient as with it off (the kernel does not run), within float32 summation order (1e-4) and bf16 gradient
+    rounding."""
+    from quarl.fast_paths import FastPaths
+    from quarl.kernels import token_logprobs as kernel
     from quarl.model.decoder import QuarlForCausalLM
     from quarl.model.tiny import tiny_config
     from quarl.rl import batch
+
+    calls = []
+    real = kernel.token_logprobs
+    monkeypatch.setattr(kernel, "token_logprobs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     model = QuarlForCausalLM(tiny_config("qwen2")).cuda().to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (3, 20), device="cuda")
@@ -95,10 +102,12 @@ def test_cuda_answer_logprobs_with_the_kernel_equal_the_torch_path(monkeypatch):
     mask[0, :4] = 0  # left padding
     out = {}
     for fused in (False, True):
-        monkeypatch.setattr(batch, "FUSED_LOGPROBS", fused)
+        model.set_fast_paths(FastPaths(fused_logprobs=fused))
         model.zero_grad()
+        calls.clear()
         lp, ent = batch.answer_logprobs(model, ids, mask, 0.8, 8, with_entropy=True)
         lp.sum().backward()
+        assert len(calls) == int(fused)
         out[fused] = (lp.detach(), ent, model.lm_head.weight.grad.float().clone())
     torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=1e-4)
     torch.testing.assert_close(out[True][1], out[False][1], rtol=0, atol=1e-4)

@@ -251,7 +251,7 @@ def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
                                sync_every=args.sync_every, attention_backend=args.attention,
-                               sampler=getattr(args, "sampler", "inverse-cdf"))
+                               sampler=getattr(args, "sampler", "inverse-cdf"), fast_paths=model.fast_paths)
     if engine._decoder is not None and getattr(args, "deferred_scales", None) is not None:
         engine._decoder.deferred_scales = args.deferred_scales
     gen_kw = dict(n=args.samples, temperature=args.temperature, ignore_eos=True)
@@ -323,7 +323,8 @@ def run_bench_rollout(args) -> int:
     if not torch.cuda.is_available():
         print("quarl bench rollout needs a CUDA GPU", file=sys.stderr)
         return 2
-    from quarl.bench.step import set_paths
+    from quarl.bench.step import path_settings
+    from quarl.fast_paths import FastPaths
 
     settings = parse_settings(args.settings)
     cfg = model_config(args.model_size)
@@ -332,14 +333,14 @@ def run_bench_rollout(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0, got {args.lora_rank}")
-    if set(set_paths(args.with_paths, True)) & set(set_paths(args.without, False)):
-        raise ValueError("--with and --without name the same path; name each path in one of them")
+    paths = FastPaths(**path_settings(args.with_paths, args.without))
     from quarl.bench.gemm import measure_ceilings
 
     t_start = time.perf_counter()
     bw, rate = measure_ceilings(torch)
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     model = build_model(args.model_size, "cuda", args.seed)
+    model.set_fast_paths(paths)  # its prefill's RoPE, and the engine's decode paths (run_setting)
     print(f"model {args.model_size}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, built in "
           f"{time.perf_counter() - t_start:.1f} s", flush=True)
     g = torch.Generator().manual_seed(args.seed)

@@ -51,7 +51,7 @@ def _fused_linear_runs(decoder, model, inputs: dict, batch: int) -> list:
 
     def down_run(down):  # down_proj: on codes where the SiLU·mul kernel hands it codes
         x = inputs[down.in_features]
-        fmt = linear_codes_handoff(down, batch)
+        fmt = linear_codes_handoff(down, batch, decoder.fast_paths)
         return (lambda c=codes_of(x, fmt): linear_from(down, None, c)) if fmt else (lambda: down(x))
 
     def plain(linear):  # its input arrives in bf16: the linear quantizes it itself

@@ -120,32 +120,41 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
-# Optional paths a run can turn on (--with) or off (--without): name -> (module, flag). On by default: rope,
-# logprobs, share-codes, lora-handoff, rollout-lora-stack; off: lora-stack (1 ms of 277 ms per micro-batch, and
-# it changes the bf16 gradients' rounding).
+# Optional paths a run can turn on (--with) or off (--without): name -> the `quarl.fast_paths.FastPaths` field (the
+# run config's `fast_paths.<field>`). Defaults as in FastPaths: all on but lora-stack (1 ms of 277 ms per
+# micro-batch, and it changes the bf16 gradients' rounding) and wgrad-kernel.
 PATHS = {
-    "rope": ("quarl.model.layers", "FUSED_ROPE"),
-    "logprobs": ("quarl.rl.batch", "FUSED_LOGPROBS"),
-    "share-codes": ("quarl.model.fp8_training", "SHARE_INPUT_CODES"),
-    "lora-handoff": ("quarl.rollout.fused_decode", "LORA_CODES_HANDOFF"),
-    "lora-stack": ("quarl.model.shared_input", "STACK_LORA"),
-    "rollout-lora-stack": ("quarl.rollout.fused_decode", "STACK_ROLLOUT_LORA"),
+    "rope": "fused_rope",
+    "logprobs": "fused_logprobs",
+    "share-codes": "share_input_codes",
+    "cublas-linear": "fused_cublas_path",
+    "wgrad-kernel": "fp8_weight_grad_kernel",
+    "lora-handoff": "lora_codes_handoff",
+    "lora-stack": "stack_lora",
+    "rollout-lora-stack": "stack_rollout_lora",
 }
 
 
-def set_paths(names: str, on: bool) -> list[str]:
-    """Set the PATHS flags named in the comma list `names` to `on` (for this process); returns the names."""
-    import importlib
-
+def _path_names(names: str, option: str) -> list[str]:
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in PATHS]
     if unknown:
-        option = "--with" if on else "--without"
         raise ValueError(f"{option} {','.join(unknown)}: unknown; choose from {', '.join(PATHS)}")
-    for name in chosen:
-        module, flag = PATHS[name]
-        setattr(importlib.import_module(module), flag, on)
     return chosen
+
+
+def path_settings(with_names: str, without_names: str) -> dict[str, bool]:
+    """{FastPaths field: on} for the paths named in the comma lists of --with (on) and --without (off); refuses
+    unknown names and a name in both."""
+    on, off = _path_names(with_names, "--with"), _path_names(without_names, "--without")
+    if set(on) & set(off):
+        raise ValueError("--with and --without name the same path; name each path in one of them")
+    return {PATHS[n]: True for n in on} | {PATHS[n]: False for n in off}
+
+
+def path_overrides(with_names: str, without_names: str) -> list[str]:
+    """The run-config overrides (`fast_paths.<field>=true|false`) of --with and --without (see `path_settings`)."""
+    return [f"fast_paths.{field}={str(on).lower()}" for field, on in path_settings(with_names, without_names).items()]
 
 
 # ---------------------------------------------------------------- model, task, trainer
@@ -213,6 +222,7 @@ def run_config(args, setting: Setting, run_dir: str, device):
     ]
     if setting.format is not None:
         overrides.append(f"precision.format={setting.format}")
+    overrides += path_overrides(getattr(args, "with_paths", ""), getattr(args, "without", ""))
     lowp = list(args.lowp_overrides) if setting.flow != "bf16" else []
     return load_config(None, overrides + list(args.overrides) + lowp)
 
@@ -320,8 +330,7 @@ def bench_step(args) -> tuple[list[dict], str, str]:
     if args.warmup < 0 or args.lora_rank < 0:
         raise ValueError("--warmup and --lora-rank must be >= 0")
     settings = parse_settings(args.settings)
-    if set(set_paths(args.with_paths, True)) & set(set_paths(args.without, False)):
-        raise ValueError("--with and --without name the same path; name each path in one of them")
+    path_settings(args.with_paths, args.without)  # unknown names fail here, before any run
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory() as scratch:  # bad overrides or flow/LoRA combinations fail before any run
         for s in settings:

@@ -16,18 +16,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.config import ModelConfig
-from quarl.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, prepare_training_kernels
+from quarl.model.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding, prepare_training_kernels
 from quarl.model.qlinear import QuantLinear
 
 
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, fast_paths) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -49,17 +50,21 @@ def _build_attn_mask(key_valid: torch.Tensor, start: int, T: int) -> torch.Tenso
 class QuarlForCausalLM(nn.Module):
     """Causal language model. See the module docstring for masks and positions."""
 
-    def __init__(self, config: ModelConfig, init_std: float | None = 0.02):
-        """Builds the model; `init_std=None` skips weight initialisation (use when weights are loaded next)."""
+    def __init__(self, config: ModelConfig, init_std: float | None = 0.02, fast_paths: FastPaths | None = None):
+        """Builds the model; `init_std=None` skips weight initialisation (use when weights are loaded next).
+        fast_paths: the optional GPU fast paths of its training forward and answer log-probs (None = the defaults;
+        see `set_fast_paths`)."""
         super().__init__()
         self.config = config
+        self.fast_paths = DEFAULT_FAST_PATHS if fast_paths is None else fast_paths
         # True: a full-sequence forward under autograd keeps only each decoder layer's input and recomputes the
         # layer in backward (activation memory / num_layers-fold smaller, about one more forward of compute).
         self.gradient_checkpointing = False
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, self.fast_paths)
         self.lm_head = QuantLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_fast_paths(self.fast_paths)
         if init_std is not None and self.model.embed_tokens.weight.device.type != "meta":
             self.init_weights(init_std)
 
@@ -133,6 +138,17 @@ class QuarlForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def set_fast_paths(self, fast_paths: FastPaths) -> None:
+        """Use `fast_paths` (a `quarl.fast_paths.FastPaths`) from now on: the model keeps it (the answer log-probs
+        read it there) and hands it to every module whose forward reads one (attention, MLP, linears), so one
+        object decides for the whole model. A rollout engine takes its own (its CUDA graphs are keyed by it)."""
+        if not isinstance(fast_paths, FastPaths):
+            raise TypeError(f"set_fast_paths takes a quarl.fast_paths.FastPaths, got {type(fast_paths).__name__}")
+        self.fast_paths = fast_paths
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP, QuantLinear)):
+                module.fast_paths = fast_paths
+
     def set_rollout(self, on: bool) -> None:
         """Rollout forward (quantized linears, AQN noise on norms) when on, training forward when off."""
         for module in self.modules():
@@ -177,7 +193,7 @@ class QuarlForCausalLM(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
 
         x = self.model.embed_tokens(input_ids)
-        prepare_training_kernels(x.device, x.dtype)  # outside any checkpointed layer (see there)
+        prepare_training_kernels(x.device, x.dtype, self.fast_paths)  # outside any checkpointed layer (see there)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         recompute = self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:

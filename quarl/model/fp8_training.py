@@ -16,11 +16,12 @@ straight-through unified forward. What changes is the backward: it sees quantize
 
 On a Hopper GPU, where the rollout forward's plan is cuBLAS blockwise FP8 for the shape (M large; N, K multiples
 of 128), all three GEMMs run on cuBLAS, x and the output gradient each quantized both ways by one Triton pass
-(`quarl.kernels.training_gemm`; `FUSED_CUBLAS_PATH`), and the backward keeps x's FP8 codes instead of x. (For K
-not a multiple of 512 the rollout runs the same codes on the Triton kernel: equal up to float32 summation order.)
+(`quarl.kernels.training_gemm`; `FastPaths.fused_cublas_path`), and the backward keeps x's FP8 codes instead of
+x. (For K not a multiple of 512 the rollout runs the same codes on the Triton kernel: equal up to float32
+summation order.)
 Elsewhere on a GPU the input-gradient GEMM runs on an FP8 kernel (`quarl.kernels.quantized_matmul`) and the weight
-gradient multiplies the dequantized operands, or with `FP8_WEIGHT_GRAD_KERNEL` (experimental, off) runs on the FP8
-tensor cores. On a CPU all three GEMMs multiply dequantized operands (the reference).
+gradient multiplies the dequantized operands, or with `FastPaths.fp8_weight_grad_kernel` (off by default) runs on
+the FP8 tensor cores. On a CPU all three GEMMs multiply dequantized operands (the reference).
 """
 
 from __future__ import annotations
@@ -33,25 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from quarl import kernels
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.formats import QuantizedTensor
 from quarl.formats.registry import quantize_unchecked
 
 FORMAT = "fp8-block"
 
-# Experimental, off until measured faster (bench/fp8_training_linear.py --wgrad-kernel): the weight gradient on
-# the FP8 tensor cores (`kernels.training_gemm.fp8_block_weight_grad`: cuBLAS 1x128 x 1x128 on Hopper) instead of
-# a bf16 GEMM of the rounded operands. Same operands either way; the FP8 path's output is bf16 (then the
-# weight's dtype).
-FP8_WEIGHT_GRAD_KERNEL = False
-
-# On a Hopper GPU, where the rollout forward's plan is cuBLAS blockwise for the shape (large M), all three GEMMs
-# run on cuBLAS, x and g each quantized both ways in one pass (`kernels.training_gemm`).
-FUSED_CUBLAS_PATH = True
-
-# Sibling linears that read one input (q/k/v; gate/up) quantize it once for their FP8 GEMMs on that path instead
-# of once per linear, inside `shared_input_codes()` (H200, a 7B layer at 16 x 1280 tokens: three of the seven
-# forward quantizations, about 0.2 ms each). Set False to quantize per linear.
-SHARE_INPUT_CODES = True
 _local = threading.local()  # .shared: this thread's open `shared_input_codes` dict (autograd threads have their own)
 
 
@@ -61,13 +49,15 @@ def shared_input() -> dict | None:
 
 
 @contextlib.contextmanager
-def shared_input_codes():
-    """Inside this block, FP8-block training linears on `FUSED_CUBLAS_PATH` quantize a given input (the same
-    tensor: storage, shape, strides and version) once and reuse its codes. Each entry holds its input, so no
-    other tensor can take that memory while the block is open; all are dropped when the block ends. Same codes,
-    same results: only fewer quantizing passes. Per thread; a nested block opens its own dict."""
+def shared_input_codes(enabled: bool = True):
+    """Inside this block, FP8-block training linears on the all-cuBLAS path (`FastPaths.fused_cublas_path`)
+    quantize a given input (the same tensor: storage, shape, strides and version) once and reuse its codes. Each
+    entry holds its input, so no other tensor can take that memory while the block is open; all are dropped when
+    the block ends. Same codes, same results: only fewer quantizing passes (q/k/v and gate/up: three of a layer's
+    seven forward quantizations). Per thread; a nested block opens its own dict. enabled False
+    (`FastPaths.share_input_codes` off): the block shares nothing, each linear quantizes its input itself."""
     outer = shared_input()
-    _local.shared = {} if SHARE_INPUT_CODES else None
+    _local.shared = {} if enabled else None
     try:
         yield
     finally:
@@ -75,7 +65,7 @@ def shared_input_codes():
 
 
 def training_gemm_ok(x: torch.Tensor, n: int) -> bool:
-    """Whether `FUSED_CUBLAS_PATH` applies to x [M, K] and a weight with n rows (see
+    """Whether the all-cuBLAS path (`FastPaths.fused_cublas_path`) applies to x [M, K] and a weight with n rows (see
     `kernels.training_gemm.fused_linear_ok`); False without CUDA, so CPU callers never import Triton."""
     if not x.is_cuda or not kernels.fp8_kernels_available(x.device):
         return False
@@ -144,13 +134,14 @@ class FP8BlockLinear(torch.autograd.Function):
     """y = Q(x) @ Q(W)^T + b with FP8-block input- and weight-gradient GEMMs (see the module docstring).
 
     forward(x [M, K] in the compute dtype, weight [N, K] (the master weight, any float dtype), bias [N] or None,
-    frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to quantize it here) -> y [M, N]
-    in x.dtype. Gradients: dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
+    frozen: the weight's `FrozenWeightCodes` when it gets no gradient, or None to quantize it here, fast_paths:
+    a `FastPaths` (`fused_cublas_path`, `fp8_weight_grad_kernel`)) -> y [M, N] in x.dtype. Gradients:
+    dx [M, K] in x.dtype, dW [N, K] and db [N] in their parameters' dtypes.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                frozen: FrozenWeightCodes | None = None) -> torch.Tensor:
+                frozen: FrozenWeightCodes | None = None, fast_paths: FastPaths = DEFAULT_FAST_PATHS) -> torch.Tensor:
         # The forward takes the rollout forward's path, so rollout and training compute the same function.
         if frozen is not None and ctx.needs_input_grad[1]:
             raise ValueError("FP8BlockLinear got FrozenWeightCodes for a weight that requires a gradient; pass "
@@ -158,8 +149,9 @@ class FP8BlockLinear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
         ctx.frozen = frozen
+        ctx.wgrad_kernel = fast_paths.fp8_weight_grad_kernel
         bias = None if bias is None else bias.detach().to(x.dtype)
-        if FUSED_CUBLAS_PATH and training_gemm_ok(x, weight.shape[0]):
+        if fast_paths.fused_cublas_path and training_gemm_ok(x, weight.shape[0]):
             from quarl.kernels.training_gemm import linear_forward
 
             keep = ctx.needs_input_grad[1]
@@ -191,7 +183,7 @@ class FP8BlockLinear(torch.autograd.Function):
                 grad_w = grad_w.to(ctx.weight_dtype)  # from the GEMM's bf16 output, rounded once more at most
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g.sum(0)
-            return grad_x, grad_w, grad_b, None
+            return grad_x, grad_w, grad_b, None, None
         x, weight = ctx.saved_tensors
         g = grad_out.to(x.dtype)
         if ctx.needs_input_grad[0]:
@@ -199,17 +191,18 @@ class FP8BlockLinear(torch.autograd.Function):
             grad_x = block_matmul(g, qwt)  # W^T [K, N] in its tiles
         if ctx.needs_input_grad[1]:
             # Both operands grouped along M (the reduction): rows of g^T and rows of x^T, i.e. columns of g and x.
-            grad_w = _weight_grad(g, x).to(weight.dtype)
+            grad_w = _weight_grad(g, x, ctx.wgrad_kernel).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
-def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _weight_grad(g: torch.Tensor, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
     """Q(g^T) @ Q(x^T)^T [N, K] for g [M, N], x [M, K] (one dtype), both rounded in 1x128 groups along M: on the
-    FP8 kernel where `FP8_WEIGHT_GRAD_KERNEL` asks for it and it runs, else the rounded operands multiplied in g's
-    dtype."""
-    if FP8_WEIGHT_GRAD_KERNEL and g.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and \
+    FP8 tensor cores (`kernels.training_gemm.fp8_block_weight_grad`, cuBLAS 1x128 x 1x128 on Hopper) where `kernel`
+    (`FastPaths.fp8_weight_grad_kernel`) asks for it and it runs, else the rounded operands multiplied in g's
+    dtype. Same operands either way; the FP8 path's output is bf16 (then the weight's dtype)."""
+    if kernel and g.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and \
             kernels.fp8_kernels_available(g.device):
         from quarl.kernels.training_gemm import fp8_block_weight_grad
 
@@ -218,8 +211,9 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     frozen: FrozenWeightCodes | None = None) -> torch.Tensor:
+                     frozen: FrozenWeightCodes | None = None,
+                     fast_paths: FastPaths = DEFAULT_FAST_PATHS) -> torch.Tensor:
     """x [..., K] -> [..., N] through `FP8BlockLinear` (leading dimensions flattened into M); frozen: the
-    weight's `FrozenWeightCodes` when it gets no gradient (see `FP8BlockLinear`)."""
-    y = FP8BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, frozen)
+    weight's `FrozenWeightCodes` when it gets no gradient, fast_paths: the linear's (see `FP8BlockLinear`)."""
+    y = FP8BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, frozen, fast_paths)
     return y.reshape(*x.shape[:-1], y.shape[-1])

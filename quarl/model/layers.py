@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quarl import kernels
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.config import ModelConfig
 from quarl.model.qlinear import QuantLinear
 from quarl.model.shared_input import shared_input_linears
@@ -166,26 +167,23 @@ def fp8_kv_roundtrip(x: torch.Tensor, token_scales: bool = False) -> torch.Tenso
     return x.detach().float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn).to(x.dtype)
 
 
-# The training forward's rotary embedding as one Triton pass forward and one backward (`quarl.kernels.rope_train`,
-# PyTorch's roundings) on CUDA bf16/fp16 instead of five PyTorch kernels (H200, 7B layers: about 4 ms per layer
-# per 16 x 1280-token micro-batch less). Set False to use PyTorch's ops.
-FUSED_ROPE = True
-
-
-def prepare_training_kernels(device: torch.device, dtype: torch.dtype) -> None:
+def prepare_training_kernels(device: torch.device, dtype: torch.dtype,
+                             fast_paths: FastPaths = DEFAULT_FAST_PATHS) -> None:
     """Run the first-use checks of the training kernels the layers may take (`kernels.training_kernel_ok`) now,
     before any layer runs: a check inside a checkpointed layer would run again in its recompute and change what
-    the layer saves for backward."""
+    the layer saves for backward. fast_paths: the model's (`fused_rope` decides whether RoPE's kernel may run)."""
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         kernels.training_kernel_ok("silu_mul", device, dtype)
-        if FUSED_ROPE:
+        if fast_paths.fused_rope:
             kernels.training_kernel_ok("rope", device, dtype)
 
 
-def _fused_rope_ok(x: torch.Tensor) -> bool:
-    """Whether `quarl.kernels.rope_train` serves x [B, T, H, D] (see FUSED_ROPE)."""
+def _fused_rope_ok(x: torch.Tensor, enabled: bool) -> bool:
+    """Whether `quarl.kernels.rope_train` serves x [B, T, H, D]: `enabled` (`FastPaths.fused_rope`; one Triton
+    pass forward and one backward with PyTorch's roundings instead of five PyTorch kernels), CUDA bf16/fp16, a
+    power-of-two head size and the kernel's first-use check passed."""
     d = x.shape[-1]
-    return FUSED_ROPE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and d % 2 == 0 and \
+    return enabled and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and d % 2 == 0 and \
         d & (d - 1) == 0 and kernels.training_kernel_ok("rope", x.device, x.dtype)
 
 
@@ -214,12 +212,16 @@ class Attention(nn.Module):
     `decode_start` [B] (the first column each row decoded rather than prefilled), queries from that column on
     attend to FP8-rounded keys/values (straight-through gradients); earlier (prefill) queries see them unrounded,
     as the engine's prefill does.
+
+    `fast_paths` (the model's, see `QuarlForCausalLM.set_fast_paths`): `fused_rope`, and for q/k/v
+    `share_input_codes` and `stack_lora` (`shared_input_linears`).
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.fast_paths = fast_paths
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_proj = QuantLinear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = QuantLinear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
@@ -240,13 +242,13 @@ class Attention(nn.Module):
         runs over all S = cache_start + T columns. Returns [B, T, hidden].
         """
         B, T, _ = x.shape
-        q, k, v = shared_input_linears((self.q_proj, self.k_proj, self.v_proj), x)
+        q, k, v = shared_input_linears((self.q_proj, self.k_proj, self.v_proj), x, self.fast_paths)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        fused_rope = _fused_rope_ok(q)
+        fused_rope = _fused_rope_ok(q, self.fast_paths.fused_rope)
         if fused_rope:
             from quarl.kernels.rope_train import rope
 
@@ -294,18 +296,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x)); `fast_paths` as in `Attention` (gate/up's shared input)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         super().__init__()
         c = config
+        self.fast_paths = fast_paths
         self.gate_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = QuantLinear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = QuantLinear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
-        gate, up = shared_input_linears((self.gate_proj, self.up_proj), x)
+        gate, up = shared_input_linears((self.gate_proj, self.up_proj), x, self.fast_paths)
         if gate.is_cuda and gate.dtype in (torch.bfloat16, torch.float16) and \
                 kernels.training_kernel_ok("silu_mul", gate.device, gate.dtype):
             # One Triton pass forward and one backward, PyTorch's roundings (`kernels.silu_mul_train`).
@@ -318,10 +321,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, fast_paths)
+        self.mlp = MLP(config, fast_paths)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

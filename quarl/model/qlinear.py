@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quarl import kernels
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
 from quarl.formats.registry import quantize_unchecked
 from quarl.model import fp8_training
@@ -134,6 +135,9 @@ class QuantLinear(nn.Module):
         # The adapter as rollouts use it, (A [r, in], B * scaling [out, r]) in the compute dtype (set_rollout);
         # may be views into a `FusedProjection`'s stacked adapters, which set_rollout then rewrites in place.
         self._rollout_adapter: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The optional GPU fast paths of the FP8 training linear (`fused_cublas_path`, `fp8_weight_grad_kernel`);
+        # a model sets its own on every linear (`QuarlForCausalLM.set_fast_paths`).
+        self.fast_paths = DEFAULT_FAST_PATHS
 
     # ------------------------------------------------------------------------------------------- configuration
     def configure(
@@ -442,7 +446,7 @@ class QuantLinear(nn.Module):
         """Unified / qlora training forward: the rollout values, straight-through gradients (Jet-RL)."""
         fmt = self.train_format
         if self.quantized_backward:
-            return fp8_block_linear(x, self.weight, bias, self._frozen_fp8_codes(x.dtype))
+            return fp8_block_linear(x, self.weight, bias, self._frozen_fp8_codes(x.dtype), self.fast_paths)
         if not self.weight_only:
             x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quarl import kernels
+from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.model.layers import DecodeStart
 from quarl.rl.mismatch import entropy_from_logits
 
@@ -101,16 +102,13 @@ def build_batch(
     )
 
 
-# The answer log-probs (and entropy) from the model-dtype logits by one Triton pass forward and one backward
-# (`quarl.kernels.token_logprobs`) instead of a float32 copy and log-softmax (H200, 152k vocabulary, 16 x 1024
-# answer tokens: about 50 ms per micro-batch less). Set False to use PyTorch's ops.
-FUSED_LOGPROBS = True
-
-
-def _fused_logprobs_ok(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
-    """Whether `answer_logprobs` takes `quarl.kernels.token_logprobs` (see FUSED_LOGPROBS)."""
+def _fused_logprobs_ok(model: torch.nn.Module, input_ids: torch.Tensor, enabled: bool) -> bool:
+    """Whether `answer_logprobs` takes `quarl.kernels.token_logprobs`: `enabled` (`FastPaths.fused_logprobs`; the
+    log-probs and entropy from the model-dtype logits by one Triton pass forward and one backward instead of a
+    float32 copy and log-softmax: with a 152k vocabulary, 16 x 1024 answer tokens, about 50 ms per micro-batch
+    less on an H200), a CUDA bf16/fp16 model and the kernel's first-use check passed."""
     dtype = getattr(model, "dtype", None)
-    return FUSED_LOGPROBS and input_ids.is_cuda and dtype in (torch.bfloat16, torch.float16) \
+    return enabled and input_ids.is_cuda and dtype in (torch.bfloat16, torch.float16) \
         and kernels.training_kernel_ok("token_logprobs", input_ids.device, dtype)
 
 
@@ -122,19 +120,23 @@ def answer_logprobs(
     width: int,
     with_entropy: bool = False,
     answer_lengths: torch.Tensor | None = None,
+    fast_paths: FastPaths | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each of the last `width` tokens under logits / temperature, like the rollout engine scores it.
 
     input_ids, attention_mask [B, T] (left-padded) -> (logprobs [B, width] float32, entropy [B, width] float32 or
     None): the last `width` columns of the [B, T-1] layout. Autograd flows through logprobs when grad is enabled;
     entropy is always detached. answer_lengths [B] tells the model where each row's decoding began (the last
-    prompt token, column T-1-A), which attention layers that mimic an FP8 KV cache need.
+    prompt token, column T-1-A), which attention layers that mimic an FP8 KV cache need. fast_paths: whose
+    `fused_logprobs` decides the path; None = the model's (`QuarlForCausalLM.fast_paths`, which the trainer sets
+    from the run's config).
     """
     T = input_ids.shape[1]
     width = min(width, T - 1)
     # With its maximum read here once: attention layers that mimic an FP8 KV cache slice by it without a sync.
     decode_start = None if answer_lengths is None else DecodeStart.of(T - 1 - answer_lengths, input_ids.device)
-    if _fused_logprobs_ok(model, input_ids):
+    paths = fast_paths_of(model) if fast_paths is None else fast_paths
+    if _fused_logprobs_ok(model, input_ids, paths.fused_logprobs):
         from quarl.kernels.token_logprobs import token_logprobs
 
         h = model.hidden_states(input_ids, attention_mask=attention_mask, decode_start=decode_start)

@@ -66,7 +66,8 @@ def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
             raise ValueError(f"precision.kv_cache={cfg.precision.kv_cache} needs rollout.engine=fast")
         return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
     return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
-                             kv_cache_dtype=cfg.precision.kv_cache, sampler=cfg.rollout.sampler)
+                             kv_cache_dtype=cfg.precision.kv_cache, sampler=cfg.rollout.sampler,
+                             fast_paths=cfg.fast_paths)
 
 
 class RunStopped(RuntimeError):
@@ -226,6 +227,7 @@ class Trainer:
         if cfg.precision.kv_cache != "auto" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
             for module in self.model.modules():
+        self.model.set_fast_paths(cfg.fast_paths)  # the training forward's and the answer log-probs' paths
                 if isinstance(module, Attention):
                     module.kv_quant = cfg.precision.kv_cache
         self.reference = None

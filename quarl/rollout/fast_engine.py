@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from quarl.config import SAMPLERS
+from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.model.tokenizer import eos_token_ids
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
@@ -60,7 +61,8 @@ class FastRolloutEngine(RolloutEngine):
     def __init__(self, model, tokenizer, max_batch_size: int = 512, max_seq_len: int | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto", use_cuda_graphs: bool | None = None,
                  sync_every: int = 16, max_prefill_tokens: int = 32768, attention_backend: str = "auto",
-                 fused_decode: bool | None = None, sampler: str = "inverse-cdf"):
+                 fused_decode: bool | None = None, sampler: str = "inverse-cdf",
+                 fast_paths: FastPaths | None = None):
         """
         Args:
             model: a QuarlForCausalLM (any device and dtype; CUDA + bf16 is the fast case).
@@ -81,6 +83,9 @@ class FastRolloutEngine(RolloutEngine):
                 step; 0.12 against 0.24 ms per step at 512 sequences of a 152k vocabulary) or "gumbel"
                 (Gumbel-max over a [slots, vocab] uniform tensor refilled every step: the reference engine's
                 draws for the same seed).
+            fast_paths: the optional decode paths (`quarl.fast_paths.FastPaths`: `lora_codes_handoff`,
+                `stack_rollout_lora`); None = the model's (`model.fast_paths`, else the defaults). The CUDA
+                graphs are keyed by it, so assigning another `engine.fast_paths` later captures anew.
         """
         super().__init__(model, tokenizer, max_batch_size)
         if max_seq_len is not None and max_seq_len < 2:
@@ -105,7 +110,10 @@ class FastRolloutEngine(RolloutEngine):
             raise ValueError("fused_decode=True needs a model without per-head q/k norms (Qwen3 uses the module "
                              "path); pass fused_decode=None or False")
         use_fused = fused_decode_supported(model) if fused_decode is None else bool(fused_decode)
-        self._decoder = FusedDecoder.for_model(model) if use_fused else None
+        self.fast_paths = fast_paths_of(model) if fast_paths is None else fast_paths
+        if not isinstance(self.fast_paths, FastPaths):
+            raise TypeError(f"fast_paths must be a quarl.fast_paths.FastPaths, got {type(fast_paths).__name__}")
+        self._decoder = FusedDecoder.for_model(model, self.fast_paths) if use_fused else None
         self.num_slots = self.max_batch_size
         self.buckets = batch_buckets(self.num_slots)
         self.cache: SlotKVCache | None = None
@@ -223,7 +231,7 @@ class FastRolloutEngine(RolloutEngine):
     def _restack(self) -> None:
         """Make the fused decoder's stacked weights and adapters current (`FusedDecoder.prepare`); if that moved
         any (adapter copies are not in the fingerprint), drop the CUDA graphs, which read the old ones."""
-        if self._decoder is not None and self._decoder.prepare():
+        if self._decoder is not None and self._decoder.prepare(self.fast_paths):
             self._graphs.clear()
 
     def _model_fingerprint(self) -> tuple:
@@ -266,8 +274,9 @@ class FastRolloutEngine(RolloutEngine):
         graph.replay()
 
     def _graph_key(self, batch: int, kv_len: int, params: SamplingParams) -> tuple:
-        """What a captured step depends on besides the buffers: shapes, sampling and the decoder's mode."""
-        return batch, kv_len, params, self._decoder is not None and self._decoder.deferred_scales
+        """What a captured step depends on besides the buffers: shapes, sampling, the decoder's mode and the
+        fast paths (a graph keeps the adapter path and codes handoff it was captured with)."""
+        return batch, kv_len, params, self._decoder is not None and self._decoder.deferred_scales, self.fast_paths
 
     def _capture(self, batch: int, kv_len: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         """Warm up (compiles kernels, builds lazy caches) and capture one step; the state is left unchanged.

@@ -14,6 +14,13 @@ GEMM computes what it would have computed from the bf16 activations.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
 `decode_logits` picks this forward when `fused_decode_supported(model)`.
+
+Two optional paths come from a `quarl.fast_paths.FastPaths` (the engine's, handed over by `FusedDecoder.prepare`):
+`lora_codes_handoff`: with LoRA adapters, the fused norm / SiLU·mul kernels still hand 8-bit codes to the base GEMM
+and also write the bf16 activations for the adapters (off: linears with adapters take the bf16 activations);
+`stack_rollout_lora`: q/k/v's and gate/up's rollout adapters run as one stacked pair of GEMMs (`FusedProjection`;
+off: one GEMM pair per linear). A captured CUDA graph keeps the paths it was captured with, which is why the engine
+keys its graphs by them.
 """
 
 from __future__ import annotations
@@ -22,17 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from quarl import kernels
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.layers import apply_rope
 from quarl.model.qlinear import QuantLinear
-
-# With LoRA adapters, the fused norm / SiLU·mul kernels still hand 8-bit codes to the base GEMM and also write the
-# bf16 activations for the adapters. Set False to turn the handoff off for linears with adapters.
-LORA_CODES_HANDOFF = True
-
-# q/k/v's and gate/up's rollout adapters as one stacked pair of GEMMs (see FusedProjection): a 7B LoRA rank-32 FP8
-# rollout (512 x 1024 tokens, H200) took 15.65 s against 16.34 s one GEMM pair per linear. Set it before an engine
-# captures its CUDA graphs (graphs keep the adapter path they were captured with).
-STACK_ROLLOUT_LORA = True
 
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
@@ -53,15 +52,19 @@ class FusedProjection:
     Stacking happens at construction and in `prepare()` (after a reconfiguration replaced the parts' buffers),
     never inside a forward, so a captured CUDA graph never contains it.
 
-    With `STACK_ROLLOUT_LORA`, LoRA adapters in rollout are stacked the same way by `prepare()`:
+    With `fast_paths.stack_rollout_lora`, LoRA adapters in rollout are stacked the same way by `prepare()`:
     A = [A_1; A_2; ...] [R, K] and a block-diagonal B [sum N, R] (zeros off each part's block; R = the summed
     ranks), whose blocks become the parts' rollout adapter copies. `QuantLinear.set_rollout` rewrites those copies
     in place at each rollout start, so the stacked pair is current without re-stacking, and the adapters of the
-    whole group cost two GEMMs (x @ A^T, then y += (x A^T) @ B^T) instead of two per part.
+    whole group cost two GEMMs (x @ A^T, then y += (x A^T) @ B^T) instead of two per part (a 7B LoRA rank-32 FP8
+    rollout of 512 x 1024 tokens on an H200: 15.65 s against 16.34 s).
+
+    fast_paths: a `FastPaths` (`stack_rollout_lora`, `lora_codes_handoff`); its `FusedDecoder` sets it.
     """
 
-    def __init__(self, parts: list[QuantLinear]):
+    def __init__(self, parts: list[QuantLinear], fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         self.parts = parts
+        self.fast_paths = fast_paths
         self.sizes = [p.out_features for p in parts]
         self.column_starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]  # of each part in the output
         self._fused: dict[str, torch.Tensor] | None = None
@@ -181,7 +184,7 @@ class FusedProjection:
         """"int8" / "fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take
         activation codes directly (see `kernels.codes_handoff`), else None (it wants the bf16 activations)."""
         qw = self.fused_qweight
-        if qw is None or (self.has_lora and not LORA_CODES_HANDOFF):
+        if qw is None or (self.has_lora and not self.fast_paths.lora_codes_handoff):
             return None
         return qw.fmt if _handoff(qw, self.parts[0], m) else None
 
@@ -228,7 +231,7 @@ class FusedProjection:
         if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
             return torch.cat([p.add_lora(y[:, start:start + n], x) if p.lora_rank else y[:, start:start + n]
                               for p, start, n in zip(self.parts, self.column_starts, self.sizes)], dim=-1)
-        if STACK_ROLLOUT_LORA and not torch.is_grad_enabled() and self._adapters_current() and \
+        if self.fast_paths.stack_rollout_lora and not torch.is_grad_enabled() and self._adapters_current() and \
                 self._adapter[0].dtype == x.dtype and self._adapter[0].device == x.device:  # as add_lora's cache
             a, b = self._adapter  # every part's adapter in two GEMMs, B's zero blocks adding nothing
             return y.addmm_(F.linear(x, a), b.t())
@@ -272,8 +275,8 @@ class FusedProjection:
             self._adapter = None  # no adapter left (removed): free the stack
             return False
         copies = [p._rollout_adapter for p, _, _ in blocks]
-        if not STACK_ROLLOUT_LORA or self._adapters_current() or any(not p.rollout for p, _, _ in blocks) or \
-                any(c is None for c in copies) or \
+        if not self.fast_paths.stack_rollout_lora or self._adapters_current() or \
+                any(not p.rollout for p, _, _ in blocks) or any(c is None for c in copies) or \
                 len({(t.dtype, t.device) for c in copies for t in c}) != 1:  # one stack needs one dtype, device
             return False
         _refuse_inside_capture("FusedProjection.prepare()")
@@ -296,7 +299,7 @@ def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Ten
         return linear(x)
     bias = None if linear.bias is None else linear.bias.to(linear.compute_dtype)
     y = kernels.matmul_from_codes(codes[0], codes[1], linear.qweight, bias, linear.compute_dtype)
-    if linear.lora_rank:  # the adapter reads the activations the codes came from (LORA_CODES_HANDOFF)
+    if linear.lora_rank:  # the adapter reads the activations the codes came from (`lora_codes_handoff`)
         if x is None:
             raise ValueError("a linear with a LoRA adapter needs the activations x along with the codes")
         y = linear.add_lora(y, x)
@@ -320,10 +323,10 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference_codes(x, "fp8")
 
 
-def linear_codes_handoff(linear: QuantLinear, m: int) -> str | None:
-    """As `FusedProjection.codes_handoff` for a single linear in rollout mode."""
+def linear_codes_handoff(linear: QuantLinear, m: int, fast_paths: FastPaths) -> str | None:
+    """As `FusedProjection.codes_handoff` for a single linear in rollout mode (fast_paths: the decoder's)."""
     if not linear.rollout or linear.rollout_format not in ("int8", "fp8", "fp8-block") or \
-            (linear.lora_rank and not LORA_CODES_HANDOFF) or linear.qweight_data is None:
+            (linear.lora_rank and not fast_paths.lora_codes_handoff) or linear.qweight_data is None:
         return None
     return linear.rollout_format if _handoff(linear.qweight, linear, m) else None
 
@@ -437,19 +440,22 @@ class FusedDecoder:
     keep re-stacking the same modules' buffers away from each other."""
 
     @classmethod
-    def for_model(cls, model) -> "FusedDecoder":
-        """The model's decoder, built on first use and kept on the model."""
+    def for_model(cls, model, fast_paths: FastPaths | None = None) -> "FusedDecoder":
+        """The model's decoder, built on first use and kept on the model; with fast_paths, set to use them."""
         decoder = model.__dict__.get("_quarl_fused_decoder")
         if decoder is None:
             decoder = cls(model)
             model.__dict__["_quarl_fused_decoder"] = decoder  # a plain attribute: not a submodule, not saved
+        if fast_paths is not None:
+            decoder.fast_paths = fast_paths
         return decoder
 
-    def __init__(self, model):
+    def __init__(self, model, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         self.model = model
         self.qkv = [FusedProjection([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
                     for l in model.model.layers]
         self.gate_up = [FusedProjection([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+        self.fast_paths = fast_paths
         # The q/k/v, o and down GEMMs, when they receive FP8 activation codes and `kernels.unit_scales_ok` (cuBLAS or
         # persistent TMA plans: rollout batches), run with unit per-tensor scales, and the kernel consuming each product
         # (rotary; residual add + norm) applies its per-token and per-channel scales (`unit_scale_matmul`): cuBLAS runs
@@ -477,10 +483,27 @@ class FusedDecoder:
             raise ValueError(f"deferred_scales takes True, False or names among {DEFERRABLE}; got {sorted(unknown)}")
         self._deferred = frozenset(names)
 
-    def prepare(self) -> bool:
+    @property
+    def fast_paths(self) -> FastPaths:
+        """The optional paths this decoder takes (`lora_codes_handoff`, `stack_rollout_lora`); setting it sets
+        every fused projection's too."""
+        return self._fast_paths
+
+    @fast_paths.setter
+    def fast_paths(self, value: FastPaths) -> None:
+        if not isinstance(value, FastPaths):
+            raise TypeError(f"fast_paths takes a quarl.fast_paths.FastPaths, got {type(value).__name__}")
+        self._fast_paths = value
+        for proj in self.qkv + self.gate_up:
+            proj.fast_paths = value
+
+    def prepare(self, fast_paths: FastPaths | None = None) -> bool:
         """Make every fused weight and stacked adapter current (re-stacks after a reconfiguration or a new
         adapter; no work otherwise). Returns whether any buffer or adapter copy moved (CUDA graphs captured
-        before then read the old ones)."""
+        before then read the old ones). fast_paths: use these from now on (each engine passes its own, since
+        engines on one model share its decoder); None keeps the current ones."""
+        if fast_paths is not None:
+            self.fast_paths = fast_paths
         self._unit_scale()  # made outside any CUDA-graph capture
         return any([proj.prepare() for proj in self.qkv + self.gate_up])  # a list: prepare every one
 
@@ -522,7 +545,7 @@ class FusedDecoder:
             li = attn.layer_idx
             cache.write_tokens(li, positions, k, v)
             out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
-            o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B)
+            o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B, self.fast_paths)
             handoff = gate_up.codes_handoff(B)
             x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora)
             if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora \
@@ -531,9 +554,10 @@ class FusedDecoder:
             else:
                 gu, gu_scales = gate_up(h, codes), None
             inter = mlp.down_proj.in_features
-            quant = linear_codes_handoff(mlp.down_proj, B)
+            quant = linear_codes_handoff(mlp.down_proj, B, self.fast_paths)
             a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales, keep_h=bool(mlp.down_proj.lora_rank))
-            delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B)
+            delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B,
+                                     self.fast_paths)
         _, h, _ = add_norm(model.model.norm, x, delta, None, pending)
         return model.lm_head(h)
 
@@ -544,13 +568,14 @@ def _unit_product(codes, qweight, unit: torch.Tensor, dtype: torch.dtype) -> tup
     return unit_scale_matmul(codes[0], qweight, unit, dtype), (codes[1], qweight.scale.reshape(-1))
 
 
-def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tensor | None, batch: int) -> tuple:
+def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tensor | None, batch: int,
+            fast_paths: FastPaths) -> tuple:
     """(output, None) of one linear on x or on handed-over codes; with deferred scales (unit given), where the
     linear takes rowwise FP8 codes without a bias or adapter and its plan allows (`kernels.unit_scales_ok`),
     (unit-scale cuBLAS product, its scales) instead. Handed codes already mean the 8-bit GEMM runs; without them
     the handoff test decides, and x is quantized here."""
     if unit is None or linear.bias is not None or linear.rollout_format != "fp8" or linear.lora_rank or \
-            (codes is None and linear_codes_handoff(linear, batch) is None) or \
+            (codes is None and linear_codes_handoff(linear, batch, fast_paths) is None) or \
             not kernels.unit_scales_ok(linear.qweight, batch):
         return linear_from(linear, x, codes), None
     return _unit_product(codes if codes is not None else _activation_codes(x), linear.qweight, unit,
@@ -567,7 +592,8 @@ def both_decode_logits(model, engine, tokens: torch.Tensor, positions: torch.Ten
             from quarl.rollout.fast_step import decode_logits
 
             want = decode_logits(model, cache, tokens, positions, attention, cache.capacity)
-            got = FusedDecoder.for_model(model).logits(cache, tokens, positions, attention, cache.capacity)
+            decoder = FusedDecoder.for_model(model, engine.fast_paths)
+            got = decoder.logits(cache, tokens, positions, attention, cache.capacity)
     finally:
         model.set_rollout(False)
     return want, got
