@@ -401,7 +401,8 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
             tokenizer = load_tokenizer(path)
     check_finite(model, path)
     params = sum(p.numel() for p in model.parameters())
-    _say(progress, f"loaded {name_or_path} ({params / 1e6:.0f}M parameters) in {time.perf_counter() - start:.1f} s")
+    size = f"{params / 1e6:.0f}M" if params >= 1e7 else f"{params / 1e6:.2g}M"
+    _say(progress, f"loaded {name_or_path} ({size} parameters) in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
 
 
