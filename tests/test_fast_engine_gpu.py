@@ -215,6 +215,7 @@ def test_one_launch_kv_write_stores_what_the_torch_write_stores(kv_dtype, kv_sca
 
 @pytest.mark.fp8
 def test_a_failing_kv_write_kernel_leaves_the_torch_write_in_charge(monkeypatch):
+    import quarl.fallbacks as fallbacks
     import quarl.kernels.kv_write as kv_write
     from quarl.rollout.fast_cache import SlotKVCache
 
@@ -222,10 +223,11 @@ def test_a_failing_kv_write_kernel_leaves_the_torch_write_in_charge(monkeypatch)
         raise RuntimeError("no kernel here")
 
     monkeypatch.setattr(kv_write, "write_kv", broken)
+    monkeypatch.setattr(fallbacks, "_reported", {})  # reported once per process: start afresh
     cache = SlotKVCache(1, 4, 2, 64, 8, FP8_KV_DTYPE, DEV, token_scales=True)
     k, v = torch.randn(3, 2, 64, device=DEV).bfloat16(), torch.randn(3, 2, 64, device=DEV).bfloat16()
     positions = torch.tensor([0, 5, 7], device=DEV)
-    with pytest.warns(UserWarning, match="KV write failed"):
+    with pytest.warns(UserWarning, match="KV write: failed its check"):
         cache.write_tokens(0, positions, k, v)
     assert cache._fused_write is False
     codes, scales = cache.quantize_tokens(k)
@@ -250,3 +252,24 @@ def test_a_second_generate_reuses_the_captured_graphs(precision):
     assert engine.last_stats["graph_captures"] > 0
     engine.generate(prompts, n=2, max_new_tokens=12, temperature=1.0, seed=2, ignore_eos=True)
     assert engine.last_stats["graph_captures"] == 0, engine.last_stats
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_graphs_survive_cache_regrowth_without_a_fallback(monkeypatch, fmt):
+    """Each growth of the slot cache drops every captured graph; the captures after it must succeed (a graph
+    pool whose graphs are all gone cannot take new captures) and nothing may fall back to eager decoding."""
+    import quarl.fallbacks as fallbacks
+
+    monkeypatch.setattr(fallbacks, "_reported", {})
+    model = tiny_model()
+    if fmt:
+        apply_precision(model, PrecisionConfig(flow="split", format=fmt).validate())
+    engine = FastRolloutEngine(model, None, max_batch_size=8, sync_every=4)
+    drops = 0
+    for max_new in (8, 60, 8, 160, 40):  # the tiny model's context is 256
+        engine.generate(rand_prompts([5, 7]), n=2, max_new_tokens=max_new, temperature=1.0, seed=0,
+                        ignore_eos=True)
+        assert engine.use_cuda_graphs and "graph_error" not in engine.last_stats, engine.last_stats
+        drops += engine.last_stats["graph_drops"]
+    assert drops >= 2  # the two growths (60, 160 new tokens) dropped the graphs captured before them
+    assert fallbacks.reported_fallbacks() == {}

@@ -34,10 +34,12 @@ def test_training_kernel_probes_pass_and_catch_a_wrong_kernel():
 
 def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):
     pytest.importorskip("triton")
+    import quarl.fallbacks
     import quarl.kernels.silu_mul_train
 
     monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
     monkeypatch.setattr(kernels, "_TRAINING_KERNEL_OK", {})
+    monkeypatch.setattr(quarl.fallbacks, "_reported", {})  # reported once per process: start afresh
     probes = []
 
     def crash(device, dtype):
@@ -45,7 +47,7 @@ def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(quarl.kernels.silu_mul_train, "self_check", crash)
-    with pytest.warns(UserWarning, match="training kernel silu_mul failed its check"):
+    with pytest.warns(UserWarning, match="training kernel silu_mul: failed its check"):
         assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
     assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
     assert probes == [1]  # the verdict is cached: one probe per kernel, device and dtype

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 
@@ -54,13 +53,16 @@ def kernel_passes_check(what: str, check) -> bool:
     """Run check(), True when a kernel agrees with its torch definition on a small probe. An exception (e.g. a
     Triton that cannot compile the kernel) or a disagreement warns "<what> ...; using torch" and gives False, so
     the caller keeps its torch path."""
+    from quarl.fallbacks import report_fallback
+
     try:
         ok = bool(check())
     except Exception as e:  # the torch path still works
-        warnings.warn(f"{what} failed its check ({type(e).__name__}: {e}); using torch")
+        reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        report_fallback(what, f"failed its check ({reason}); using torch")
         return False
     if not ok:
-        warnings.warn(f"{what} disagrees with its torch definition; using torch")
+        report_fallback(what, "disagrees with its torch definition; using torch")
     return ok
 
 

@@ -348,10 +348,27 @@ class QuantLinear(nn.Module):
         self._frozen_codes_key = None  # a write through .data bypasses the version counter: refresh sees it
         if self.qweight_data is None or self.frozen_base:
             return
+        self.requantize_rollout_copy()
+        self.mark_rollout_copy_current()
+
+    @property
+    def trained_rollout_copy(self) -> bool:
+        """Whether this linear has a rollout copy of a weight being trained: what every sync re-quantizes."""
+        return (self.qweight_data is not None and not self.frozen_base and self.weight is not None
+                and self.weight.requires_grad)
+
+    def requantize_rollout_copy(self) -> None:
+        """The device work of `refresh`: quantize the master weight (rounded to the compute dtype) into the rollout
+        copy and its dequantized cache, in place, without the bookkeeping. The GPU paths make no host
+        synchronisation, so `quarl.model.rollout_sync.RolloutSync` can capture it in a CUDA graph."""
         qt = self._quantize_into_rollout_copy(self.weight.detach().to(self.compute_dtype))
-        self._rollout_source = self._weight_state()
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+
+    def mark_rollout_copy_current(self) -> None:
+        """Record that the rollout copy now holds the master weight as it is (after `requantize_rollout_copy`)."""
+        self._frozen_codes_key = None
+        self._rollout_source = self._weight_state()
 
     def _quantize_into_rollout_copy(self, w: torch.Tensor) -> QuantizedTensor:
         """Quantize w [out, in] into the rollout copy's buffers (in place) and return the copy. One Triton pass on

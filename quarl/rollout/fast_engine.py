@@ -29,7 +29,6 @@ engine, not across engines); `sampler="gumbel"` draws the reference engine's tok
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from typing import Callable, Sequence
 
@@ -37,6 +36,7 @@ import torch
 
 from quarl.config import SAMPLERS
 from quarl.fast_paths import FastPaths, fast_paths_of
+from quarl.fallbacks import report_fallback
 from quarl.model.tokenizer import eos_token_ids
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
@@ -164,6 +164,7 @@ class FastRolloutEngine(RolloutEngine):
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
 
+        self.last_stats = {"graph_captures": 0, "capture_s": 0.0, "slot_moves": 0, "graph_drops": 0}
         self.model.set_rollout(True)
         try:
             with torch.no_grad():
@@ -186,13 +187,13 @@ class FastRolloutEngine(RolloutEngine):
         """Allocate (or grow) the slot cache and state; drop captured graphs if the model's tensors changed."""
         self._restack()  # what a reconfiguration replaced
         if self._fingerprint is not None and self._fingerprint != self._model_fingerprint():
-            self._graphs.clear()  # re-configured weights live in new buffers: the old graphs read stale memory
+            self._drop_graphs()  # re-configured weights live in new buffers: the old graphs read stale memory
         if self.cache is not None and self.cache.capacity >= needed_columns:
             return
         capacity = self.max_seq_len or -(-needed_columns // 64) * 64
         model, c = self.model, self.model.config
         self.cache = self.state = None
-        self._graphs.clear()
+        self._drop_graphs()
         self._check_memory(capacity)
         self.cache = SlotKVCache(c.num_layers, self.num_slots, c.num_kv_heads, c.head_dim, capacity, self.kv_dtype,
                                  model.device, token_scales=self.kv_token_scales)
@@ -232,7 +233,16 @@ class FastRolloutEngine(RolloutEngine):
         """Make the fused decoder's stacked weights and adapters current (`FusedDecoder.prepare`); if that moved
         any (adapter copies are not in the fingerprint), drop the CUDA graphs, which read the old ones."""
         if self._decoder is not None and self._decoder.prepare(self.fast_paths):
-            self._graphs.clear()
+            self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool. A pool whose graphs are all gone may still hold
+        blocks until the allocator frees them; capturing into it again trips the allocator's
+        `use_count > 0` assertion, so the next capture starts a new pool."""
+        if self._graphs:
+            self.last_stats["graph_drops"] = self.last_stats.get("graph_drops", 0) + 1  # each costs re-captures
+        self._graphs.clear()
+        self._pool = None
 
     def _model_fingerprint(self) -> tuple:
         """Addresses of every parameter and buffer: a CUDA graph stays valid while none of them moves."""
@@ -265,8 +275,9 @@ class FastRolloutEngine(RolloutEngine):
             try:
                 graph = self._capture(batch, kv_len, params)
             except Exception as e:  # keep generating, eagerly, and say so
-                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding without graphs")
-                self.last_stats["graph_error"] = f"{type(e).__name__}: {e}"
+                reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                report_fallback("cuda_graphs", f"CUDA graph capture failed ({reason}); decoding without graphs")
+                self.last_stats["graph_error"] = reason
                 self.use_cuda_graphs = False
                 torch.cuda.synchronize(self.model.device)
                 decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
@@ -296,7 +307,7 @@ class FastRolloutEngine(RolloutEngine):
         self._restack()  # what the warm-up's fallbacks replaced, before capturing
         fingerprint = self._model_fingerprint()
         if fingerprint != self._graph_fingerprint:
-            self._graphs.clear()  # graphs captured earlier read buffers that have moved since
+            self._drop_graphs()  # graphs captured earlier read buffers that have moved since
             self._graph_fingerprint = fingerprint
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -372,7 +383,6 @@ class _Run:
 
     def run(self) -> list[list[Completion]]:
         e = self.e
-        e.last_stats = {"graph_captures": 0, "capture_s": 0.0, "slot_moves": 0}
         st = e.state
         st.done.fill_(True)  # idle slots record nothing
         t0 = time.perf_counter()
