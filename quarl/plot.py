@@ -219,10 +219,7 @@ def _one_line(text, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, columns: int = 3) -> list[Path]:
-    """Write OUT/overview.png (one panel per metric group with data) and OUT/summary.md; returns both paths.
-    OUT defaults to RUN_DIR/plots. Raises FileNotFoundError without RUN_DIR/metrics.jsonl and ValueError when it
-    holds no plottable metric yet."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -230,14 +227,16 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, columns: in
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("quarl plot needs matplotlib: pip install matplotlib") from e
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    return plt
+
+
+def overview_figure(records: list[dict], title: str = "", columns: int = 3):
+    """The small-multiples figure of `records` (metrics.jsonl records): one panel per entry of PANELS with data.
+    Returns (figure, [(panel, axes), ...]); raises ValueError when no panel has data."""
+    plt = _pyplot()
     panels = [p for p in PANELS if any(_series(records, k) for k in p.keys)]
     if not panels:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no plottable metrics yet (run at least one step)")
-    out = Path(out_dir) if out_dir else run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    config = _run_config(run_dir)
+        raise ValueError("no plottable metrics")
     cols = min(columns, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows + 0.6), squeeze=False)
@@ -245,9 +244,27 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, columns: in
         _draw(ax, panel, records)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    setup = _setup_line(config)
-    fig.suptitle(f"quarl run {run_dir.name}" + (f" — {setup}" if setup else ""), fontsize=13)
+    if title:
+        fig.suptitle(title, fontsize=13)
     fig.tight_layout()
+    return fig, list(zip(panels, axes.flat))
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, columns: int = 3) -> list[Path]:
+    """Write OUT/overview.png (one panel per metric group with data) and OUT/summary.md; returns both paths.
+    OUT defaults to RUN_DIR/plots. Raises FileNotFoundError without RUN_DIR/metrics.jsonl and ValueError when it
+    holds no plottable metric yet."""
+    plt = _pyplot()
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    config = _run_config(run_dir)
+    setup = _setup_line(config)
+    try:
+        fig, _ = overview_figure(records, f"quarl run {run_dir.name}" + (f" — {setup}" if setup else ""), columns)
+    except ValueError:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no plottable metrics yet (run at least one step)") from None
+    out = Path(out_dir) if out_dir else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
     image = out / OVERVIEW
     fig.savefig(image, dpi=110)
     plt.close(fig)
