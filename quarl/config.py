@@ -23,6 +23,7 @@ import yaml
 
 from quarl.fast_paths import FastPaths
 from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.rl.mismatch_alarms import AlarmConfig
 from quarl.rl.objectives import LossConfig, get_correction
 
 SAMPLERS = ("inverse-cdf", "gumbel")  # the fast engine's temperature samplers, default first
@@ -174,6 +175,7 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     loss: LossConfig = field(default_factory=LossConfig)
+    alarms: AlarmConfig = field(default_factory=AlarmConfig)  # mismatch drift warnings (docs/CORRECTIONS.md)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     output: OutputSection = field(default_factory=OutputSection)
@@ -185,7 +187,7 @@ class RunConfig:
         self.precision.lora = self.lora
         # Dr.GRPO divides by answers x max_new_tokens; the trainer resolves an unset value the same way.
         loss = dataclasses.replace(self.loss, max_new_tokens=self.loss.max_new_tokens or self.rollout.max_new_tokens)
-        for check in (self.precision.validate, loss.validate):
+        for check in (self.precision.validate, loss.validate, self.alarms.validate):
             try:
                 check()
             except ValueError as e:

@@ -306,11 +306,15 @@ class LossConfig:
     tbpo_band: float = 1.05  # tbpo: keep answers whose geometric-mean ρ lies in [1/band, band]; weight = that mean
     # error-token guard (quarl.rl.error_tokens): off (metrics only) | mask (flagged answers get loss weight 0) |
     # drop (flagged answers leave the batch)
-    error_token_guard: str = "off"
+    error_token_guard: str | bool = "off"  # YAML 1.1 reads a bare `off` as false: __post_init__ maps it back
     error_loop_max_ngram: int = 16  # loops of n-grams with 1 <= n <= this are detected
     error_loop_min_repeats: int = 4  # ... repeated back to back at least this many times
     error_loop_min_tokens: int = 16  # ... covering at least this many tokens
     error_max_abs_log_ratio: float = 6.0  # a token with |log μ − log π_prox| above this flags its answer (0 = off)
+
+    def __post_init__(self):
+        if self.error_token_guard is False:
+            self.error_token_guard = "off"
 
     @property
     def resolved_aggregation(self) -> str:
@@ -378,7 +382,7 @@ class LossConfig:
                              "0 <= icepop_low < icepop_high < inf (IcePop: 0.5 and 5)")
         if not (self.tbpo_band > 1.0 and math.isfinite(self.tbpo_band)):
             raise ValueError(f"loss.tbpo_band={self.tbpo_band} must be a finite number > 1 (e.g. 1.05)")
-        if self.error_token_guard not in ERROR_TOKEN_GUARDS:
+        if isinstance(self.error_token_guard, bool) or self.error_token_guard not in ERROR_TOKEN_GUARDS:
             raise ValueError(f"loss.error_token_guard={self.error_token_guard!r} is unknown; choose one of "
                              f"{ERROR_TOKEN_GUARDS}")
         for key in ("error_loop_max_ngram", "error_loop_min_repeats", "error_loop_min_tokens"):

@@ -31,9 +31,11 @@ from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
 from quarl.rl.checkpoint import atomic_write_bytes, load_latest_intact, save_checkpoint
+from quarl.rl.error_tokens import guard_error_answers
 from quarl.rl.evaluate import evaluate
 from quarl.rl.master_weights import MasterWeightAdamW
 from quarl.rl.mismatch import mismatch_metrics
+from quarl.rl.mismatch_alarms import MismatchAlarms
 from quarl.rl.objectives import get_correction, policy_loss
 from quarl.rl.run_log import RunLog
 from quarl.rl.uaq import apply_uaq
@@ -244,6 +246,7 @@ class Trainer:
         self.loss_cfg = dataclasses.replace(
             cfg.loss, max_new_tokens=cfg.loss.max_new_tokens or cfg.rollout.max_new_tokens
         )
+        self.alarms = MismatchAlarms(cfg.alarms, cfg)  # one warning with remedies when the mismatch drifts
         self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
         self.task.set_tokenizer(self.tokenizer)
         self.run_dir = Path(cfg.output.dir)
@@ -433,6 +436,8 @@ class Trainer:
         tr = self.cfg.train
         if tr.recompute_proximal or get_correction(self.cfg.loss.correction).skips_proximal or tr.epochs != 1:
             return False
+        if self.cfg.loss.error_token_guard != "off":  # the guard's log-ratio test needs π_prox before the update
+            return False
         if tr.mini_batch_size is not None and tr.mini_batch_size < batch_size:
             return False
         return not any(getattr(m, "lora_dropout", 0.0) > 0 for m in self.model.modules())
@@ -609,6 +614,10 @@ class Trainer:
             proximal, entropy = self.score(self.model, batch, with_entropy=True)
         reference = self.score(self.reference, batch, False)[0] if self.reference is not None else None
         metrics["time/prox_s"] = time.perf_counter() - t0
+        if self.loss_cfg.error_token_guard != "off":  # flagged answers are masked or dropped before the update
+            batch, proximal, reference, entropy, error_metrics = guard_error_answers(
+                batch, self.loss_cfg, proximal, reference, entropy)
+            metrics.update(error_metrics)
 
         t0 = time.perf_counter()
         update_metrics = self.update(batch, proximal, reference, step, collect_proximal=from_update)
@@ -622,6 +631,8 @@ class Trainer:
         if proximal is not None and mask.sum() > 0:
             metrics.update(mismatch_metrics(batch.behaviour_logprobs, proximal, mask))
             metrics["policy/entropy"] = float((entropy * mask).sum() / mask.sum())
+        if self.loss_cfg.error_token_guard == "off":  # error/* metrics only
+            metrics.update(guard_error_answers(batch, self.loss_cfg, proximal)[-1])
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["time/step_s"] = time.perf_counter() - t_step
 
@@ -705,6 +716,7 @@ class Trainer:
                         last.update(self.evaluate())
                     self.log.log(step, last)
                     self._count_skipped(step, last)
+                    self.alarms.check(step, last)
                     bar.update(1)
                     bar.set_postfix(
                         reward=f"{last.get('reward/mean', float('nan')):.3f}",

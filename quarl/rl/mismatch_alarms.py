@@ -1,0 +1,103 @@
+"""Mismatch alarms: one warning, with what to try, when a mismatch metric drifts past its threshold.
+
+The metrics users watch (BRIEF §6) drift slowly before a low-precision run collapses (QuRL saw KL(μ‖π_prox) grow
+from 0.002 to 0.025 over 1000+ steps). An alarm fires when a metric stays above its threshold for `patience`
+consecutive steps, once per metric and run, naming the value, the threshold and the remedies that fit the run's
+config (a rejecting correction, a finer format, the unified flow, the error-token guard).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass
+class AlarmConfig:
+    """`alarms.*` config keys: thresholds per metric (0 = that alarm off) and the steps a drift must last."""
+
+    enabled: bool = True
+    kl: float = 0.01  # mismatch/kl (k1 KL(μ‖π_prox) per token); QuRL's collapse began near 0.01-0.025
+    truncated_frac: float = 0.1  # is/truncated_frac: share of tokens whose weight was truncated (ρ > is_cap)
+    masked_frac: float = 0.3  # is/masked_frac: share of tokens a rejecting correction dropped
+    error_frac: float = 0.05  # error/flagged_frac: share of answers flagged as loops / log-ratio spikes
+    patience: int = 3  # consecutive steps above the threshold before the warning
+
+    def validate(self) -> "AlarmConfig":
+        """ValueError naming the key when a threshold is negative or not finite, or patience < 1."""
+        for key in ("kl", "truncated_frac", "masked_frac", "error_frac"):
+            value = getattr(self, key)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"alarms.{key}={value} must be a finite number >= 0 (0 turns this alarm off)")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"alarms.patience={self.patience!r} must be an int >= 1 (steps above the threshold)")
+        return self
+
+
+ALARM_METRICS = {"kl": "mismatch/kl", "truncated_frac": "is/truncated_frac", "masked_frac": "is/masked_frac",
+                 "error_frac": "error/flagged_frac"}
+
+
+def _advice(key: str, run_cfg) -> str:
+    """What to try, given the run config (a RunConfig, or None for generic advice)."""
+    flow = getattr(getattr(run_cfg, "precision", None), "flow", None)
+    fmt = getattr(getattr(run_cfg, "precision", None), "format", None)
+    loss = getattr(run_cfg, "loss", None)
+    correction = getattr(loss, "correction", None)
+    tips = []
+    if key in ("kl", "truncated_frac"):
+        if correction not in ("mis", "tbpo", "icepop", "geo_mask", "seq_mask_tis"):
+            tips.append("a correction that rejects the off-policy answers instead of truncating them "
+                        "(loss.correction=tbpo, mis or icepop)")
+        if key == "truncated_frac" and correction in ("tis", "acr", "ais", "seq_mask_tis"):
+            tips.append(f"a larger loss.is_cap (now {getattr(loss, 'is_cap', '?')})")
+        if flow == "split" and fmt not in ("fp8-block", None):
+            tips.append(f"a finer rollout format (precision.format=fp8-block instead of {fmt})")
+        if flow in ("split", None):
+            tips.append("the unified flow (precision.flow=unified: training sees the rollout's quantizer, so the "
+                        "mismatch is kernels only)")
+    elif key == "masked_frac":
+        tips.append("a wider acceptance band (loss.geo_high, loss.tbpo_band, loss.mis_high or loss.icepop_high, "
+                    f"for loss.correction={correction})")
+        if flow in ("split", None):
+            tips.append("less mismatch (precision.format=fp8-block, or precision.flow=unified)")
+    else:  # error_frac
+        if getattr(loss, "error_token_guard", "off") == "off":
+            tips.append("loss.error_token_guard=mask (or drop) so flagged answers are not trained on")
+        tips.append("a finer rollout format or the unified flow (loops are a symptom of a lossy rollout model)")
+    if not tips:  # already rejecting, already unified: the mismatch should be kernels only
+        tips.append("checking that rollout and training quantize every linear (and the KV cache) the same way: a "
+                    "layer left in another precision on one side raises the mismatch")
+    return "; or ".join(tips)
+
+
+class MismatchAlarms:
+    """Tracks the step metrics and warns once per metric when it drifts past its threshold.
+
+    Call `check(step, metrics)` after each step with the step's metrics dict (python floats); it returns the
+    messages warned at this step (also issued as UserWarning). A missing or NaN metric breaks the streak.
+    """
+
+    def __init__(self, cfg: AlarmConfig | None = None, run_cfg=None):
+        self.cfg = (cfg or AlarmConfig()).validate()
+        self.run_cfg = run_cfg
+        self.streak = {key: 0 for key in ALARM_METRICS}
+        self.fired: set[str] = set()
+
+    def check(self, step: int, metrics: dict) -> list[str]:
+        if not self.cfg.enabled:
+            return []
+        messages = []
+        for key, name in ALARM_METRICS.items():
+            threshold = getattr(self.cfg, key)
+            value = metrics.get(name)
+            above = threshold > 0 and isinstance(value, (int, float)) and value > threshold
+            self.streak[key] = self.streak[key] + 1 if above else 0
+            if above and self.streak[key] >= self.cfg.patience and key not in self.fired:
+                self.fired.add(key)
+                msg = (f"step {step}: {name}={value:.4g} has been above alarms.{key}={threshold:g} for "
+                       f"{self.streak[key]} steps; try {_advice(key, self.run_cfg)} (docs/CORRECTIONS.md)")
+                warnings.warn(msg, UserWarning, stacklevel=2)
+                messages.append(msg)
+        return messages

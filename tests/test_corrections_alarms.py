@@ -1,0 +1,67 @@
+"""Mismatch alarms: fire once after `patience` steps above a threshold, with advice that fits the config."""
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from quarl.rl.mismatch_alarms import AlarmConfig, MismatchAlarms
+
+
+def _run_cfg(flow="split", fmt="int8", correction="tis", guard="off"):
+    return SimpleNamespace(precision=SimpleNamespace(flow=flow, format=fmt),
+                           loss=SimpleNamespace(correction=correction, is_cap=2.0, error_token_guard=guard))
+
+
+def _feed(alarms, values, name="mismatch/kl"):
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, v in enumerate(values, 1):
+            out.append(alarms.check(step, {name: v}))
+    return out, [str(w.message) for w in caught]
+
+
+def test_kl_alarm_fires_once_after_patience_with_advice():
+    alarms = MismatchAlarms(AlarmConfig(kl=0.01, patience=3), _run_cfg())
+    out, caught = _feed(alarms, [0.002, 0.02, 0.03, 0.005, 0.02, 0.02, 0.03, 0.04, 0.05])
+    # a dip at step 4 resets the streak: steps 5, 6, 7 are the first three in a row
+    assert [bool(m) for m in out] == [False] * 6 + [True, False, False]
+    assert len(caught) == 1 and caught == out[6]
+    msg = caught[0]
+    assert "step 7" in msg and "mismatch/kl=0.03" in msg and "alarms.kl=0.01" in msg
+    assert "loss.correction=tbpo" in msg and "precision.format=fp8-block" in msg and "precision.flow=unified" in msg
+    assert "\n" not in msg
+
+
+def test_advice_follows_the_config():
+    alarms = MismatchAlarms(AlarmConfig(patience=1), _run_cfg(flow="unified", fmt="fp8-block", correction="mis"))
+    (msg,), = [m for m in _feed(alarms, [0.5])[0] if m]
+    assert "precision.flow=unified" not in msg and "loss.correction=" not in msg
+    assert "quantize every linear" in msg
+    alarms = MismatchAlarms(AlarmConfig(patience=1), _run_cfg())
+    out, _ = _feed(alarms, [0.5], name="is/truncated_frac")
+    assert "loss.is_cap" in out[0][0]
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(correction="tbpo")), [0.9], "is/masked_frac")
+    assert "loss.tbpo_band" in out[0][0]
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg()), [0.2], "error/flagged_frac")
+    assert "loss.error_token_guard=mask" in out[0][0]
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(guard="mask")), [0.2], "error/flagged_frac")
+    assert "error_token_guard" not in out[0][0]
+
+
+def test_below_threshold_missing_nan_disabled_and_zero_threshold_never_fire():
+    nan = float("nan")
+    assert not any(_feed(MismatchAlarms(AlarmConfig(patience=1)), [0.009, 0.0, nan, -1.0])[0][i] for i in range(4))
+    assert not any(_feed(MismatchAlarms(AlarmConfig(patience=1)), [0.5] * 3, name="other/metric")[0])
+    assert not any(_feed(MismatchAlarms(AlarmConfig(enabled=False, patience=1)), [0.5] * 3)[0])
+    assert not any(_feed(MismatchAlarms(AlarmConfig(kl=0, patience=1)), [0.5] * 3)[0])
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(kl=-0.1), "alarms.kl"), (dict(masked_frac=float("inf")), "alarms.masked_frac"),
+    (dict(patience=0), "alarms.patience"),
+])
+def test_bad_config(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        AlarmConfig(**kwargs).validate()
