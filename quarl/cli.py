@@ -85,6 +85,7 @@ def _eval_out_path(args) -> "Path":
 
 def _eval(args) -> int:
     import json
+    import time
     from dataclasses import replace
 
     from quarl.config import DataSection, RewardSection
@@ -114,6 +115,11 @@ def _eval(args) -> int:
     engine = make_engine(model, tok, args.engine, args.kv_cache, len(task.eval_examples) * args.n, args.n,
                          args.sampler)
     records: list[dict] = []
+    if verbose:
+        answers = f"{args.n} answers each" if args.n > 1 else "1 answer each"
+        print(f"[quarl] evaluating {len(task.eval_examples)} problems of {args.data} ({answers}, up to "
+              f"{args.max_new_tokens} new tokens) with {type(engine).__name__}", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     result = evaluate(engine, task, task.eval_examples, n=args.n, temperature=args.temperature,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, progress=None if verbose else False,
                       desc=f"quarl eval {args.data}", records=records)
@@ -130,6 +136,8 @@ def _eval(args) -> int:
             f.write(json.dumps(record) + "\n")
     out_path.write_text(json.dumps(summary, indent=2) + "\n")
     if verbose:
+        print(f"[quarl] evaluated in {time.perf_counter() - started:.1f} s: accuracy {result['accuracy']:.3f}",
+              file=sys.stderr)
         print(f"[quarl] wrote {out_path} and the completions with their scores to {samples_path}", file=sys.stderr)
     print(json.dumps(summary, indent=2))
     return 0

@@ -277,6 +277,9 @@ class RunConfig:
         return self
 
 
+RUN_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))  # top-level keys, never read as TRL names
+
+
 def warn_inert_clip(cfg: "RunConfig") -> str | None:
     """Warn (UserWarning, one line) when the config asks for a clip setting that one optimizer step cannot use.
 
@@ -373,6 +376,96 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# TRL names
+
+# TRL (GRPOConfig / ModelConfig) name -> the quarl key with the same meaning. Accepted at the top level of a config
+# (as TRL's flat config: `beta: 0.04`, `learning_rate=1e-5` on the command line) and inside the quarl key's own
+# section (`loss.beta`); they are stored, and saved, under the quarl key.
+TRL_ALIASES: dict[str, str] = {
+    "beta": "loss.kl_coef",
+    "epsilon": "loss.epsilon_low",
+    "epsilon_high": "loss.epsilon_high",
+    "loss_type": "loss.loss_type",
+    "vllm_importance_sampling_cap": "loss.is_cap",
+    "num_generations": "rollout.num_generations",
+    "max_completion_length": "rollout.max_new_tokens",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "learning_rate": "train.lr",
+    "lr_scheduler_type": "train.lr_schedule",
+    "warmup_steps": "train.warmup_steps",
+    "weight_decay": "train.weight_decay",
+    "max_grad_norm": "train.max_grad_norm",
+    "max_steps": "train.steps",
+    "seed": "train.seed",
+    "num_iterations": "train.epochs",
+    "gradient_checkpointing": "train.gradient_checkpointing",
+    "mask_truncated_completions": "train.overlong_filter",
+    "eval_steps": "eval.every",
+    "output_dir": "output.dir",
+    "save_steps": "output.checkpoint_every",
+    "save_total_limit": "output.keep_checkpoints",
+    "model_name_or_path": "model.name",
+    "lora_r": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.targets",
+}
+
+# TRL names without a single quarl key: what to set instead (said in the unknown-key error).
+TRL_UNMAPPED: dict[str, str] = {
+    "per_device_train_batch_size": "TRL's per_device_train_batch_size counts completions per device and step; in "
+    "quarl set rollout.prompts_per_step (prompts per step; the batch is prompts_per_step x num_generations) and "
+    "train.micro_batch_size (sequences per forward/backward)",
+    "gradient_accumulation_steps": "TRL's gradient_accumulation_steps has no quarl key: one RL step trains on "
+    "rollout.prompts_per_step x rollout.num_generations answers, in train.micro_batch_size pieces",
+    "generation_batch_size": "set rollout.prompts_per_step (prompts per step) instead of TRL's generation_batch_size",
+    "steps_per_generation": "set train.mini_batch_size (sequences per optimizer step) instead of TRL's "
+    "steps_per_generation",
+    "reward_weights": "reward weights are given to quarl.train(reward_weights=[...]) with the reward functions",
+}
+
+
+def _alias_hint(key: str) -> str | None:
+    """"; did you mean loss.kl_coef (TRL's beta)?" for a TRL name, the explanation for a TRL name without one
+    quarl key, else None."""
+    if key in TRL_ALIASES:
+        return f"; did you mean {TRL_ALIASES[key]} (TRL's {key})?"
+    if key in TRL_UNMAPPED:
+        return f"; {TRL_UNMAPPED[key]}"
+    return None
+
+
+def resolve_aliases(data: dict) -> dict:
+    """A copy of a raw config mapping with TRL names (`TRL_ALIASES`) moved to their quarl keys.
+
+    A TRL name is accepted at the top level or inside its quarl key's section (`loss.beta`); giving both the TRL
+    name and the quarl key with different values is a ConfigError. Other keys are left for the loader to check.
+    """
+    if not isinstance(data, dict):
+        return data
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    moves = []  # (where the alias was written, alias, section, key)
+    for alias, target in TRL_ALIASES.items():
+        section, key = target.split(".")
+        if alias in out and alias not in RUN_SECTIONS:
+            moves.append((alias, out.pop(alias), section, key))
+        node = out.get(section)
+        if isinstance(node, dict) and alias != key and alias in node:
+            moves.append((f"{section}.{alias}", node.pop(alias), section, key))
+    for written, value, section, key in moves:
+        node = out.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{written} sets {section}.{key}, but {section} is a value, not a section")
+        if key in node and node[key] != value:
+            raise ConfigError(f"{written}={value!r} and {section}.{key}={node[key]!r} set the same key (TRL's name "
+                              f"and quarl's); keep one")
+        node[key] = value
+    return out
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'the config'} must be a mapping of keys, got {data!r}")
@@ -382,9 +475,7 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key {full!r}{hint}")
+            raise ConfigError(f"unknown config key {full!r}{_unknown_key_hint(str(key), fields, prefix)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if value is not None and not isinstance(value, dict):
@@ -393,6 +484,20 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         else:
             kwargs[key] = _coerce(value, tp, full)
     return cls(**kwargs)
+
+
+def _unknown_key_hint(key: str, fields: dict, prefix: str) -> str:
+    """The tail of the unknown-key error: a close quarl key, the quarl key of a TRL name, or the valid keys."""
+    hint = _alias_hint(key)
+    if hint is not None:
+        return hint
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    close = difflib.get_close_matches(key, list(TRL_ALIASES), n=1)
+    if close:
+        return _alias_hint(close[0])
+    return f"; valid keys: {', '.join(fields)}"
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
@@ -427,6 +532,10 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def config_from_dict(data: dict) -> RunConfig:
+    """Build and validate a RunConfig from a nested mapping (TRL names accepted, see `resolve_aliases`)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping of sections (model:, train:, ...), got {_kind(data)}")
+    data = resolve_aliases(data)
     if isinstance(data.get("precision"), dict) and "lora" in data["precision"]:
         raise ConfigError("LoRA settings go in the top-level `lora:` section (lora.rank=...), not under precision")
     return _build(RunConfig, data, "").validate()
@@ -438,25 +547,30 @@ def _kind(value: Any) -> str:
     return names.get(type(value), f"a {type(value).__name__}")
 
 
+def read_config_file(path: str | Path) -> dict:
+    """The raw mapping of a YAML config file (not yet checked against RunConfig). Raises ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if data is None:  # an empty file: all defaults
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...), got "
+                          f"{_kind(data)}")
+    return data
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (None = all defaults), apply dotted overrides, validate. Raises ConfigError."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-        if data is None:  # an empty file: all defaults
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...), got "
-                              f"{_kind(data)}")
-    data = _merge(data, parse_overrides(overrides or []))
+    data = read_config_file(path) if path is not None else {}
+    # TRL names resolve in each source apart, so that an override wins over the file's value of the same key
+    data = _merge(resolve_aliases(data), resolve_aliases(parse_overrides(overrides or [])))
     return config_from_dict(data)
 
 
@@ -472,4 +586,34 @@ def config_to_dict(cfg: RunConfig) -> dict:
 
     data = plain(dataclasses.asdict(cfg))
     data["precision"].pop("lora", None)  # stored at the top level
+    return data
+
+
+def effective_config_dict(cfg: RunConfig) -> dict:
+    """`config_to_dict(cfg)` with the values left unset (null) filled in as validate() and the trainer resolve them:
+
+    precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, lora.alpha (= rank),
+    loss.aggregation (by loss_type), loss.epsilon_high (0.28 for dapo, else epsilon_low), loss.max_new_tokens and
+    eval.max_new_tokens (= rollout.max_new_tokens), train.mini_batch_size (= the step's batch) and data.eval (= the
+    train source, whose held-out split is used). Values that depend on the machine (model.device, rollout.engine,
+    precision.compute_dtype "auto") and on the data (data.gold_format, detected from the answers) stay as given.
+
+    Args:
+        cfg: a validated RunConfig.
+    Returns:
+        a plain nested dict (what `quarl config` prints).
+    """
+    data = config_to_dict(cfg)
+    p, loss = cfg.precision, cfg.loss
+    data["precision"]["format"] = p.resolved_format or "bf16"
+    data["precision"]["weight_only"] = p.resolved_weight_only if p.flow != "bf16" else False
+    data["lora"]["alpha"] = cfg.lora.alpha if cfg.lora.alpha is not None else float(cfg.lora.rank)
+    data["loss"]["aggregation"] = loss.resolved_aggregation
+    data["loss"]["epsilon_high"] = loss.resolved_epsilon_high
+    data["loss"]["max_new_tokens"] = loss.max_new_tokens or cfg.rollout.max_new_tokens
+    data["eval"]["max_new_tokens"] = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.num_generations
+    data["train"]["mini_batch_size"] = cfg.train.mini_batch_size or batch
+    if cfg.data.eval is None:
+        data["data"]["eval"] = cfg.data.train
     return data

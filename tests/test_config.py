@@ -106,7 +106,10 @@ def test_config_reference_doc_matches_the_code_and_explains_every_key():
     text = config_reference()
     doc = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
     assert doc.read_text() == text, "docs/CONFIG.md is stale: run `quarl config --reference > docs/CONFIG.md`"
-    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    keys, trl = text.split("## TRL names")
+    rows = [line for line in keys.splitlines() if line.startswith("| `")]
+    # every TRL name listed sets a key of the reference
+    assert {row.split("`")[3] for row in trl.splitlines() if row.startswith("| `")} <= {r.split("`")[1] for r in rows}
     flat = {f"{section}.{key}" for section, values in config_to_dict(RunConfig()).items()
             if isinstance(values, dict) for key in values}
     assert {row.split("`")[1] for row in rows} == flat | {"resume"}

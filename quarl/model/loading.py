@@ -272,8 +272,24 @@ def load_hf_directory(directory: str, device, dtype, bar=None) -> QuarlForCausal
     config = config_from_file(config_path)
     files = _safetensors_files(directory)
     model = build_empty_model(config, device, dtype)
+    if bar is not None and not bar.disable:
+        bar.reset(total=_tensor_count(files))
     load_weights(model, _counted(_safetensors_tensors(files), bar), directory)
     return model
+
+
+def _tensor_count(files: list[str]) -> int | None:
+    """Tensors in safetensors files, from their headers (None when one cannot be read: loading then says why)."""
+    from safetensors import safe_open
+
+    try:
+        count = 0
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                count += len(f.keys())
+        return count
+    except Exception:
+        return None
 
 
 def config_from_file(config_path: str) -> ModelConfig:
@@ -395,9 +411,11 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
     with _tensor_bar(progress, os.path.basename(path.rstrip("/"))) as bar:
         if kind == "gguf":
             model = load_gguf(path, device, dtype, bar=bar)
+            bar.set_description_str("reading the tokenizer from the GGUF file")  # ~10 s for SmolLM2 on a CPU
             tokenizer = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
         else:
             model = load_hf_directory(path, device, dtype, bar=bar)
+            bar.set_description_str("reading the tokenizer")
             tokenizer = load_tokenizer(path)
     check_finite(model, path)
     params = sum(p.numel() for p in model.parameters())

@@ -203,7 +203,11 @@ class GracefulInterrupt:
 class Trainer:
     """Owns the model, the rollout engine, the optimizer and the run directory of one training run."""
 
-    def __init__(self, cfg: RunConfig, model=None, tokenizer=None):
+    def __init__(self, cfg: RunConfig, model=None, tokenizer=None, *, reward_fns=None, reward_weights=None,
+                 dataset=None, eval_dataset=None):
+        """cfg: a validated RunConfig; model / tokenizer: an already loaded model (else cfg.model.name is loaded).
+        reward_fns, reward_weights, dataset, eval_dataset: Python callables and data in place of the config's
+        reward and data sources (see `quarl.tasks.task.load_task` and `quarl.train`)."""
         from quarl.model.loading import load_model
 
         self.cfg = cfg
@@ -212,7 +216,8 @@ class Trainer:
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
         if cfg.reward.function:  # user code: say so before importing and trying it on one example
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
-        self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed)
+        self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed, reward_fns=reward_fns,
+                                        reward_weights=reward_weights, dataset=dataset, eval_dataset=eval_dataset)
         if cfg.reward.function:
             print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
@@ -222,6 +227,7 @@ class Trainer:
                 gguf_file=cfg.model.gguf_file, revision=cfg.model.revision,
             )
         self.model, self.tokenizer = model.to(device=self.device, dtype=self.dtype), tokenizer
+        self.model.set_fast_paths(cfg.fast_paths)  # the training forward's and the answer log-probs' paths
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
         self.quantized_linears = apply_precision(self.model, cfg.precision)
@@ -229,7 +235,6 @@ class Trainer:
         if cfg.precision.kv_cache != "auto" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
             for module in self.model.modules():
-        self.model.set_fast_paths(cfg.fast_paths)  # the training forward's and the answer log-probs' paths
                 if isinstance(module, Attention):
                     module.kv_quant = cfg.precision.kv_cache
         self.reference = None
@@ -272,6 +277,7 @@ class Trainer:
         """
         run_dir = self.run_dir
         check_output_dir(run_dir)
+        print(f"[quarl] run directory: {run_dir}", flush=True)
         if not self.cfg.resume and run_dir.is_dir() and any(run_dir.iterdir()):
             if not is_run_dir(run_dir):
                 raise RunDirError(
@@ -355,8 +361,14 @@ class Trainer:
                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                 stop=list(r.stop) or None, seed=tr.seed * 1_000_003 + step * 101 + attempt,
             )
-            for ex, out in zip(batch, outs):
-                scores = torch.tensor([self.task.reward(c.text, ex) for c in out.completions])
+            # every answer of the round in one call: user reward functions may score a batch at once
+            flat = self.task.rewards([c.text for out in outs for c in out.completions],
+                                     [ex for ex, out in zip(batch, outs) for _ in out.completions])
+            offsets = [0]
+            for out in outs:
+                offsets.append(offsets[-1] + len(out.completions))
+            for i, (ex, out) in enumerate(zip(batch, outs)):
+                scores = torch.tensor(flat[offsets[i] : offsets[i + 1]], dtype=torch.float32)
                 tokens += sum(len(c.token_ids) for c in out.completions)
                 sampled_groups += 1
                 if not bool(torch.isfinite(scores).all()):
@@ -761,9 +773,12 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         """Save after `step` completed steps (never non-finite weights), keeping output.keep_checkpoints."""
+        from tqdm import tqdm
+
         self.check_weights_finite(step, doing="at the checkpoint")
-        save_checkpoint(self.run_dir, step, self.model, self.optimizer, keep=self.cfg.output.keep_checkpoints,
-                        nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
+        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, keep=self.cfg.output.keep_checkpoints,
+                               nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
+        tqdm.write(f"[quarl] step {step}: checkpoint saved to {path}")  # above the progress bar, not through it
 
 
 def _fmt(metrics: dict) -> str:

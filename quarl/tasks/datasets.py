@@ -62,11 +62,21 @@ class Example:
     gold: str
     gold_format: str = "plain"
     meta: dict[str, Any] = field(default_factory=dict)
+    # conversational records: the prompt's chat messages as given (system turn included); `prompt` is the last
+    # user turn, the one data.prompt_template wraps. None for plain-text prompts.
+    messages: list[dict[str, Any]] | None = None
+    # the record's fields other than the prompt, as given (reward functions get them as TRL's columns); None for
+    # examples not read from records (e.g. the arithmetic task): then {"answer": gold, **meta}
+    columns: dict[str, Any] | None = None
+
+    def reward_columns(self) -> dict[str, Any]:
+        """The dataset columns a reward function receives for this example (TRL's `**kwargs`)."""
+        return dict(self.columns) if self.columns is not None else {"answer": self.gold, **self.meta}
 
 
 def load_examples(source: str, split: str = "train", *, prompt_field: str | None = None,
                   answer_field: str | None = None, gold_format: str | None = None, limit: int | None = None,
-                  data_dir: str | None = None) -> list[Example]:
+                  data_dir: str | None = None, math_answers: bool = True) -> list[Example]:
     """Load question/answer examples (see the module docstring for the accepted sources).
 
     Args:
@@ -79,6 +89,8 @@ def load_examples(source: str, split: str = "train", *, prompt_field: str | None
             ("####" -> gsm8k, a plain number -> plain, anything else -> boxed).
         limit: keep the first `limit` examples.
         data_dir: folder holding gsm8k/, math500/, aime24/; default $QUARL_DATA_DIR.
+        math_answers: False when user reward functions score the answers: the answer field may then be missing
+            and is not checked against the gold format.
     Raises:
         ValueError for unknown sources/splits/formats and for missing fields (listing the available fields);
         FileNotFoundError for missing files; RuntimeError when a hub dataset cannot be loaded.
@@ -91,7 +103,8 @@ def load_examples(source: str, split: str = "train", *, prompt_field: str | None
         raise ValueError(f"source must be a non-empty string; got {source!r}")
 
     if source.lower() in BENCHMARKS:
-        return _load_benchmark(source.lower(), split, prompt_field, answer_field, gold_format, limit, data_dir)
+        return _load_benchmark(source.lower(), split, prompt_field, answer_field, gold_format, limit, data_dir,
+                               math_answers)
     path = os.path.expanduser(source)
     if os.path.exists(path) or path.lower().endswith((".jsonl", ".json", ".parquet")):
         if os.path.isdir(path):
@@ -101,17 +114,18 @@ def load_examples(source: str, split: str = "train", *, prompt_field: str | None
         records = _read_file(path)
         name = os.path.splitext(os.path.basename(path))[0]
         return _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field=None,
-                            where=path)
+                            where=path, math_answers=math_answers)
     if _HUB_ID.match(source):
         records = _read_hub(source, split, limit)
         name = source.replace("/", "-").replace(":", "-")
         return _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field=None,
-                            where=f"hub dataset {source} (split {split})")
+                            where=f"hub dataset {source} (split {split})", math_answers=math_answers)
     raise ValueError(f"dataset source {source!r} is not a benchmark name {tuple(BENCHMARKS)}, an existing "
                      ".jsonl/.json/.parquet file, or a hub id like 'org/name'")
 
 
-def _load_benchmark(name, split, prompt_field, answer_field, gold_format, limit, data_dir) -> list[Example]:
+def _load_benchmark(name, split, prompt_field, answer_field, gold_format, limit, data_dir,
+                    math_answers=True) -> list[Example]:
     folder, splits, p_field, a_field, fmt, id_field = BENCHMARKS[name]
     if split not in splits:
         raise ValueError(f"{name} has the split(s) {splits}; got split={split!r}")
@@ -133,7 +147,51 @@ def _load_benchmark(name, split, prompt_field, answer_field, gold_format, limit,
         warnings.warn(msg, stacklevel=3)
         logger.warning(msg)
     return _to_examples(records, f"{name}-{split}", prompt_field or p_field, answer_field or a_field,
-                        gold_format or fmt, limit, id_field=id_field, where=origin)
+                        gold_format or fmt, limit, id_field=id_field, where=origin, math_answers=math_answers)
+
+
+def examples_from(data: Any, split: str = "train", *, prompt_field: str | None = None,
+                  answer_field: str | None = None, gold_format: str | None = None, limit: int | None = None,
+                  data_dir: str | None = None, math_answers: bool = True, what: str = "dataset") -> list[Example]:
+    """Examples of a dataset given in Python: a `datasets.Dataset` (or anything with `to_list()`), a pandas
+    DataFrame, a list of dicts, a dict of equal-length columns, or a str / os.PathLike source for `load_examples`
+    (file, benchmark name, hub id). The other arguments are `load_examples`'s; `what` names the argument in errors.
+
+    Raises ValueError (one line) for anything else, an empty dataset, records that are not dicts, a DatasetDict
+    (pick a split) and the `load_examples` errors (e.g. no prompt column).
+    """
+    fields = dict(prompt_field=prompt_field, answer_field=answer_field, gold_format=gold_format, limit=limit)
+    if isinstance(data, (str, os.PathLike)):
+        return load_examples(os.fspath(data), split, data_dir=data_dir, math_answers=math_answers, **fields)
+    if isinstance(data, dict):
+        if data and all(hasattr(v, "column_names") for v in data.values()):  # datasets.DatasetDict
+            raise ValueError(f"{what} is a DatasetDict with the splits {sorted(data)}; pass one split, e.g. "
+                             f"{what}=ds[{sorted(data)[0]!r}]")
+        if not data or not all(isinstance(v, (list, tuple)) for v in data.values()):
+            raise ValueError(f"{what} is a dict: give columns of equal-length lists ({{'prompt': [...], "
+                             "'answer': [...]}), or a list of records")
+        n = len(next(iter(data.values())))
+        if any(len(v) != n for v in data.values()):
+            raise ValueError(f"{what}: the columns have different lengths "
+                             f"{ {k: len(v) for k, v in data.items()} }; give equal-length lists")
+        records = [{k: v[i] for k, v in data.items()} for i in range(n)]
+    elif hasattr(data, "to_list") and hasattr(data, "column_names"):  # datasets.Dataset
+        records = data.to_list()
+    elif hasattr(data, "to_dict") and hasattr(data, "columns"):  # pandas.DataFrame
+        records = [{k: _plain(v) for k, v in r.items()} for r in data.to_dict(orient="records")]
+    elif isinstance(data, (list, tuple)):
+        records = list(data)
+    else:
+        raise ValueError(f"{what} is a {type(data).__name__}; give a datasets.Dataset, a list of dicts (one per "
+                         "example, e.g. {'prompt': ..., 'answer': ...}), or a .jsonl/.json/.parquet path")
+    if not records:
+        raise ValueError(f"{what} is empty; give at least one example")
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{what}: record {bad} is a {type(records[bad]).__name__}; every record must be a dict "
+                         "such as {'prompt': ..., 'answer': ...}")
+    return _to_examples(records, what, prompt_field, answer_field, gold_format, limit, id_field=None,
+                        where=what, math_answers=math_answers)
 
 
 class _Records(list):
@@ -240,17 +298,24 @@ def _detect(records: list[dict], given: str | None, candidates: tuple[str, ...],
         if name in records[0]:
             return name
     raise ValueError(f"could not find the {role} field (tried {candidates}); available fields: {available}; "
-                     f"pass {arg}=")
+                     f"pass {arg}= (data.{arg} in a run config) naming it")
 
 
-def _prompt_text(value: Any, index: int | str, field_name: str) -> str:
+def _prompt_text(value: Any, index: int | str, field_name: str) -> tuple[str, list[dict] | None]:
+    """(the question text, the chat messages or None). Conversational records (TRL style: a list of
+    {"role": ..., "content": ...}) keep every message (system turn included); the question is the last user turn."""
     if isinstance(value, str):
-        return value
-    # conversational records (TRL style): [{"role": "user", "content": ...}, ...] -> the last user turn
+        return value, None
     if isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value):
-        users = [m["content"] for m in value if m.get("role", "user") == "user"]
-        if users and isinstance(users[-1], str):
-            return users[-1]
+        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in value]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise ValueError(f"{_label(index)}: the chat messages of field {field_name!r} have no user turn (roles: "
+                             f"{[m['role'] for m in messages]}); add the question as a 'user' message")
+        if not all(isinstance(m["content"], str) for m in messages):
+            raise ValueError(f"{_label(index)}: every chat message of field {field_name!r} needs a string "
+                             "'content'")
+        return messages[users[-1]]["content"], messages
     raise ValueError(f"{_label(index)}: field {field_name!r} must be a string (or a list of chat messages); "
                      f"got {type(value).__name__}")
 
@@ -291,9 +356,10 @@ def detect_gold_format(answer: str) -> str:
 
 
 def _to_examples(records, name, prompt_field, answer_field, gold_format, limit, id_field,
-                 where: str | None = None) -> list[Example]:
+                 where: str | None = None, math_answers: bool = True) -> list[Example]:
     """Examples of the records. `where` (the file or dataset) is named in errors, with the JSONL line number of
-    the record (or its 0-based index in other sources)."""
+    the record (or its 0-based index in other sources). math_answers=False (user reward functions score the
+    answers): the answer field may be missing (gold "") and its values are not checked for a numeric gold format."""
     lines = getattr(records, "lines", None)
     where = where or name
     if limit is not None:
@@ -301,20 +367,31 @@ def _to_examples(records, name, prompt_field, answer_field, gold_format, limit, 
     if not records:
         return []
     p_field = _detect(records, prompt_field, PROMPT_FIELDS, "prompt (question)", "prompt_field")
-    a_field = _detect(records, answer_field, ANSWER_FIELDS, "answer", "answer_field")
+    if math_answers or answer_field is not None:
+        a_field = _detect(records, answer_field, ANSWER_FIELDS, "answer", "answer_field")
+    else:
+        a_field = next((f for f in ANSWER_FIELDS if f in records[0]), None)
     if id_field is None:
         id_field = next((f for f in ID_FIELDS if f in records[0] and f not in (p_field, a_field)), None)
     examples = []
     for i, record in enumerate(records):
-        missing = [f for f in (p_field, a_field) if f not in record]
+        if not isinstance(record, dict):
+            raise ValueError(f"record {i} of {where} is a {type(record).__name__}; every record must be a mapping "
+                             "of field names to values (a dict)")
+        missing = [f for f in (p_field, a_field) if f is not None and f not in record]
         if missing:
             raise ValueError(f"record {i} of {name} lacks field(s) {missing}; its fields: {sorted(record)}")
         label = f"{where}, " + (f"line {lines[i]}" if lines else f"record {i}")
-        raw_answer = _answer_text(record[a_field], label, a_field)
+        prompt, messages = _prompt_text(record[p_field], label, p_field)
+        columns = {k: v for k, v in record.items() if k != p_field}
+        value = record[a_field] if a_field is not None else None
+        if not math_answers and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+            value = None  # no gold answer to read: user rewards read the columns themselves
+        raw_answer = _answer_text(value, label, a_field) if value is not None or math_answers else ""
         fmt = gold_format or detect_gold_format(raw_answer)
         # GSM8K golds are stored as the final number; the worked solution stays in meta.
         gold = extract_gsm8k_gold(raw_answer) if fmt == "gsm8k" and "####" in raw_answer else raw_answer
-        if not is_numeric_gold(gold, fmt):
+        if math_answers and not is_numeric_gold(gold, fmt):
             shown = repr(raw_answer) if len(raw_answer) <= 60 else repr("..." + raw_answer[-57:])
             final = f" (final answer {gold!r})" if gold != raw_answer else ""
             need = "a number after '####'" if fmt == "gsm8k" else "a number or a numeric expression"
@@ -327,6 +404,6 @@ def _to_examples(records, name, prompt_field, answer_field, gold_format, limit, 
         if gold != raw_answer:
             meta["solution"] = raw_answer
         ex_id = str(record[id_field]) if id_field and record.get(id_field) is not None else f"{name}-{i}"
-        examples.append(Example(id=ex_id, prompt=_prompt_text(record[p_field], label, p_field), gold=gold,
-                                gold_format=fmt, meta=meta))
+        examples.append(Example(id=ex_id, prompt=prompt, gold=gold, gold_format=fmt, meta=meta, messages=messages,
+                                columns=columns))
     return examples

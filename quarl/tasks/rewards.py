@@ -355,3 +355,132 @@ def validate_reward_function(spec: str | Callable[[str, dict], float], example: 
                                   f"{_raised_at(e)} on the completion {_one_line(repr(completion), 60)} ({where})"
                                   ) from e
     return fn
+
+
+# ------------------------------------------------------------------------------------------------ Python callables
+# Reward functions given in Python (quarl.train(reward_fns=...)) use TRL's signature:
+#     fn(completions: list[str], prompts: list, **columns) -> list[float | None]
+# called with keywords, once per batch of completions; `columns` are the dataset's other columns as lists aligned
+# with the completions. A callable whose `batched` attribute is False (see `per_sample`) is called once per
+# completion instead: fn(completion: str, prompt, **columns) -> float | None. None means "does not apply to this
+# completion" (as in TRL): it adds nothing to the weighted sum.
+
+RESERVED_ARGS = ("completions", "prompts", "completion", "prompt")
+
+
+def per_sample(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a reward function that scores one completion per call: `fn(completion: str, prompt, **columns) ->
+    float`. Use as a decorator (`@quarl.per_sample`) or a wrapper (`quarl.per_sample(fn)`); the returned callable has
+    `batched = False`, which is how quarl tells it from a batched (TRL-style) function."""
+    if not callable(fn):
+        raise TypeError(f"per_sample takes a function, got a {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    wrapper.batched = False
+    return wrapper
+
+
+def reward_name(fn: Any) -> str:
+    """A readable name of a reward callable for messages and metrics."""
+    inner = getattr(fn, "__wrapped__", fn)
+    return getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None) or type(inner).__name__
+
+
+class RewardFunctions:
+    """A weighted sum of user reward callables (TRL's signature, or `per_sample` ones): `self(completions, prompts,
+    columns)` -> one float per completion.
+
+    Args:
+        fns: a callable or a list of them.
+        weights: one finite number per function (default 1.0 each).
+    Raises ValueError (one line) for an empty list, a non-callable, weights of the wrong number or kind, and a
+    signature that cannot take the keywords it will be called with.
+    """
+
+    def __init__(self, fns: Callable | list[Callable], weights: list[float] | None = None):
+        fns = [fns] if callable(fns) else fns
+        if not isinstance(fns, (list, tuple)) or not fns:
+            raise ValueError(f"reward_fns must be a callable or a non-empty list of callables, got {fns!r}")
+        for i, fn in enumerate(fns):
+            if not callable(fn):
+                hint = ("; in Python pass the function itself (a 'module:function' string is for the YAML key "
+                        "reward.function)") if isinstance(fn, str) else ""
+                raise ValueError(f"reward_fns[{i}] is a {type(fn).__name__}, not a function{hint}")
+        if weights is None:
+            weights = [1.0] * len(fns)
+        if not isinstance(weights, (list, tuple)) or len(weights) != len(fns):
+            raise ValueError(f"reward_weights must be a list with one weight per reward function ({len(fns)}), got "
+                             f"{weights!r}")
+        for i, w in enumerate(weights):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or abs(w) == float("inf"):
+                raise ValueError(f"reward_weights[{i}]={w!r} must be a finite number")
+        self.fns = list(fns)
+        self.weights = [float(w) for w in weights]
+        self.names = [reward_name(fn) for fn in self.fns]
+
+    @staticmethod
+    def batched(fn: Any) -> bool:
+        return getattr(fn, "batched", True) is not False
+
+    def check_signatures(self, column_names: list[str]) -> None:
+        """RewardTypeError when a function cannot be called with its keywords and these dataset columns."""
+        clash = [c for c in column_names if c in RESERVED_ARGS]
+        if clash:
+            raise ValueError(f"the dataset column(s) {clash} clash with the reward function arguments "
+                             f"{RESERVED_ARGS[:2]}; rename the column(s)")
+        sample = {c: None for c in column_names}
+        for fn, name in zip(self.fns, self.names):
+            args = dict(completion="", prompt="") if not self.batched(fn) else dict(completions=[], prompts=[])
+            try:
+                inspect.signature(fn).bind(**args, **sample)
+            except TypeError:
+                kind = "per-sample" if not self.batched(fn) else "batched (TRL-style)"
+                raise RewardTypeError(
+                    f"reward function {name!r} ({kind}) is called as {name}({', '.join(f'{k}=' for k in args)}, "
+                    f"**columns) with the columns {column_names}, but its signature is "
+                    f"{name}{inspect.signature(fn)}; add **kwargs to take the columns it does not use") from None
+            except ValueError:
+                pass  # builtins without a signature: trust the caller
+
+    def _call(self, fn, name: str, completions: list[str], prompts: list, columns: dict[str, list]) -> list:
+        """One function's values (float or None) for every completion, checked."""
+        n = len(completions)
+        code_file = getattr(getattr(getattr(fn, "__wrapped__", fn), "__code__", None), "co_filename", None)
+        try:
+            if self.batched(fn):
+                values = fn(completions=completions, prompts=prompts, **columns)
+            else:
+                values = [fn(completion=c, prompt=p, **{k: v[i] for k, v in columns.items()})
+                          for i, (c, p) in enumerate(zip(completions, prompts))]
+        except RewardFunctionError:
+            raise
+        except Exception as e:  # the user's bug: one line, where it happened (the traceback stays chained)
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {_one_line(e)}"
+                                      f"{_raised_at(e, code_file)}; it must return a score for any completion"
+                                      ) from e
+        if self.batched(fn):
+            if hasattr(values, "tolist") and not isinstance(values, (str, bytes)):
+                values = values.tolist()  # numpy arrays, tensors
+            if not isinstance(values, (list, tuple)):
+                raise RewardTypeError(
+                    f"reward function {name!r} returned {_one_line(repr(values), 60)} (a {type(values).__name__}), "
+                    "not a list of one score per completion; a function that scores a single completion must be "
+                    "wrapped with quarl.per_sample")
+            if len(values) != n:
+                raise RewardTypeError(f"reward function {name!r} returned {len(values)} values for {n} completions; "
+                                      "it must return one per completion, in order")
+        return [None if v is None else _as_number(v, name) for v in values]
+
+    def __call__(self, completions: list[str], prompts: list, columns: list[dict[str, Any]]) -> list[float]:
+        """The weighted sum per completion; `columns` holds one dict of dataset columns per completion."""
+        keys = list(dict.fromkeys(k for c in columns for k in c))
+        by_column = {k: [c.get(k) for c in columns] for k in keys}
+        total = [0.0] * len(completions)
+        for fn, name, w in zip(self.fns, self.names, self.weights):
+            for i, v in enumerate(self._call(fn, name, completions, prompts, by_column)):
+                if v is not None:
+                    total[i] += w * v
+        return total
