@@ -17,7 +17,7 @@ from dataclasses import dataclass
 class AlarmConfig:
     """`alarms.*` config keys: thresholds per metric (0 = that alarm off) and the steps a drift must last."""
 
-    enabled: bool = True
+    enabled: bool = True  # false: no mismatch alarm at all
     kl: float = 0.01  # mismatch/kl (k1 KL(μ‖π_prox) per token); QuRL's collapse began near 0.01-0.025
     truncated_frac: float = 0.1  # is/truncated_frac: share of tokens whose weight was truncated (ρ > is_cap)
     masked_frac: float = 0.3  # is/masked_frac: share of tokens a rejecting correction dropped

@@ -294,25 +294,25 @@ class LossConfig:
     max_new_tokens: int | None = None  # needed by the dr_grpo aggregation
     # token: R_t = π_θ/π_old per token | sequence (GSPO): s_i = exp(mean_t log R_t) on every token of answer i
     importance_sampling_level: str = "token"
-    # dual clip c > 1 for A < 0: per-token objective max(min(R·A, clip(R)·A), c·A); None -> the correction's
-    # default (3.0 for tbpo, off otherwise); 0 -> off
+    # dual clip c > 1: for A < 0 the objective is max(min(R·A, clip(R)·A), c·A); null = 3 for tbpo, else off; 0 = off
     dual_clip: float | None = None
-    # geo_mask / seq_mask_tis: keep answers whose geometric-mean ρ lies in [geo_low, geo_high] (verl: 1/1.001, 1.001)
-    geo_low: float | None = None  # None -> 1/geo_high
+    # geo_mask / seq_mask_tis: lower bound on an answer's geometric-mean ρ; null -> 1/geo_high
+    geo_low: float | None = None
+    # geo_mask / seq_mask_tis: upper bound on an answer's geometric-mean ρ (verl's geometric rejection: 1.001)
     geo_high: float = 1.001
-    # icepop: token weight ρ on [icepop_low, icepop_high], 0 outside (IcePop's α = 0.5, β = 5)
+    # icepop: token weight ρ where icepop_low <= ρ <= icepop_high, 0 outside (IcePop's α = 0.5)
     icepop_low: float = 0.5
-    icepop_high: float = 5.0
+    icepop_high: float = 5.0  # icepop: upper bound of the accepted ρ band (IcePop's β = 5)
     tbpo_band: float = 1.05  # tbpo: keep answers whose geometric-mean ρ lies in [1/band, band]; weight = that mean
-    # error-token guard (quarl.rl.error_tokens): off (metrics only) | mask (flagged answers get loss weight 0) |
-    # drop (flagged answers leave the batch)
-    error_token_guard: str | bool = "off"  # YAML 1.1 reads a bare `off` as false: __post_init__ maps it back
+    # off (error/* metrics only) | mask (flagged answers get loss weight 0) | drop (flagged answers leave the batch)
+    error_token_guard: str | bool = "off"
     error_loop_max_ngram: int = 16  # loops of n-grams with 1 <= n <= this are detected
     error_loop_min_repeats: int = 4  # ... repeated back to back at least this many times
     error_loop_min_tokens: int = 16  # ... covering at least this many tokens
     error_max_abs_log_ratio: float = 6.0  # a token with |log μ − log π_prox| above this flags its answer (0 = off)
 
     def __post_init__(self):
+        # YAML 1.1 reads a bare `off` as false (hence the str | bool type of error_token_guard): map it back
         if self.error_token_guard is False:
             self.error_token_guard = "off"
 
