@@ -189,7 +189,7 @@ def load_task(data_cfg, reward_cfg, tokenizer=None, seed: int = 0, *, reward_fns
     user_fns = RewardFunctions(reward_fns, reward_weights) if reward_fns is not None else None
     if user_fns is None and reward_weights is not None:
         raise ValueError("reward_weights were given without reward_fns; pass the functions they weigh")
-    math_answers = user_fns is None  # reward.function users get the gold answers checked as before
+    math_answers = user_fns is None  # reward.function reads ex.gold: its answers are checked as for math_reward
     fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, gold_format=d.gold_format,
                   data_dir=d.data_dir, math_answers=math_answers)
     held_out = None
