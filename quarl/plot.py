@@ -95,6 +95,7 @@ def _draw(ax, panel: Panel, records: list[dict]) -> bool:
             heights = [values.get(s, 0.0) for s in steps]
             ax.bar(steps, heights, bottom=bottom, width=0.8, label=labels[key])
             bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_ylim(0, max(bottom) * 1.35 or 1.0)  # headroom for the legend above the bars
     else:
         for i, (key, pts) in enumerate(series.items()):
             xs, ys = zip(*pts)
@@ -135,7 +136,8 @@ def _draw(ax, panel: Panel, records: list[dict]) -> bool:
     ax.set_ylabel(panel.ylabel)
     ax.grid(alpha=0.3)
     if len(ax.get_legend_handles_labels()[0]) > 1 or panel.labels:
-        ax.legend(fontsize=8, loc="best", framealpha=0.8)
+        ax.legend(fontsize=8, loc="upper center" if panel.stacked else "best", framealpha=0.8,
+                  ncol=min(4, len(series)) if panel.stacked else 1)
     return True
 
 
