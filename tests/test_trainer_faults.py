@@ -404,10 +404,11 @@ def test_quarl_export_passes_overwrite(tmp_path, monkeypatch, capsys, flag):
 
     seen = {}
 
-    def fake_export(run_dir, out_dir=None, overwrite=False):
-        seen.update(run_dir=run_dir, out_dir=out_dir, overwrite=overwrite)
+    def fake_export(run_dir, out_dir=None, overwrite=False, dtype=None, verbose=True):
+        seen.update(run_dir=run_dir, out_dir=out_dir, overwrite=overwrite, dtype=dtype, verbose=verbose)
         return tmp_path / "export"
 
     monkeypatch.setattr(quarl.export, "export_from_run", fake_export)
     assert main(["export", str(tmp_path), *flag]) == 0
-    assert seen == {"run_dir": str(tmp_path), "out_dir": None, "overwrite": bool(flag)}
+    assert seen == {"run_dir": str(tmp_path), "out_dir": None, "overwrite": bool(flag), "dtype": "bfloat16",
+                    "verbose": True}
