@@ -89,3 +89,50 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty:
     start = max_new_tokens - buffer
     excess = (lengths.to(torch.float32) - start).clamp(min=0.0, max=float(buffer))
     return -excess / buffer * float(penalty)
+
+
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95,
+                   whiten: bool = True) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al.) over each answer's counted tokens, for PPO with a critic.
+
+    Over the counted tokens k = 1..n of an answer (positions where `mask` is set, in order):
+    δ_k = r_k + γ·V_{k+1} − V_k (V_{n+1} = 0: the answer ends), A_k = Σ_{l≥0} (γλ)^l δ_{k+l}, returns G_k = A_k + V_k.
+    Masked positions are skipped (the recursion carries across them), so padding and answers of any length in
+    one [B, T] layout are handled alike; they get advantage and return 0.
+
+    Args:
+        rewards: [B, T] float, per-token rewards (an outcome reward sits on the answer's last token; a KL
+            penalty, if any, on every token).
+        values: [B, T] float, V(s_t) of the critic, no grad needed (detached here).
+        mask: [B, T] bool or 0/1 float, 1 = a counted answer token.
+        gamma, lam: discount γ and GAE λ, each in [0, 1] (LLM RL uses γ = 1; verl's default λ = 0.95).
+        whiten: normalise the advantages to mean 0 / std 1 over the counted tokens (the returns are not).
+    Returns:
+        (advantages [B, T], returns [B, T]) in float32, or float64 for float64 inputs; 0 outside the mask.
+    """
+    if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(f"rewards, values and mask must share one [B, T] shape; got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
+    for name, v in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name}={v} must lie in [0, 1] (LLM RL: gamma 1.0, lam 0.95)")
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
+    r, v = rewards.detach().to(dtype), values.detach().to(dtype)
+    m = (mask.bool() if mask.dtype == torch.bool else mask != 0)
+    mf = m.to(dtype)
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros_like(r[:, 0])
+    last = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        # at a masked position nothing changes: the recursion continues with the next counted token
+        last = mf[:, t] * (delta + gamma * lam * last) + (1 - mf[:, t]) * last
+        next_v = mf[:, t] * v[:, t] + (1 - mf[:, t]) * next_v
+        adv[:, t] = last
+    adv = torch.where(m, adv, torch.zeros_like(adv))
+    returns = torch.where(m, adv + v, torch.zeros_like(adv))
+    if whiten and bool(m.any()):
+        sel = adv[m]
+        std = sel.std(unbiased=False) if sel.numel() > 1 else torch.ones((), dtype=dtype)
+        adv = torch.where(m, (adv - sel.mean()) / (std + _STD_EPS), torch.zeros_like(adv))
+    return adv, returns
