@@ -56,6 +56,16 @@ SETTINGS: dict[str, list[str]] = {
     "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],
+    # the corrections beyond TIS (docs/CORRECTIONS.md) on the split flow's default format. GSPO's sequence ratio
+    # pi_theta/pi_old and TBPO's dual clip act only from a batch's second optimizer step: 4 mini-batches per batch.
+    "split-int8-icepop": ["precision.flow=split", "precision.format=int8", "loss.correction=icepop", FULL_LR],
+    "split-int8-geo-mask": ["precision.flow=split", "precision.format=int8", "loss.correction=geo_mask",
+                            "loss.geo_high=1.02", FULL_LR],
+    "split-int8-ais": ["precision.flow=split", "precision.format=int8", "loss.correction=ais", FULL_LR],
+    "split-int8-tbpo": ["precision.flow=split", "precision.format=int8", "loss.correction=tbpo",
+                        "train.mini_batch_size=32", FULL_LR],
+    "split-int8-gspo-tis": ["precision.flow=split", "precision.format=int8", "loss.importance_sampling_level=sequence",
+                            "train.mini_batch_size=32", FULL_LR],
     "split-nvfp4-tis": ["precision.flow=split", "precision.format=nvfp4", FULL_LR],
     "split-mxfp4-tis": ["precision.flow=split", "precision.format=mxfp4", FULL_LR],
 }

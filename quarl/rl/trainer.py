@@ -25,8 +25,10 @@ import yaml
 
 from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device
+from quarl.fallbacks import reported_fallbacks
 from quarl.model.layers import Attention
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
+from quarl.model.rollout_sync import RolloutSync
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
@@ -253,6 +255,7 @@ class Trainer:
         )
         self.alarms = MismatchAlarms(cfg.alarms, cfg)  # one warning with remedies when the mismatch drifts
         self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
+        self.rollout_sync = RolloutSync(self.model)
         self.task.set_tokenizer(self.tokenizer)
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
@@ -262,6 +265,7 @@ class Trainer:
         self.nonfinite_total = 0
         self.nonfinite_streak = 0
         self.nonfinite_cause: str | None = None
+        self._fallbacks_logged: set[str] = set()  # fallbacks already named in metrics.jsonl
         self._nonfinite_reward_groups = (0, 0)  # (dropped, sampled) groups of the last rollout
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -330,8 +334,10 @@ class Trainer:
 
     def sync(self, step: int) -> float:
         """Re-quantize master weights into the rollout copy (in place) and draw this step's AQN noise."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the last update's kernels are not the sync's time
         t0 = time.perf_counter()
-        refresh_rollout_weights(self.model, only_if_changed=True)  # a LoRA-frozen base is quantized once
+        self.rollout_sync()  # a LoRA-frozen base is quantized once; trained weights every step
         a = self.cfg.aqn
         sigma = aqn_sigma(step, self.cfg.train.steps, a.sigma_start, a.sigma_end, a.stages)
         if a.sigma_start > 0:
@@ -594,6 +600,13 @@ class Trainer:
             print(f"[quarl] step {step + 1}: {self.nonfinite_cause}; {outcome}", file=sys.stderr, flush=True)
         metrics["train/nonfinite_total"] = self.nonfinite_total
 
+    def _report_fallbacks(self, metrics: dict) -> None:
+        """Name, in this step's record, each fast path that fell back since the last record (once per run)."""
+        new = {k: v for k, v in reported_fallbacks().items() if k not in self._fallbacks_logged}
+        if new:
+            self._fallbacks_logged.update(new)
+            metrics["fallbacks"] = new
+
     def step(self, step: int) -> dict:
         t_step = time.perf_counter()
         sigma, sync_s = self.sync(step)
@@ -603,6 +616,10 @@ class Trainer:
         examples, outputs, rewards, sampled_rewards, tokens, attempts = self.rollout(step)
         rollout_s = time.perf_counter() - t0
         metrics = {"time/sync_s": sync_s, "time/rollout_s": rollout_s, "rollout/tokens_per_s": tokens / rollout_s}
+        engine_stats = getattr(self.engine, "last_stats", None) or {}
+        for key in ("graph_captures", "graph_drops"):  # captures every step would mean the graphs read moved buffers
+            if key in engine_stats:
+                metrics[f"rollout/{key}"] = engine_stats[key]
         metrics["aqn/sigma"] = sigma
         metrics["groups/kept"] = len(examples)
         metrics["groups/rollout_rounds"] = attempts
@@ -611,6 +628,7 @@ class Trainer:
         metrics["reward/mean"] = finite.mean().item() if finite.numel() else float("nan")
         if not examples:  # dynamic sampling found no informative group, or every reward was NaN/Inf
             self._nonfinite_report(step, metrics, [], all_dropped=self._nonfinite_reward_groups[0] > 0)
+            self._report_fallbacks(metrics)
             metrics["time/step_s"] = time.perf_counter() - t_step
             return metrics
 
@@ -646,6 +664,7 @@ class Trainer:
         if self.loss_cfg.error_token_guard == "off":  # error/* metrics only
             metrics.update(guard_error_answers(batch, self.loss_cfg, proximal)[-1])
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        self._report_fallbacks(metrics)
         metrics["time/step_s"] = time.perf_counter() - t_step
 
         self.log.samples(step + 1, [
