@@ -34,7 +34,7 @@ def _train(args) -> int:
 def _config(args) -> int:
     import yaml
 
-    from quarl.config import config_to_dict, load_config
+    from quarl.config import effective_config_dict, load_config
 
     if args.reference:
         from quarl.config_reference import config_reference
@@ -45,7 +45,8 @@ def _config(args) -> int:
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)
         config = None
-    print(yaml.safe_dump(config_to_dict(load_config(config, overrides)), sort_keys=False), end="")
+    # The values a run will use: keys left null (format, aggregation, epsilon_high, ...) are printed resolved.
+    print(yaml.safe_dump(effective_config_dict(load_config(config, overrides)), sort_keys=False), end="")
     return 0
 
 
@@ -196,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "resume=RUN_DIR continues a run")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("config", help="print the resolved configuration (validated), or every key with --reference")
+    p = sub.add_parser("config", help="print the effective configuration (validated; null defaults resolved to "
+                                      "the values a run uses), or every key with --reference")
     p.add_argument("config", nargs="?", help="YAML config file (default: the built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for quarl train")
     p.add_argument("--reference", action="store_true", help="print the markdown reference of every key")

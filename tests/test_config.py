@@ -1,11 +1,14 @@
 """Config loading: YAML + dotted overrides, type checks, unknown keys with suggestions, impossible combinations."""
 
+import pathlib
 import re
 import warnings
 
 import pytest
 
-from quarl.config import ConfigError, RunConfig, config_to_dict, load_config, parse_overrides
+import yaml
+
+from quarl.config import ConfigError, RunConfig, config_to_dict, effective_config_dict, load_config, parse_overrides
 
 
 def write(tmp_path, text):
@@ -117,15 +120,27 @@ def test_config_reference_doc_matches_the_code_and_explains_every_key():
     assert not undocumented, f"config keys without a comment in the source: {undocumented}"
 
 
-def test_quarl_config_prints_a_resolved_config_that_loads_back(tmp_path, capsys):
+def test_quarl_config_prints_effective_values_that_load_back(tmp_path, capsys):
     from quarl.cli import main
 
-    assert main(["config", "train.steps=3", "precision.flow=unified"]) == 0
+    overrides = ["train.steps=3", "precision.flow=unified", "rollout.max_new_tokens=40", "rollout.prompts_per_step=2",
+                 "rollout.num_generations=3"]
+    assert main(["config", *overrides]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    # keys left null in the config are printed as the values the run uses
+    assert printed["precision"]["format"] == "fp8-block" and printed["precision"]["weight_only"] is False
+    assert printed["loss"]["aggregation"] == "seq-mean-token-mean" and printed["loss"]["epsilon_high"] == 0.2
+    assert printed["loss"]["max_new_tokens"] == 40 and printed["eval"]["max_new_tokens"] == 40
+    assert printed["train"]["mini_batch_size"] == 6
+    assert printed["data"]["eval"] == "arithmetic"
     path = tmp_path / "resolved.yaml"
-    path.write_text(capsys.readouterr().out)
+    path.write_text(yaml.safe_dump(printed))
     cfg = load_config(str(path))
     assert cfg.train.steps == 3 and cfg.precision.flow == "unified"
-    assert config_to_dict(cfg) == config_to_dict(load_config(None, ["train.steps=3", "precision.flow=unified"]))
+    assert effective_config_dict(cfg) == effective_config_dict(load_config(None, overrides))
+    assert main(["config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")]) == 0
+    demo = yaml.safe_load(capsys.readouterr().out)
+    assert demo["precision"]["format"] == "int8" and demo["loss"]["epsilon_high"] == 0.2
     assert main(["config", "train.stepz=3"]) == 2
     assert "did you mean train.steps" in capsys.readouterr().err
 

@@ -291,7 +291,7 @@ class LossConfig:
     mis_low: float = 0.0
     mis_high: float = 3.0  # mis: upper acceptance bound on ρ (TRL's default 3); accepted weights stay <= mis_high
     kl_coef: float = 0.0  # beta for the k3 KL to a frozen reference
-    max_new_tokens: int | None = None  # needed by the dr_grpo aggregation
+    max_new_tokens: int | None = None  # dr_grpo divides by it; None -> rollout.max_new_tokens
     # token: R_t = π_θ/π_old per token | sequence (GSPO): s_i = exp(mean_t log R_t) on every token of answer i
     importance_sampling_level: str = "token"
     # dual clip c > 1: for A < 0 the objective is max(min(R·A, clip(R)·A), c·A); null = 3 for tbpo, else off; 0 = off
