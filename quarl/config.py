@@ -24,6 +24,7 @@ import yaml
 from quarl.fast_paths import FastPaths
 from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rl.mismatch_alarms import AlarmConfig
+from quarl.rl.run_log import parse_report_to
 from quarl.rl.objectives import LossConfig, get_correction
 
 SAMPLERS = ("inverse-cdf", "gumbel")  # the fast engine's temperature samplers, default first
@@ -159,7 +160,11 @@ class OutputSection:
     checkpoint_every: int = 10  # steps between checkpoints (also saved at the end and on Ctrl-C / SIGTERM)
     keep_checkpoints: int = 2  # newest checkpoints kept in RUN_DIR/checkpoints (>= 1)
     samples_per_step: int = 4  # completions logged to samples.jsonl per step
-    tensorboard: bool = True  # also write TensorBoard events
+    # experiment trackers mirroring metrics.jsonl: tensorboard (RUN_DIR/tb), wandb (pip install 'quarl[wandb]'); [] = none
+    report_to: tuple[str, ...] = ("tensorboard",)
+    tensorboard: bool = True  # false drops tensorboard from output.report_to (kept for older configs)
+    wandb_project: str | None = None  # W&B project (None -> $WANDB_PROJECT, else "quarl")
+    wandb_name: str | None = None  # W&B run name (None -> the run directory's name)
     export_hf: bool = False  # write a Hugging Face model directory (and PEFT adapters with LoRA) at the end
     progress: bool = True  # progress bars on long rollouts and evals
 
@@ -226,6 +231,11 @@ class RunConfig:
         if not self.train.max_grad_norm > 0:  # also NaN
             raise ConfigError(f"train.max_grad_norm={self.train.max_grad_norm} must be > 0 (the global gradient "
                               "norm is clipped to it; a negative value would reverse the gradient); default 1.0")
+        try:  # "tensorboard,wandb" and "none" as on the command line; output.tensorboard=false folded in
+            trackers = parse_report_to([part for item in self.output.report_to for part in item.split(",")])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.output.report_to = tuple(t for t in trackers if t != "tensorboard" or self.output.tensorboard)
         if not self.output.dir.strip():
             raise ConfigError("output.dir is empty: give the run directory, e.g. output.dir=runs/my-run")
         if not DEVICE_NAME.fullmatch(self.model.device.strip().lower()):
@@ -405,6 +415,8 @@ TRL_ALIASES: dict[str, str] = {
     "mask_truncated_completions": "train.overlong_filter",
     "eval_steps": "eval.every",
     "output_dir": "output.dir",
+    "report_to": "output.report_to",
+    "run_name": "output.wandb_name",
     "save_steps": "output.checkpoint_every",
     "save_total_limit": "output.keep_checkpoints",
     "model_name_or_path": "model.name",

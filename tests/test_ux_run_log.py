@@ -2,13 +2,14 @@
 metrics, config and tables; output.report_to is read from the config with a clear error for unknown names."""
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from quarl.config import load_config
+from quarl.config import ConfigError, load_config
 from quarl.rl.run_log import RunLog, flatten_config, parse_report_to, samples_markdown
 
 CONFIG = {"model": {"name": "tiny-random-llama"}, "train": {"lr": 0.00123, "steps": 3},
@@ -73,10 +74,6 @@ def test_from_config_reads_report_to_with_defaults(tmp_path):
     log = RunLog.from_config(tmp_path / "b", cfg)
     assert log.trackers == [] and log.writer is None
     log.close()
-    # a config object that carries output.report_to (the key the trainer's config passes on)
-    cfg = types.SimpleNamespace(output=types.SimpleNamespace(report_to=["bogus"], tensorboard=True))
-    with pytest.raises(ValueError, match="output.report_to"):
-        RunLog.from_config(tmp_path / "c", cfg)
 
 
 def test_wandb_missing_is_one_clear_error(tmp_path, monkeypatch):
@@ -140,3 +137,70 @@ def test_wandb_offline_run_holds_metrics_config_and_samples(tmp_path, monkeypatc
     table = next(offline[0].glob("files/media/table/samples_1_*.table.json"))
     assert json.loads(table.read_text()) == {"columns": ["prompt", "completion", "reward"],
                                              "data": [["2 + 3", "five", 0.0]]}
+
+
+# ------------------------------------------------------------------------------------------------ from the config
+
+
+def test_report_to_is_a_validated_config_key_with_trl_names():
+    cfg = load_config(None, ["output.report_to=tensorboard,WandB", "output.wandb_project=p", "run_name=r"])
+    assert cfg.output.report_to == ("tensorboard", "wandb") and cfg.output.wandb_name == "r"
+    assert load_config(None, ["report_to=none"]).output.report_to == ()
+    assert load_config(None, []).output.report_to == ("tensorboard",)
+    # the older key still turns TensorBoard off
+    assert load_config(None, ["output.tensorboard=false", "output.report_to=[tensorboard,wandb]"]).output.report_to \
+        == ("wandb",)
+    with pytest.raises(ConfigError, match=r"output.report_to: unknown tracker 'mlflow'; choose from tensorboard"):
+        load_config(None, ["output.report_to=[mlflow]"])
+
+
+def _tiny_trainer(tmp_path, *overrides):
+    import torch
+
+    from quarl.model.decoder import QuarlForCausalLM
+    from quarl.model.tiny import tiny_config, tiny_tokenizer
+    from quarl.rl.trainer import Trainer
+
+    cfg = load_config(None, [
+        "data.train=arithmetic", "data.max_operand=9", "data.num_train=20", "data.num_eval=3",
+        "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=3", "train.steps=1",
+        "model.device=cpu", "eval.full_precision=false", f"output.dir={tmp_path / 'run'}", *overrides])
+    torch.manual_seed(0)
+    return Trainer(cfg, model=QuarlForCausalLM(tiny_config("llama")), tokenizer=tiny_tokenizer())
+
+
+def test_a_run_reports_to_wandb_and_saves_its_evals(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = _tiny_trainer(tmp_path, "output.report_to=[wandb]", "output.wandb_project=quarl-test",
+                            "output.progress=true", "precision.flow=split")
+    trainer.train()
+    run = tmp_path / "run"
+    assert not (run / "tb").exists()  # report_to=[wandb] alone: no TensorBoard
+    offline, = (run / "wandb").glob("offline-run-*")
+    data = next(offline.glob("run-*.wandb")).read_bytes()
+    # metrics, and the effective config (the null precision.format resolved to split's int8)
+    assert b"reward/mean" in data and b"eval/accuracy" in data and b'"format":"int8"' in data
+    assert next(offline.glob("files/media/table/eval_samples_0_*.table.json"))
+    # held-out completions and per-problem scores before (step 0) and after (step 1) training
+    rows = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval"]) for r in rows] == [(0, "eval")] * 3 + [(1, "eval")] * 3
+    for row in rows:
+        a, b = map(int, re.search(r"(\d+) \+ (\d+)", row["prompt"]).groups())
+        assert row["gold"] == str(a + b) and len(row["completions"]) == 1 and row["scores"] in ([0.0], [1.0])
+    err = capsys.readouterr().err
+    assert "held-out eval (step 0)" in err and "held-out eval (step 1)" in err  # the progress bars
+
+
+def test_evals_are_silent_without_progress_and_a_missing_tracker_fails_before_loading(tmp_path, monkeypatch,
+                                                                                    capsys):
+    trainer = _tiny_trainer(tmp_path, "output.progress=false", "output.report_to=[tensorboard]")
+    trainer.train()
+    assert "held-out eval" not in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [0, 1]
+    assert (tmp_path / "run" / "tb").is_dir()
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"pip install 'quarl\[wandb\]'"):
+        _tiny_trainer(tmp_path / "b", "output.report_to=[wandb]")

@@ -12,10 +12,12 @@ tests read them. The trackers named in `report_to` mirror them:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import secrets
+import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +28,8 @@ TRACKERS = ("tensorboard", "wandb")
 HPARAM_METRICS = ("reward/mean", "eval/accuracy")
 SAMPLES_IN_TEXT = 8  # completions per step shown in TensorBoard text / W&B tables (all go to the JSONL files)
 WANDB_ID_FILE = "wandb_run_id"
+WANDB_MISSING = ("output.report_to names wandb, which is not installed: pip install 'quarl[wandb]' (or drop wandb "
+                 "from output.report_to)")
 
 
 def parse_report_to(report_to) -> list[str]:
@@ -123,29 +127,30 @@ class RunLog:
 
     @classmethod
     def from_config(cls, run_dir: str | Path, cfg, resume_step: int | None = None) -> "RunLog":
-        """The run log a run config asks for: output.report_to (default ["tensorboard"]; output.tensorboard=false
-        drops TensorBoard), output.wandb_project, output.wandb_name; the whole config goes to the trackers."""
-        out = getattr(cfg, "output", None)
-        report_to = parse_report_to(getattr(out, "report_to", None) or ["tensorboard"])
-        if not getattr(out, "tensorboard", True):
-            report_to = [t for t in report_to if t != "tensorboard"]
-        try:
-            from quarl.config import config_to_dict
+        """The run log a run config asks for: output.report_to (validated, with output.tensorboard=false folded
+        in), output.wandb_project, output.wandb_name; the effective config (null defaults resolved) goes to the
+        trackers."""
+        from quarl.config import effective_config_dict
 
-            config = config_to_dict(cfg)
-            config.pop("resume", None)
-        except Exception:  # a config object that is not a RunConfig still logs, without hyperparameters
-            config = None
-        return cls(run_dir, resume_step=resume_step, report_to=report_to, config=config,
-                   wandb_project=getattr(out, "wandb_project", None), wandb_name=getattr(out, "wandb_name", None))
+        out = cfg.output
+        config = effective_config_dict(cfg)
+        config.pop("resume", None)
+        return cls(run_dir, resume_step=resume_step, report_to=list(out.report_to), config=config,
+                   wandb_project=out.wandb_project, wandb_name=out.wandb_name)
+
+    @staticmethod
+    def check_installed(report_to) -> None:
+        """Raise ImportError (one line: what to install) when a tracker of `report_to` is missing; cheap, without
+        importing it, so that a run fails before its model loads."""
+        if "wandb" in parse_report_to(list(report_to)) and not _installed("wandb"):
+            raise ImportError(WANDB_MISSING)
 
     # ------------------------------------------------------------------------------------------- trackers
     def _start_wandb(self, config, project, name, resuming: bool):
         try:
             import wandb
         except ImportError as e:
-            raise ImportError("output.report_to names wandb, which is not installed: pip install 'quarl[wandb]' "
-                              "(or drop wandb from output.report_to)") from e
+            raise ImportError(WANDB_MISSING) from e
         id_path = self.dir / WANDB_ID_FILE
         run_id = id_path.read_text().strip() if resuming and id_path.is_file() else None
         if not run_id:
@@ -236,6 +241,12 @@ class RunLog:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:  # None there means "import fails"
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _table_value(value):

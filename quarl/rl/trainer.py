@@ -213,6 +213,7 @@ class Trainer:
         from quarl.model.loading import load_model
 
         self.cfg = cfg
+        RunLog.check_installed(cfg.output.report_to)  # a missing tracker fails before the model loads
         self.device = resolve_device(cfg.model.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
@@ -310,7 +311,7 @@ class Trainer:
             self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
             refresh_rollout_weights(self.model)
             print(f"[quarl] resumed from {ckpt} (step {self.start_step})")
-        self.log = RunLog(run_dir, tensorboard=self.cfg.output.tensorboard, resume_step=resume_step)
+        self.log = RunLog.from_config(run_dir, self.cfg, resume_step=resume_step)
         # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
         saved = config_to_dict(self.cfg)
         saved.pop("resume", None)
@@ -676,23 +677,32 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ loop
 
-    def evaluate(self) -> dict:
-        """Held-out scores of the current weights in rollout precision, without AQN noise."""
+    def evaluate(self, step: int) -> dict:
+        """Held-out scores of the current weights in rollout precision, without AQN noise, after `step` steps; the
+        completions and per-problem scores go to RUN_DIR/eval_samples.jsonl ("eval": "eval" or "eval_full")."""
         refresh_rollout_weights(self.model)
         if self.cfg.aqn.sigma_start > 0:
             set_aqn_noise(self.model, 0.0)
         e = self.cfg.eval
         kwargs = dict(n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                      seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None)
-        result = evaluate(self.engine, self.task, self.task.eval_examples, **kwargs)
+                      seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None,
+                      progress=self.cfg.output.progress)
+        records: list[dict] = []
+        result = evaluate(self.engine, self.task, self.task.eval_examples, desc=f"held-out eval (step {step})",
+                          records=records, **kwargs)
         out = {f"eval/{k}": v for k, v in result.items()}
+        rows = [{"eval": "eval", **r} for r in records]
         if e.full_precision and self.cfg.precision.flow != "bf16":
             from quarl.rollout.engine import RolloutEngine
 
+            records = []
             with full_precision(self.model):
                 engine = RolloutEngine(self.model, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size)
-                full = evaluate(engine, self.task, self.task.eval_examples, **kwargs)
+                full = evaluate(engine, self.task, self.task.eval_examples, records=records,
+                                desc=f"held-out eval, quantization off (step {step})", **kwargs)
             out.update({f"eval_full/{k}": v for k, v in full.items() if k != "num_examples"})
+            rows += [{"eval": "eval_full", **r} for r in records]
+        self.log.eval_samples(step, rows)
         return out
 
     def warn_if_rollout_format_too_lossy(self, before: dict) -> None:
@@ -726,7 +736,7 @@ class Trainer:
         cfg = self.cfg
         summary: dict = {}
         if cfg.eval.before and self.start_step == 0 and self.task.eval_examples:
-            summary["before"] = self.evaluate()
+            summary["before"] = self.evaluate(0)
             self.log.log(0, summary["before"])
             print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
             self.warn_if_rollout_format_too_lossy(summary["before"])
@@ -744,7 +754,7 @@ class Trainer:
                     step += 1
                     if (cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps
                             and self.task.eval_examples):
-                        last.update(self.evaluate())
+                        last.update(self.evaluate(step))
                     self.log.log(step, last)
                     self._count_skipped(step, last)
                     self.alarms.check(step, last)
@@ -765,7 +775,7 @@ class Trainer:
         finally:
             bar.close()
         if not summary.get("interrupted") and cfg.eval.after and self.task.eval_examples:
-            summary["after"] = self.evaluate()
+            summary["after"] = self.evaluate(step)
             self.log.log(step, summary["after"])
             print(f"[quarl] held-out after training: {_fmt(summary['after'])}")
         if not summary.get("interrupted") and cfg.output.export_hf:
