@@ -92,7 +92,7 @@ def _eval(args) -> int:
     from quarl.config import DataSection, RewardSection
     from quarl.model.loading import load_model
     from quarl.model.precision_apply import apply_precision
-    from quarl.devices import resolve_device
+    from quarl.devices import resolve_device, set_cpu_threads
     from quarl.rl.evaluate import evaluate
     from quarl.rollout.generate_cli import make_engine, precision_config
     from quarl.tasks.task import load_task, make_renderer
@@ -100,6 +100,7 @@ def _eval(args) -> int:
     verbose = not args.quiet
     out_path = _eval_out_path(args)  # a bad --out fails before the model loads
     device = resolve_device(args.device)
+    set_cpu_threads(device)
     precision = precision_config(args.precision)
     data = DataSection(train=args.data, eval=args.data, eval_split=args.split, train_split=args.split,
                        eval_limit=args.limit, limit=args.limit, data_dir=args.data_dir,

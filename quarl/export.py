@@ -253,7 +253,7 @@ def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None, over
     A non-empty `out_dir` is refused (ValueError, before anything is loaded) unless `overwrite` (`--overwrite`),
     which replaces OUT/hf, OUT/adapter and OUT/base."""
     from quarl.config import load_config
-    from quarl.devices import resolve_device
+    from quarl.devices import resolve_device, set_cpu_threads
     from quarl.model.loading import load_model
     from quarl.model.precision_apply import apply_precision
     from quarl.rl.checkpoint import checkpoint_files, load_latest_intact
@@ -268,6 +268,7 @@ def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None, over
     if not checkpoint_files(run_dir / "checkpoints"):
         raise FileNotFoundError(f"no checkpoint in {run_dir}/checkpoints to export")
     device = resolve_device(cfg.model.device)
+    set_cpu_threads(device)
     model, tokenizer = load_model(cfg.model.name, device=str(device), dtype=cfg.precision.torch_dtype(device),
                                   gguf_file=cfg.model.gguf_file, revision=cfg.model.revision, progress=verbose)
     if cfg.uaq.scale != 1.0:

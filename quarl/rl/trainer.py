@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from quarl.config import RunConfig, config_to_dict, load_config
-from quarl.devices import resolve_device
+from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
 from quarl.model.layers import Attention
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
@@ -215,6 +215,7 @@ class Trainer:
         self.cfg = cfg
         RunLog.check_installed(cfg.output.report_to)  # a missing tracker fails before the model loads
         self.device = resolve_device(cfg.model.device)
+        set_cpu_threads(self.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
         if cfg.reward.function:  # user code: say so before importing and trying it on one example

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from quarl.devices import resolve_device
+from quarl.devices import resolve_device, set_cpu_threads
 from quarl.config import SAMPLERS
 from quarl.precision import KV_CACHE_FORMATS, QUANT_FORMATS
 
@@ -93,6 +93,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from quarl.model.tokenizer import apply_chat
 
     device = resolve_device(args.device)
+    set_cpu_threads(device)
     precision = precision_config(args.precision)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device, dtype=precision.torch_dtype(device),
