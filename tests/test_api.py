@@ -3,6 +3,7 @@ the config and the effective config."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,40 @@ def test_python_api_example_runs(tmp_path):
     assert result.step == 1 and (tmp_path / "ex" / "checkpoints").is_dir()
     assert result.eval_after is not None and result.eval_after["eval/num_examples"] == 16
     assert example.correct(["12 apples", "x"], [None, None], answer=["12", "3"]) == [1.0, 0.0]
+
+
+def _readme_python_api_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the README's Python API section should hold one ```python block"
+    return blocks[0]
+
+
+def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The README's code, executed as it stands; only the model (the built-in tiny one, for speed), the device, the
+    run directory and the progress bar are changed, through a wrapper around quarl.train."""
+    code = _readme_python_api_block()
+    real_train, calls = quarl.train, []
+
+    def train(config, **kwargs):
+        calls.append(dict(kwargs))
+        kwargs["output_dir"] = str(tmp_path / "run")
+        return real_train(config, model={"name": "tiny-random-llama", "device": "cpu"}, output={"progress": False},
+                          **kwargs)
+
+    monkeypatch.setattr(quarl, "train", train)
+    monkeypatch.chdir(ROOT)  # the example runs from the repository root
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    assert len(calls) == 1 and len(calls[0]["reward_fns"]) == 2 and calls[0]["output_dir"] == "runs/python-api"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == f"{tmp_path / 'run'} {records[-1]['reward/mean']}"
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["rollout"]["num_generations"] == 4 and saved["rollout"]["prompts_per_step"] == 4
+    assert saved["data"]["train"] == "<list of 100 records given to quarl.train(dataset=...)>"
+    # the reward functions as written score what they say: exact answers, and brevity
+    fns = dict(zip(("correct", "short"), calls[0]["reward_fns"]))
+    assert fns["correct"](["12", " 7\n", "12 apples"], [None] * 3, answer=["12", "7", "12"]) == [1.0, 1.0, 0.0]
+    assert fns["short"](["abc", "abcd"], [None, None]) == [1.0, 0.0]
