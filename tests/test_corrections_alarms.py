@@ -43,7 +43,9 @@ def test_advice_follows_the_config():
     out, _ = _feed(alarms, [0.5], name="is/truncated_frac")
     assert "loss.is_cap" in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(correction="tbpo")), [0.9], "is/masked_frac")
-    assert "loss.tbpo_band" in out[0][0]
+    assert "loss.tbpo_band" in out[0][0] and "loss.geo_high" not in out[0][0]  # only the band of this correction
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(correction="geo_mask")), [0.9], "is/masked_frac")
+    assert "loss.geo_high" in out[0][0] and "loss.tbpo_band" not in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg()), [0.2], "error/flagged_frac")
     assert "loss.error_token_guard=mask" in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(guard="mask")), [0.2], "error/flagged_frac")
