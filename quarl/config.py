@@ -566,6 +566,15 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
+def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's optional CONFIG argument and its overrides: `quarl CMD key=value ...` (no YAML file) puts
+    the first override where the file would be; it is moved back to the overrides."""
+    overrides = list(overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        return None, [config, *overrides]
+    return config, overrides
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (None = all defaults), apply dotted overrides, validate. Raises ConfigError."""
     data = read_config_file(path) if path is not None else {}

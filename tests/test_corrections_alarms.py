@@ -67,3 +67,13 @@ def test_below_threshold_missing_nan_disabled_and_zero_threshold_never_fire():
 def test_bad_config(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         AlarmConfig(**kwargs).validate()
+
+
+def test_w8a8_rollouts_are_pointed_to_weight_only_quantization():
+    from quarl.config import load_config
+
+    for weight_only, expected in ((False, True), (True, False)):
+        cfg = load_config(None, ["precision.flow=split", "precision.format=int8",
+                                 f"precision.weight_only={str(weight_only).lower()}"])
+        out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), cfg), [0.5])
+        assert ("precision.weight_only=true" in out[0][0]) is expected

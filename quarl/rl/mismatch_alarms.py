@@ -47,8 +47,9 @@ BAND_KEYS = {"geo_mask": "loss.geo_high / loss.geo_low", "seq_mask_tis": "loss.g
 
 def _advice(key: str, run_cfg) -> str:
     """What to try, given the run config (a RunConfig, or None for generic advice)."""
-    flow = getattr(getattr(run_cfg, "precision", None), "flow", None)
-    fmt = getattr(getattr(run_cfg, "precision", None), "format", None)
+    precision = getattr(run_cfg, "precision", None)
+    flow = getattr(precision, "flow", None)
+    fmt = getattr(precision, "format", None)
     loss = getattr(run_cfg, "loss", None)
     correction = getattr(loss, "correction", None)
     tips = []
@@ -60,6 +61,9 @@ def _advice(key: str, run_cfg) -> str:
             tips.append(f"a larger loss.is_cap (now {getattr(loss, 'is_cap', '?')})")
         if flow == "split" and fmt not in ("fp8-block", None):
             tips.append(f"a finer rollout format (precision.format=fp8-block instead of {fmt})")
+        if flow in ("split", "unified") and getattr(precision, "resolved_weight_only", True) is False:
+            tips.append("weight-only quantization (precision.weight_only=true: activations stay in the compute "
+                        "dtype; `quarl bench mismatch` measures each format both ways on your model)")
         if flow in ("split", None):
             tips.append("the unified flow (precision.flow=unified: training sees the rollout's quantizer, so the "
                         "mismatch is kernels only)")
