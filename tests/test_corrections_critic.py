@@ -58,7 +58,7 @@ def test_value_loss_matches_formula_and_clips():
     vc = old + torch.clamp(v.detach() - old, -0.2, 0.2)
     per = 0.5 * torch.maximum((v.detach() - ret) ** 2, (vc - ret) ** 2)
     torch.testing.assert_close(loss.detach(), per[mask].mean(), rtol=1e-12, atol=0)
-    assert 0 < met["critic/clip_frac"] < 1
+    assert 0 < met["critic/vf_clipfrac"] < 1
     loss.backward()
     # where the clipped error wins and V left the band, the gradient is zero
     frozen = ((vc - ret) ** 2 > (v.detach() - ret) ** 2) & ((v.detach() - old).abs() > 0.2) & mask
