@@ -168,7 +168,9 @@ class Critic:
         if not hasattr(trunk, "hidden_states") or norm is None:
             raise ValueError(f"a critic needs a quarl decoder (QuarlForCausalLM) to read hidden states from; got "
                              f"{type(trunk).__name__}")
-        self.head = ValueHead(int(trunk.config.hidden_size)).to(trunk.device)  # float32 whatever the trunk's dtype
+        # float32 on a 16-bit trunk (its own master), float64 on a float64 one (reference runs)
+        self.head = ValueHead(int(trunk.config.hidden_size)).to(trunk.device, torch.promote_types(trunk.dtype,
+                                                                                                  torch.float32))
         # what the optimizer updates and a checkpoint holds: the head, and a separate critic's decoder
         self.parts = nn.ModuleDict({"head": self.head} if shared else {"head": self.head, "trunk": trunk.model})
         self.optimizer = MasterWeightAdamW([p for p in self.parts.parameters() if p.requires_grad], lr=cfg.lr,
@@ -228,18 +230,19 @@ class Critic:
         """V_old, GAE advantages and returns of a RolloutBatch, before the update.
 
         Returns (batch with advantages [B, T-1] (whitened over the counted tokens), returns [B, T-1] and values
-        [B, T-1] = V_old (each 0 outside answer_mask), all float32 on the CPU; metrics "critic/value_mean",
+        [B, T-1] = V_old (each 0 outside answer_mask), on the CPU in the head's dtype (float32, float64 for a
+        float64 trunk); metrics "critic/value_mean",
         "critic/returns_mean", "critic/explained_variance" over the counted tokens).
         """
         mask = batch.answer_mask.bool()
-        values = torch.zeros_like(batch.behaviour_logprobs)
+        values = torch.zeros(mask.shape, dtype=self.head.proj.weight.dtype)  # float32 (float64 for a float64 trunk)
         was_training = self.trunk.training
         self.trunk.eval()  # V_old is the critic itself: no (LoRA) dropout
         for start in range(0, len(batch), micro_batch_size):
             rows = list(range(start, min(start + micro_batch_size, len(batch))))
             sub = batch.select(rows)
             width = min(sub.answer_width, sub.input_ids.shape[1] - 1)  # rows end in the last column
-            values[rows, -width:] = self._values(self._trunk_hidden(sub, device), width).float().cpu()
+            values[rows, -width:] = self._values(self._trunk_hidden(sub, device), width).cpu()
         self.trunk.train(was_training)
         values = torch.where(mask, values, torch.zeros_like(values))
         # GAE over the answer columns only: the prompt columns to their left hold no counted token
