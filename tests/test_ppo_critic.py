@@ -273,3 +273,24 @@ def test_separate_critic_model_that_does_not_exist_fails_clearly(tmp_path):
     cfg = make_cfg(tmp_path, *GAE, f"critic.model={tmp_path / 'no-such-model'}")
     with pytest.raises((FileNotFoundError, ValueError), match="no-such-model"):
         make_trainer(cfg)
+
+
+def test_critic_keeps_float32_masters_on_a_16bit_trunk_and_never_checkpoints_nan(tmp_path):
+    from quarl.rl.trainer import NonFiniteError
+
+    cfg = make_cfg(tmp_path, *GAE, "precision.compute_dtype=bfloat16", "train.steps=1")
+    trainer = make_trainer(cfg)
+    critic = trainer.critic
+    trunk = [p for n, p in critic.parts.named_parameters() if n.startswith("trunk.")]
+    assert trunk and all(p.dtype == torch.bfloat16 for p in trunk)
+    assert critic.head.proj.weight.dtype == torch.float32
+    assert all(m.dtype == torch.float32 for m in critic.optimizer.masters)
+    start = [m.detach().clone() for m in critic.optimizer.masters]
+    trainer.train()
+    assert any(not torch.equal(m, s) for m, s in zip(critic.optimizer.masters, start))
+    for p, m in zip(critic.optimizer.params, critic.optimizer.masters):  # bf16 weights = their masters, rounded
+        assert torch.equal(p, m.to(p.dtype))
+    with torch.no_grad():
+        critic.head.proj.weight[0, 3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"critic.head.proj.weight"):
+        trainer.checkpoint(1)

@@ -173,8 +173,8 @@ class Critic:
                                                                                                   torch.float32))
         # what the optimizer updates and a checkpoint holds: the head, and a separate critic's decoder
         self.parts = nn.ModuleDict({"head": self.head} if shared else {"head": self.head, "trunk": trunk.model})
-        self.optimizer = MasterWeightAdamW([p for p in self.parts.parameters() if p.requires_grad], lr=cfg.lr,
-                                           betas=betas, weight_decay=weight_decay)
+        self.optimizer = MasterWeightAdamW(list(self.parts.parameters()), lr=cfg.lr, betas=betas,
+                                           weight_decay=weight_decay)
         self._hidden: Tensor | None = None  # shared: the final hidden states of the last forward `reading` watched
 
     @classmethod
@@ -293,21 +293,18 @@ class Critic:
     # ------------------------------------------------------------------------------------------------ state
 
     def nonfinite_weights(self) -> list[str]:
-        """Names of the critic's weights (or float32 masters) holding NaN/Inf."""
-        bad = [f"critic.{n}" for n, p in self.parts.named_parameters() if not bool(torch.isfinite(p).all())]
-        bad += [f"critic master {i}" for i, (p, m) in enumerate(zip(self.optimizer.params, self.optimizer.masters))
-                if m is not p and not bool(torch.isfinite(m).all())]
-        return bad
+        """Names of the critic's weights (or float32 masters) holding NaN/Inf (one host sync)."""
+        named = [(f"critic.{n}", p.detach()) for n, p in self.parts.named_parameters()]
+        named += [(f"critic.{n} (float32 master)", m.detach()) for (n, p), m in
+                  zip(self.parts.named_parameters(), self.optimizer.masters) if m is not p]
+        ok = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu().tolist()
+        return [name for (name, _), fine in zip(named, ok) if not fine]
 
     def state_dict(self) -> dict:
-        """{"weights": {name: tensor (CPU)}, "optimizer": MasterWeightAdamW state}, for a checkpoint. ValueError
-        (nothing to save) when a tensor holds NaN/Inf."""
-        from quarl.rl.checkpoint import _tensors, check_finite
-
+        """{"weights": {name: tensor (CPU)}, "optimizer": MasterWeightAdamW state}: plain types, for a checkpoint
+        (whose writer refuses NaN/Inf in them)."""
         weights = {n: p.detach().cpu().clone() for n, p in self.parts.named_parameters()}
-        optimizer = self.optimizer.state_dict()
-        check_finite([(f"critic.{n}", t) for n, t in weights.items()] + list(_tensors(optimizer, "critic.optimizer")))
-        return {"weights": weights, "optimizer": optimizer}
+        return {"weights": weights, "optimizer": self.optimizer.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict | None, path="checkpoint") -> None:
