@@ -548,7 +548,7 @@ class Trainer:
                 grad_norm = float("nan")
                 if bad is None:
                     grad_norm = float(self.optimizer.clip_grad_norm_(tr.max_grad_norm))
-                    critic_norm = float(critic.optimizer.clip_grad_norm_(tr.max_grad_norm)) if critic else 0.0
+                    critic_norm = 0.0 if critic is None else float(critic.optimizer.clip_grad_norm_(tr.max_grad_norm))
                     if not math.isfinite(grad_norm):
                         bad = f"non-finite gradient norm ({grad_norm})"
                     elif not math.isfinite(critic_norm):
