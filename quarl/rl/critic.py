@@ -213,7 +213,7 @@ class Critic:
 
     def _values(self, hidden: Tensor, width: int) -> Tensor:
         """V for the last `width` columns of the [B, T-1] layout: column t scores token t+1, so its state is the
-        hidden state at position t. hidden [B, T, H] -> [B, width] float32."""
+        hidden state at position t. hidden [B, T, H] -> [B, width] in the head's dtype (float32, or float64)."""
         return self.head(hidden[:, -(width + 1):-1])
 
     def _trunk_hidden(self, sub, device: torch.device) -> Tensor:
@@ -231,8 +231,8 @@ class Critic:
 
         Returns (batch with advantages [B, T-1] (whitened over the counted tokens), returns [B, T-1] and values
         [B, T-1] = V_old (each 0 outside answer_mask), on the CPU in the head's dtype (float32, float64 for a
-        float64 trunk); metrics "critic/value_mean",
-        "critic/returns_mean", "critic/explained_variance" over the counted tokens).
+        float64 trunk); metrics "critic/value_mean", "critic/returns_mean", "critic/explained_variance" over the
+        counted tokens).
         """
         mask = batch.answer_mask.bool()
         values = torch.zeros(mask.shape, dtype=self.head.proj.weight.dtype)  # float32 (float64 for a float64 trunk)
