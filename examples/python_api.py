@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> quarl.TrainResult:
             "precision": {"flow": "split", "format": "int8"},
             "rollout": {"prompts_per_step": 4, "temperature": 0.7, "stop": ["\n"]},
             "eval": {"full_precision": False},
-            "output": {"checkpoint_every": args.steps, "tensorboard": False},
+            "output": {"checkpoint_every": args.steps, "report_to": []},  # metrics.jsonl only
         },
         reward_fns=[correct, brief],
         reward_weights=[1.0, 0.2],
