@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    # HF dir, hub id, .gguf path, the embedded default, or a built-in random tiny-random-llama / -qwen2 / -qwen3
+    # HF dir, hub id, .gguf path, the embedded default, or a built-in random tiny-random-llama / -qwen2 / -qwen3 / -qwen3-moe
     name: str = "smollm2-135m-instruct"
     gguf_file: str | None = None  # file name inside a hub repo or folder that holds several .gguf files
     revision: str | None = None  # hub revision (branch, tag or commit)
@@ -108,6 +108,8 @@ class RolloutSection:
     max_batch_size: int = 256  # sequences decoded at once (KV slots of the fast engine)
     engine: str = "auto"  # auto (fast on a GPU, reference on a CPU) | fast | reference
     sampler: str = "inverse-cdf"  # fast engine's temperature draws: inverse-cdf (one uniform per sequence) | gumbel
+    # MoE models: the training forward routes each token to the experts the rollout chose (R3; reference engine)
+    router_replay: bool = False
 
 
 @dataclass
@@ -251,6 +253,12 @@ class RunConfig:
                 f"rollout.num_generations={self.rollout.num_generations} exceeds rollout.max_batch_size="
                 f"{self.rollout.max_batch_size}: a group is decoded together; raise max_batch_size"
             )
+        if self.rollout.router_replay and self.rollout.engine == "fast":
+            raise ConfigError("rollout.router_replay=true records the rollout's expert choices in the reference "
+                              "engine only; set rollout.engine=reference (or auto)")
+        if self.rollout.router_replay and self.precision.kv_cache != "auto":
+            raise ConfigError(f"rollout.router_replay=true needs the reference engine, which has no FP8 KV cache; "
+                              f"set precision.kv_cache=auto (got {self.precision.kv_cache})")
         if self.precision.kv_cache != "auto" and self.rollout.engine == "reference":
             raise ConfigError(f"precision.kv_cache={self.precision.kv_cache} needs the fast engine; set "
                               "rollout.engine=fast (or auto on a GPU)")

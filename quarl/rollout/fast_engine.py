@@ -88,6 +88,13 @@ class FastRolloutEngine(RolloutEngine):
                 graphs are keyed by it, so assigning another `engine.fast_paths` later captures anew.
         """
         super().__init__(model, tokenizer, max_batch_size)
+        moe = getattr(model, "is_moe", False)
+        if moe and use_cuda_graphs:
+            raise ValueError("use_cuda_graphs=True cannot serve a mixture-of-experts model: its expert grouping reads "
+                             "token counts on the host each step; pass use_cuda_graphs=None or False")
+        if moe and fused_decode:
+            raise ValueError("fused_decode=True does not cover mixture-of-experts MLPs; pass fused_decode=None or "
+                             "False")
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (a prompt token and a new one), got {max_seq_len}")
         if int(sync_every) != sync_every or sync_every < 1:
@@ -100,7 +107,11 @@ class FastRolloutEngine(RolloutEngine):
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
         self.kv_token_scales = kv_cache_dtype == "fp8-token"
         self.kv_dtype = self._kv_dtype("fp8" if self.kv_token_scales else kv_cache_dtype)
-        self.use_cuda_graphs = (model.device.type == "cuda") if use_cuda_graphs is None else bool(use_cuda_graphs)
+        self.use_cuda_graphs = (model.device.type == "cuda" and not moe) if use_cuda_graphs is None \
+            else bool(use_cuda_graphs)
+        if moe and model.device.type == "cuda":
+            report_fallback("moe_cuda_graphs", "a mixture-of-experts model decodes without CUDA graphs (its expert "
+                            "grouping reads token counts on the host)")
         if self.use_cuda_graphs and model.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a model on a CUDA device")
         self.sync_every = int(sync_every)

@@ -51,7 +51,7 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
         li = attn.layer_idx
         out = attention(q[:, :, 0], cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li))
         x = x + attn.o_proj(out.reshape(B, Hq * D))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.feed_forward(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x))
 
 
