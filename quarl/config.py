@@ -108,7 +108,7 @@ class RolloutSection:
     max_batch_size: int = 256  # sequences decoded at once (KV slots of the fast engine)
     engine: str = "auto"  # auto (fast on a GPU, reference on a CPU) | fast | reference
     sampler: str = "inverse-cdf"  # fast engine's temperature draws: inverse-cdf (one uniform per sequence) | gumbel
-    # MoE models: the training forward routes each token to the experts the rollout chose (R3; reference engine)
+    # MoE models: the training forward routes each token to the experts the rollout chose (R3)
     router_replay: bool = False
 
 
@@ -253,12 +253,6 @@ class RunConfig:
                 f"rollout.num_generations={self.rollout.num_generations} exceeds rollout.max_batch_size="
                 f"{self.rollout.max_batch_size}: a group is decoded together; raise max_batch_size"
             )
-        if self.rollout.router_replay and self.rollout.engine == "fast":
-            raise ConfigError("rollout.router_replay=true records the rollout's expert choices in the reference "
-                              "engine only; set rollout.engine=reference (or auto)")
-        if self.rollout.router_replay and self.precision.kv_cache != "auto":
-            raise ConfigError(f"rollout.router_replay=true needs the reference engine, which has no FP8 KV cache; "
-                              f"set precision.kv_cache=auto (got {self.precision.kv_cache})")
         if self.precision.kv_cache != "auto" and self.rollout.engine == "reference":
             raise ConfigError(f"precision.kv_cache={self.precision.kv_cache} needs the fast engine; set "
                               "rollout.engine=fast (or auto on a GPU)")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from quarl.cli import main
-from quarl.config import ConfigError, load_config
+from quarl.config import load_config
 from quarl.model.config import ModelConfig
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.loading import load_model, save_pretrained
@@ -270,6 +270,25 @@ def test_rollout_records_the_routing_a_full_forward_computes():
         RolloutEngine(QuarlForCausalLM(ModelConfig.from_hf(tiny_hf_config("qwen3"))), None, record_routing=True)
 
 
+def test_fast_engine_records_the_same_routing_as_a_full_forward_through_slot_refills_and_moves():
+    torch.manual_seed(11)  # a draw whose answer lengths make the engine move slots (most draws do)
+    _, model = hf_and_ours(dtype=torch.float64)
+    model.config.eos_token_ids = list(range(0, 320, 4))  # answers of many lengths: neighbours finish early
+    prompts = [torch.randint(0, 256, (L,)).tolist() for L in (1, 5, 9, 3, 7, 2, 4, 6)]  # 1 token: no prefill
+    # 8 slots for 8 groups of 2: groups queue and refill freed slots, and long answers move down (compaction)
+    engine = FastRolloutEngine(model, None, max_batch_size=8, record_routing=True, sync_every=1)
+    outs = engine.generate(prompts, n=2, max_new_tokens=30, temperature=0)
+    assert engine.last_stats["slot_moves"] > 0
+    for o in outs:
+        for c in o.completions:
+            ids = torch.tensor([o.prompt_token_ids + c.token_ids])
+            routing = ExpertRouting(record=True)
+            with torch.no_grad():
+                model(ids, routing=routing)
+            assert c.routing.shape == (ids.shape[1] - 1, 2, 2)
+            assert torch.equal(routing.stacked("own")[0, :-1], c.routing.long())
+
+
 def patched_hf_router(hf, replay):
     """Make transformers' routers use `replay` [B, T, moe layers, k] (gate weights from their own softmax)."""
     moe = [layer.mlp for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
@@ -373,18 +392,22 @@ def test_uaq_keeps_a_moe_model_s_function():
 
 
 # --------------------------------------------------------------------------------------------- training runs
-def test_router_replay_settings_are_checked():
-    with pytest.raises(ConfigError, match="reference engine only"):
-        load_config(None, ["rollout.router_replay=true", "rollout.engine=fast"])
-    with pytest.raises(ConfigError, match="precision.kv_cache=auto"):
-        load_config(None, ["rollout.router_replay=true", "precision.kv_cache=fp8"])
+def test_router_replay_needs_a_moe_model(tmp_path):
+    from quarl.rl.trainer import Trainer
+
+    cfg = load_config(None, ["model.name=tiny-random-qwen3", "model.device=cpu", "rollout.router_replay=true",
+                             f"output.dir={tmp_path}"])
+    with pytest.raises(ValueError, match="rollout.router_replay=true needs a mixture-of-experts model"):
+        Trainer(cfg)
 
 
-@pytest.mark.parametrize("flow,replay", [("bf16", False), ("bf16", True), ("split-int8", True)])
-def test_tiny_moe_trains_two_steps_from_the_command_line(tmp_path, capsys, flow, replay):
+@pytest.mark.parametrize("flow,replay,engine", [("bf16", False, "reference"), ("bf16", True, "reference"),
+                                                ("split-int8", True, "reference"), ("split-int8", False, "fast")])
+def test_tiny_moe_trains_two_steps_from_the_command_line(tmp_path, capsys, flow, replay, engine):
     precision = ["precision.flow=split", "precision.format=int8"] if flow == "split-int8" else ["precision.flow=bf16"]
     rc = main(["train", "model.name=tiny-random-qwen3-moe", "model.device=cpu", "train.steps=2", "train.lr=1e-3",
-               f"rollout.router_replay={str(replay).lower()}", *precision, "data.train=arithmetic",
+               f"rollout.router_replay={str(replay).lower()}", f"rollout.engine={engine}", *precision,
+               "data.train=arithmetic",
                "data.num_train=8", "data.num_eval=2", "rollout.prompts_per_step=2", "rollout.num_generations=2",
                "rollout.max_new_tokens=6", "train.micro_batch_size=2", "eval.before=false", "eval.after=false",
                "output.tensorboard=false", "output.progress=false", f"output.dir={tmp_path / 'run'}"])

@@ -54,11 +54,12 @@ class ExpertRouting:
         self.own: dict[int, torch.Tensor] = {}
 
     def stacked(self, which: str = "used") -> torch.Tensor:
-        """The record as long [B, T, num_moe_layers, k] ("used" or "own"); needs record=True and a forward."""
+        """The record as long [*tokens, num_moe_layers, k] ("used" or "own"; tokens = [B, T] in a full forward, [B]
+        in a decode step); needs record=True and a forward."""
         table = self.used if which == "used" else self.own
         if not table:
             raise ValueError("no routing was recorded: pass ExpertRouting(record=True) to a forward of a MoE model")
-        return torch.stack([table[i] for i in sorted(table)], dim=2)
+        return torch.stack([table[i] for i in sorted(table)], dim=-2)
 
 
 class TopKRouter(nn.Module):

@@ -59,23 +59,22 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
     """The fast engine (slot KV cache, CUDA graphs) on a GPU or with an FP8 KV cache, the reference engine on a CPU,
-    unless configured. A MoE model with rollout.router_replay gets the reference engine, which records each token's
-    experts (it records them for the routing-mismatch metric whenever it serves a MoE model)."""
+    unless configured. Serving a MoE model, either engine records each token's experts (router replay and the
+    routing-mismatch metrics)."""
     from quarl.rollout.engine import RolloutEngine
     from quarl.rollout.fast_engine import FastRolloutEngine
 
     moe = getattr(model, "is_moe", False)
     kind = cfg.rollout.engine
     if kind == "auto":  # an FP8 KV cache exists in the fast engine only (which also runs on a CPU)
-        replay = moe and cfg.rollout.router_replay
-        kind = "fast" if (device.type == "cuda" and not replay) or cfg.precision.kv_cache != "auto" else "reference"
+        kind = "fast" if device.type == "cuda" or cfg.precision.kv_cache != "auto" else "reference"
     if kind == "reference":
         if cfg.precision.kv_cache != "auto":
             raise ValueError(f"precision.kv_cache={cfg.precision.kv_cache} needs rollout.engine=fast")
         return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, record_routing=moe)
     return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
                              kv_cache_dtype=cfg.precision.kv_cache, sampler=cfg.rollout.sampler,
-                             fast_paths=cfg.fast_paths)
+                             fast_paths=cfg.fast_paths, record_routing=moe)
 
 
 class RunStopped(RuntimeError):
