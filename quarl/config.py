@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    # HF dir, hub id, .gguf path, the embedded default, or a built-in random tiny-random-llama / -qwen2 / -qwen3 / -qwen3-moe
+    # HF dir, hub id, .gguf path, the embedded default, or built-in random tiny-random-llama|qwen2|qwen3|qwen3-moe
     name: str = "smollm2-135m-instruct"
     gguf_file: str | None = None  # file name inside a hub repo or folder that holds several .gguf files
     revision: str | None = None  # hub revision (branch, tag or commit)

@@ -1,8 +1,10 @@
 """`QuarlForCausalLM`: one decoder definition for rollout (KV-cached decoding) and training (full forward).
 
-Llama / Qwen2 / Qwen3 / Qwen3-MoE families with grouped-query attention (MoE blocks: quarl/model/moe.py). Parameter names match Hugging Face, so
-`model.load_state_dict(hf_model.state_dict())` works. Every linear, lm_head included, is a `QuantLinear`;
-with tied embeddings `lm_head.weight` IS `model.embed_tokens.weight` (one Parameter).
+Llama / Qwen2 / Qwen3 / Qwen3-MoE families with grouped-query attention (MoE blocks: quarl/model/moe.py).
+Parameter names match Hugging Face checkpoints, so `model.load_state_dict(hf_model.state_dict())` works (for MoE
+models, transformers >= 5 stacks each layer's experts in memory; its checkpoints name every expert apart, as we do).
+Every linear, lm_head included, is a `QuantLinear`; with tied embeddings `lm_head.weight` IS
+`model.embed_tokens.weight` (one Parameter).
 
 Attention masks: `attention_mask` [B, T] (1 = real token) may pad on the left or the right. When positions are
 not given they count real tokens only (position of a token = number of real tokens before it), so a left-padded
