@@ -401,10 +401,15 @@ def test_router_replay_needs_a_moe_model(tmp_path):
         Trainer(cfg)
 
 
+FLOWS = {"bf16": ["precision.flow=bf16"], "split-int8": ["precision.flow=split", "precision.format=int8"],
+         "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=4", "train.lr=1e-2"]}
+
+
 @pytest.mark.parametrize("flow,replay,engine", [("bf16", False, "reference"), ("bf16", True, "reference"),
-                                                ("split-int8", True, "reference"), ("split-int8", False, "fast")])
+                                                ("split-int8", True, "reference"), ("split-int8", False, "fast"),
+                                                ("qlora-nvfp4", True, "fast")])
 def test_tiny_moe_trains_two_steps_from_the_command_line(tmp_path, capsys, flow, replay, engine):
-    precision = ["precision.flow=split", "precision.format=int8"] if flow == "split-int8" else ["precision.flow=bf16"]
+    precision = FLOWS[flow]
     rc = main(["train", "model.name=tiny-random-qwen3-moe", "model.device=cpu", "train.steps=2", "train.lr=1e-3",
                f"rollout.router_replay={str(replay).lower()}", f"rollout.engine={engine}", *precision,
                "data.train=arithmetic",
