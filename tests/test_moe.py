@@ -18,8 +18,8 @@ from quarl.config import load_config
 from quarl.model.config import ModelConfig
 from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.loading import load_model, save_pretrained
-from quarl.model.moe import (ExpertRouting, SparseMoeBlock, TopKRouter, moe_experts_reference, routing_mismatch,
-                             routing_weights)
+from quarl.model.moe import (ExpertRouting, SparseMoeBlock, TopKRouter, grouped_gemm_ok, grouped_gemm_swiglu,
+                             grouped_swiglu, moe_experts, plain_experts, routing_mismatch, routing_weights)
 from quarl.model.precision_apply import apply_precision, unquantized_linears
 from quarl.model.qlinear import QuantLinear
 from quarl.model.tiny import tiny_hf_config, tiny_tokenizer
@@ -174,7 +174,7 @@ def test_grouped_expert_computation_matches_a_float64_per_token_loop(case):
     assert float((got16.double() - ref16).abs().max()) < 0.03 * scale
 
 
-def test_moe_experts_reference_weights_each_pair_and_skips_idle_experts():
+def test_moe_experts_weights_each_pair_and_skips_idle_experts():
     _, model = hf_and_ours(dtype=torch.float64)
     experts = model.model.layers[0].mlp.experts
     N, k = 13, 3
@@ -183,7 +183,7 @@ def test_moe_experts_reference_weights_each_pair_and_skips_idle_experts():
     w = torch.rand(N, k, dtype=torch.float64)
     calls = []
     hooks = [experts[e].register_forward_hook(lambda m, a, o, e=e: calls.append(e)) for e in range(8)]
-    got = moe_experts_reference(x, idx, w, experts)
+    got = moe_experts(x, idx, w, experts)
     for h in hooks:
         h.remove()
     ref = torch.zeros_like(x)
@@ -193,6 +193,53 @@ def test_moe_experts_reference_weights_each_pair_and_skips_idle_experts():
             ref[n] += w[n, j] * ex.down_proj.weight @ (F.silu(ex.gate_proj.weight @ x[n]) * (ex.up_proj.weight @ x[n]))
     torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
     assert sorted(calls) == sorted(set(idx.flatten().tolist()))  # one call per expert that owns tokens
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_gemm_path_matches_the_per_expert_path_with_gradients(case):
+    """`grouped_gemm_swiglu` (torch grouped_mm, which also runs on the CPU in float32) against the per-expert
+    reference, forward and backward, with experts that own no rows; float64 reference at 1e-5 relative."""
+    _, model = hf_and_ours(case, dtype=torch.float32)
+    experts = model.model.layers[model.config.moe_layers[0]].mlp.experts
+    E, H = len(experts), model.config.hidden_size
+    counts = torch.tensor([5, 0, 9, 1] + [0] * (E - 5) + [7])  # idle experts between busy ones
+    x = torch.randn(int(counts.sum()), H)
+    grad = torch.randn(int(counts.sum()), H)
+    results = []
+    for swiglu in (grouped_gemm_swiglu, grouped_swiglu):
+        model.zero_grad()
+        xr = x.clone().requires_grad_(True)
+        y = swiglu(xr, counts, experts)
+        (y * grad).sum().backward()
+        grads = [[torch.zeros_like(w) if w.grad is None else w.grad.clone() for w in ws]  # idle: None in the loop
+                 for ws in ([e.gate_proj.weight for e in experts], [e.down_proj.weight for e in experts])]
+        results.append((y.detach(), xr.grad, *grads))
+    (y_g, gx_g, gg_g, gd_g), (y_r, gx_r, gg_r, gd_r) = results
+    scale = float(y_r.abs().max())
+    torch.testing.assert_close(y_g, y_r, atol=1e-5 * scale, rtol=0)
+    torch.testing.assert_close(gx_g, gx_r, atol=1e-5 * float(gx_r.abs().max()), rtol=0)
+    for a, b in zip(gg_g + gd_g, gg_r + gd_r):
+        torch.testing.assert_close(a, b, atol=1e-5 * max(float(b.abs().max()), 1e-6), rtol=0)
+    assert float(gg_g[1].abs().max()) == 0.0 and float(gg_g[0].abs().max()) > 0  # an idle expert gets zeros
+    with torch.no_grad():  # and both against float64 per-token arithmetic
+        ref = torch.cat([experts[e].double()(x[int(counts[:e].sum()):int(counts[:e + 1].sum())].double())
+                         for e in range(E)])
+    torch.testing.assert_close(y_g.double(), ref, atol=1e-5 * scale, rtol=0)
+
+
+def test_only_plain_experts_take_the_grouped_gemm():
+    _, model = hf_and_ours(dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(3, 64)
+    assert plain_experts(experts, x) and not plain_experts(experts, x.double())
+    assert not grouped_gemm_ok(experts, x, model.fast_paths)  # the CPU takes the reference path
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    assert plain_experts(experts, x)  # the split flow's training forward: plain bf16/fp32 GEMMs
+    model.set_rollout(True)
+    assert not plain_experts(experts, x)  # its rollout: int8 experts, one QuantLinear call each
+    model.set_rollout(False)
+    experts[3].up_proj.configure(lora_rank=2)
+    assert not plain_experts(experts, x)
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -473,3 +520,21 @@ def test_cuda_tiny_moe_trains_one_step_with_router_replay(tmp_path):
     summary = Trainer(cfg).train()
     last = summary["last"]
     assert last["moe/routing_mismatch_used"] == 0.0 and 0.0 <= last["moe/routing_mismatch"] <= 1.0
+
+
+@pytest.mark.gpu
+def test_cuda_grouped_gemm_matches_the_per_expert_path_in_bf16():
+    _, model = hf_and_ours("realish", dtype=torch.float32)
+    experts = model.model.layers[1].mlp.experts.cuda().to(torch.bfloat16)
+    counts = torch.tensor([40, 0, 3, 17, 0, 25], device="cuda")
+    x = torch.randn(int(counts.sum()), 160, device="cuda", dtype=torch.bfloat16)
+    assert grouped_gemm_ok(experts, x, model.fast_paths)
+    outs = []
+    for swiglu in (grouped_gemm_swiglu, grouped_swiglu):
+        experts.zero_grad()
+        xr = x.clone().requires_grad_(True)
+        y = swiglu(xr, counts, experts)
+        y.float().square().sum().backward()
+        outs.append((y.float(), xr.grad.float(), experts[3].down_proj.weight.grad.float()))
+    for a, b in zip(*outs):
+        assert float((a - b).abs().max()) <= 0.02 * float(b.abs().max())  # bf16 outputs of fp32-accumulated GEMMs

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.config import ModelConfig
 from quarl.model.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding, prepare_training_kernels
-from quarl.model.moe import ExpertRouting, TopKRouter
+from quarl.model.moe import ExpertRouting, SparseMoeBlock, TopKRouter
 from quarl.model.qlinear import QuantLinear
 
 
@@ -149,7 +149,7 @@ class QuarlForCausalLM(nn.Module):
             raise TypeError(f"set_fast_paths takes a quarl.fast_paths.FastPaths, got {type(fast_paths).__name__}")
         self.fast_paths = fast_paths
         for module in self.modules():
-            if isinstance(module, (Attention, MLP, QuantLinear)):
+            if isinstance(module, (Attention, MLP, QuantLinear, SparseMoeBlock)):
                 module.fast_paths = fast_paths
 
     def set_rollout(self, on: bool) -> None:

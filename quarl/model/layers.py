@@ -327,7 +327,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, fast_paths)
         if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(config, config.moe_layers.index(layer_idx))
+            self.mlp = SparseMoeBlock(config, config.moe_layers.index(layer_idx), fast_paths)
         else:
             self.mlp = MLP(config, fast_paths)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -14,8 +14,10 @@ each expert on its own exactly as it does a dense MLP; the router (`gate`, a `To
 and stays in full precision under every flow.
 
 Expert computation is grouped: the N x k (token, expert) pairs are sorted by expert, each expert runs once on its
-contiguous slice of rows (`grouped_swiglu`, the seam where a grouped-GEMM kernel can take over on a GPU), and the
-weighted rows are added back into their tokens. Only experts that own tokens run.
+contiguous slice of rows, and the weighted rows are added back into their tokens. `grouped_swiglu` (the reference:
+one call per expert that owns rows, each projection a QuantLinear in its current mode, so every precision flow
+applies) and `grouped_gemm_swiglu` (one grouped GEMM per projection over all experts, torch's grouped_mm; used on
+Hopper GPUs for experts whose linears compute plain x @ W^T, `FastPaths.grouped_experts`) compute the same thing.
 
 Router replay (R3): an `ExpertRouting` handed to the forward can carry recorded experts per token and MoE layer;
 the block then uses them instead of its own top-k, with the gate weights recomputed from its own router (softmax
@@ -29,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.config import ModelConfig
 from quarl.model.qlinear import QuantLinear
 
@@ -118,10 +121,13 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     """Group (token, slot) pairs by expert.
 
     experts: long [N, k]. Returns (order long [N*k]: flat pair indices sorted by expert, stable, so each expert's
-    rows keep token order; counts long [num_experts]: pairs per expert). Pair p belongs to token p // k.
+    rows keep token order; counts long [num_experts]: pairs per expert). Pair p belongs to token p // k. No host
+    sync (a scatter-add rather than bincount, whose output size depends on the values).
     """
     flat = experts.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
 
 
 def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
@@ -129,9 +135,9 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Mod
     experts[e] (down(silu(gate(x)) * up(x)), each projection a QuantLinear in its current mode).
 
     x_sorted: [M, hidden] rows sorted by expert; counts: long [E] with counts.sum() == M. Returns [M, hidden] in the
-    experts' output dtype. The reference path: one call per expert that owns rows (the counts are read on the host
-    once); a grouped-GEMM kernel (one launch for all experts, e.g. torch._grouped_mm on Hopper) computes the same
-    thing behind this function where the experts' weights are stacked.
+    experts' output dtype. The reference path, which serves every precision flow: one call per expert that owns
+    rows (the counts are read on the host once). `grouped_gemm_swiglu` computes the same with one grouped GEMM per
+    projection where the experts compute plain x @ W^T.
     """
     out = x_sorted.new_empty(x_sorted.shape[0], experts[0].down_proj.out_features)
     start = 0
@@ -143,17 +149,75 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Mod
     return out
 
 
-def moe_experts_reference(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor,
-                          experts: nn.ModuleList) -> torch.Tensor:
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of group e] = x[rows of group e] @ W_e^T for contiguous row groups, one grouped GEMM each way.
+
+    The experts' weights are stacked on the fly; backward keeps the weights themselves (parameters, no memory)
+    rather than their stacked copy, and stacks them again, so autograd holds no second copy of every expert.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offsets, *weights)
+        return F.grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = F.grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            # [out, M] @ [M, in] with groups along M -> [E, out, in]; an expert without rows gets zeros
+            stacked = F.grouped_mm(grad.t(), x, offs=offsets)
+            grad_w = [g if need else None for g, need in zip(stacked.unbind(0), ctx.needs_input_grad[2:])]
+        return grad_x, None, *grad_w
+
+
+def grouped_gemm_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """What `grouped_swiglu` computes, with one grouped GEMM per projection over all experts (torch's grouped_mm)
+    and no host sync. Only for experts whose projections compute plain x @ W^T (`plain_experts`); x_sorted's rows
+    and every projection's sizes must span multiples of 16 bytes (grouped_mm's alignment). Differentiable w.r.t.
+    x_sorted and the master weights. x_sorted [M, hidden], counts long [E] -> [M, hidden] in x_sorted's dtype."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    gate = _GroupedLinear.apply(x_sorted, offsets, *[e.gate_proj.weight for e in experts])
+    up = _GroupedLinear.apply(x_sorted, offsets, *[e.up_proj.weight for e in experts])
+    return _GroupedLinear.apply(F.silu(gate) * up, offsets, *[e.down_proj.weight for e in experts])
+
+
+def plain_experts(experts: nn.ModuleList, x: torch.Tensor) -> bool:
+    """Whether every expert projection computes plain x @ W^T in its current mode (a master weight in x's dtype,
+    no bias, no adapter, no quantization in this mode) with sizes grouped_mm can align (multiples of 16 bytes)."""
+    size = x.element_size()
+    for expert in experts:
+        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            fmt = lin.rollout_format if lin.rollout else lin.train_format
+            if lin.weight is None or lin.weight.dtype != x.dtype or lin.bias is not None or lin.lora_rank or \
+                    fmt is not None or (lin.in_features * size) % 16 or (lin.out_features * size) % 16:
+                return False
+    return True
+
+
+def grouped_gemm_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
+    """Whether `grouped_gemm_swiglu` serves x: `fast_paths.grouped_experts`, a CUDA bf16 x on a Hopper-or-newer GPU
+    (grouped_mm's kernels), torch with grouped_mm, and plain experts."""
+    return fast_paths.grouped_experts and x.is_cuda and x.dtype == torch.bfloat16 and \
+        hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0) and plain_experts(experts, x)
+
+
+def moe_experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList,
+                grouped_gemm: bool = False) -> torch.Tensor:
     """sum_j weights[:, j] * experts[experts_idx[:, j]](x), computed by sorting (token, expert) pairs by expert.
 
-    x [N, hidden]; experts_idx long [N, k]; weights [N, k] (cast to x's dtype, as transformers does). Returns
-    [N, hidden] in x's dtype.
+    x [N, hidden]; experts_idx long [N, k]; weights [N, k] (cast to x's dtype, as transformers does);
+    grouped_gemm: take `grouped_gemm_swiglu` (the caller checked `grouped_gemm_ok`), else `grouped_swiglu`.
+    Returns [N, hidden] in x's dtype.
     """
     N, k = experts_idx.shape
     order, counts = sort_by_expert(experts_idx, len(experts))
     token = order // k
-    y = grouped_swiglu(x.index_select(0, token), counts, experts)
+    swiglu = grouped_gemm_swiglu if grouped_gemm else grouped_swiglu
+    y = swiglu(x.index_select(0, token), counts, experts)
     y = y * weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None]
     return x.new_zeros(N, y.shape[-1], dtype=y.dtype).index_add(0, token, y).to(x.dtype)
 
@@ -176,9 +240,10 @@ class SparseMoeBlock(nn.Module):
     """Qwen3-MoE's sparse MLP (see the module docstring). `moe_index`: this block's ordinal among the MoE layers,
     which indexes `ExpertRouting` records."""
 
-    def __init__(self, config: ModelConfig, moe_index: int):
+    def __init__(self, config: ModelConfig, moe_index: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         super().__init__()
         self.moe_index = moe_index
+        self.fast_paths = fast_paths  # `grouped_experts` (set by the model: `QuarlForCausalLM.set_fast_paths`)
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = TopKRouter(config.hidden_size, config.num_experts)
@@ -205,7 +270,8 @@ class SparseMoeBlock(nn.Module):
             routing.used[self.moe_index] = chosen.reshape(*lead, self.top_k)
             routing.own[self.moe_index] = own.reshape(*lead, self.top_k)
         # transformers casts the routing weights to the compute dtype before weighting the experts' outputs
-        return moe_experts_reference(flat, chosen, weights.to(x.dtype), self.experts).reshape(x.shape)
+        grouped = grouped_gemm_ok(self.experts, flat, self.fast_paths)
+        return moe_experts(flat, chosen, weights.to(x.dtype), self.experts, grouped).reshape(x.shape)
 
 
 def routing_mismatch(recorded: torch.Tensor, computed: torch.Tensor) -> tuple[float, int]:
