@@ -438,6 +438,19 @@ def test_uaq_keeps_a_moe_model_s_function():
     torch.testing.assert_close(after, before, atol=1e-9, rtol=0)
 
 
+def test_rollout_roofline_counts_k_of_e_experts_per_token_and_reads_every_expert():
+    from quarl.bench.rollout import linear_bytes_and_params
+
+    _, model = hf_and_ours(dtype=torch.float32)
+    nbytes, params = linear_bytes_and_params(model)
+    H, V = 64, 320
+    attention = H * 4 * 24 * 2 + H * 2 * 24 * 2  # q/o: 4 heads x 24; k/v: 2 heads x 24
+    dense, expert = 3 * H * 128, 3 * H * 32
+    # 3 layers of attention, 1 dense MLP, 2 MoE layers of 8 experts (2 per token), lm_head
+    assert params == 3 * attention + dense + 2 * 2 * expert + H * V
+    assert nbytes == 4 * (3 * attention + dense + 2 * 8 * expert + H * V)  # float32, every expert read
+
+
 # --------------------------------------------------------------------------------------------- training runs
 def test_router_replay_needs_a_moe_model(tmp_path):
     from quarl.rl.trainer import Trainer

@@ -185,14 +185,19 @@ def parse_settings(text: str) -> list[tuple[str, str]]:
 
 
 def linear_bytes_and_params(model) -> tuple[int, int]:
-    """(bytes the rollout forward reads for all linears, lm_head included; number of linear weights)."""
+    """(bytes the rollout forward reads for all linears, lm_head included; number of linear weights a token
+    multiplies by). In a MoE model a token multiplies by k of the E experts of a layer, so each expert's weights
+    count k / E times, while every expert's bytes are read (a decode batch of B tokens routes B * k pairs,
+    touching nearly every expert once B * k >> E)."""
     from quarl.model.qlinear import QuantLinear
 
+    c = model.config
+    active = c.num_experts_per_tok / c.num_experts if c.num_experts else 1.0
     nbytes = params = 0
-    for m in model.modules():
+    for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
             continue
-        params += m.in_features * m.out_features
+        params += m.in_features * m.out_features * (active if ".experts." in name else 1.0)
         if m.rollout_format is not None and m.qweight_data is not None:
             parts = (m.qweight_data, m.qweight_scale, m.qweight_global_scale)
             nbytes += sum(t.numel() * t.element_size() for t in parts if t is not None)
@@ -200,7 +205,7 @@ def linear_bytes_and_params(model) -> tuple[int, int]:
             nbytes += m.weight.numel() * m.weight.element_size()
         if m.bias is not None:
             nbytes += m.bias.numel() * m.bias.element_size()
-    return nbytes, params
+    return nbytes, round(params)
 
 
 def kv_bytes_per_element(kv: str, head_dim: int, model_itemsize: int) -> float:
