@@ -417,6 +417,16 @@ def test_replay_gradients_reach_the_router_and_survive_gradient_checkpointing():
         torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
+def test_fast_engine_refuses_graphs_and_fused_decode_for_moe_and_falls_back_by_default():
+    _, model = hf_and_ours(dtype=torch.float32)
+    with pytest.raises(ValueError, match="use_cuda_graphs=True cannot serve a mixture-of-experts model"):
+        FastRolloutEngine(model, None, use_cuda_graphs=True)
+    with pytest.raises(ValueError, match="fused_decode=True does not cover mixture-of-experts"):
+        FastRolloutEngine(model, None, fused_decode=True)
+    engine = FastRolloutEngine(model, None)
+    assert not engine.use_cuda_graphs and engine._decoder is None
+
+
 def test_replay_of_another_batch_is_refused():
     _, model = hf_and_ours(dtype=torch.float32)
     with pytest.raises(ValueError, match="router replay covers tokens"):
