@@ -165,6 +165,7 @@ BENCHMARKS = {
     "step": "B3: one RL step of the real trainer, split into sync/rollout/prox/update",
     "memory": "B4: the largest Qwen2.5 model whose qlora RL step runs on this GPU",
     "quality": "B6: learning quality of every precision flow on the real SmolLM2-135M (runs side by side)",
+    "mismatch": "before training: each rollout format's KL to the full-precision model on a run config's data",
 }
 
 
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(fn=_export)
 
-    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step, memory, quality")
+    p = sub.add_parser("bench", help="benchmarks (GPU): gemm, rollout, step, memory, quality; mismatch (CPU or GPU)")
     bench = p.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHMARKS.items():
         _add_module_command(bench, name, help_text, f"quarl.bench.{name}", f"bench_{name}", f"quarl bench {name}")

@@ -23,6 +23,7 @@ import yaml
 
 from quarl.fast_paths import FastPaths
 from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.rl.critic import CriticConfig
 from quarl.rl.mismatch_alarms import AlarmConfig
 from quarl.rl.objectives import LossConfig, get_correction
 
@@ -178,6 +179,7 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     loss: LossConfig = field(default_factory=LossConfig)
     alarms: AlarmConfig = field(default_factory=AlarmConfig)  # mismatch drift warnings (docs/CORRECTIONS.md)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # PPO's value function (loss.advantage_estimator=gae)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     output: OutputSection = field(default_factory=OutputSection)
@@ -189,7 +191,7 @@ class RunConfig:
         self.precision.lora = self.lora
         # Dr.GRPO divides by answers x max_new_tokens; the trainer resolves an unset value the same way.
         loss = dataclasses.replace(self.loss, max_new_tokens=self.loss.max_new_tokens or self.rollout.max_new_tokens)
-        for check in (self.precision.validate, loss.validate, self.alarms.validate):
+        for check in (self.precision.validate, loss.validate, self.alarms.validate, self.critic.validate):
             try:
                 check()
             except ValueError as e:
@@ -239,11 +241,13 @@ class RunConfig:
             )
         if self.eval.n > 1 and self.eval.temperature <= 0:
             raise ConfigError(f"eval.n={self.eval.n} needs eval.temperature > 0 (greedy answers would all be equal)")
-        if self.rollout.num_generations < 2 and self.loss.loss_type in ("grpo", "dapo", "dr_grpo"):
+        if self.rollout.num_generations < 2 and self.loss.advantage_estimator == "group":
             raise ConfigError(
                 "rollout.num_generations must be >= 2: group-relative advantages compare answers to the same "
-                f"prompt (got {self.rollout.num_generations})"
+                f"prompt (got {self.rollout.num_generations}); PPO with a critic (loss.advantage_estimator=gae) "
+                "can train on one answer per prompt"
             )
+        check_critic(self)
         if self.rollout.engine not in ("auto", "fast", "reference"):
             raise ConfigError(f"rollout.engine={self.rollout.engine!r}; choose auto, fast or reference")
         if self.rollout.sampler not in SAMPLERS:
@@ -277,6 +281,25 @@ class RunConfig:
             raise ConfigError("uaq rescales the base weights for full fine-tuning; it has no effect with LoRA")
         warn_inert_clip(self)
         return self
+
+
+def check_critic(cfg: "RunConfig") -> None:
+    """The critic settings against the rest of the run: ConfigError when the actor would never train, a warning
+    (UserWarning, one line) when critic.* keys are set but no critic runs."""
+    import warnings
+
+    critic = cfg.critic
+    if cfg.loss.advantage_estimator != "gae":
+        changed = [f"critic.{f.name}" for f in dataclasses.fields(CriticConfig)
+                   if getattr(critic, f.name) != f.default]
+        if changed:
+            warnings.warn(f"{', '.join(changed)} set, but loss.advantage_estimator={cfg.loss.advantage_estimator}: "
+                          "no critic runs; set loss.advantage_estimator=gae for PPO with a critic", UserWarning,
+                          stacklevel=3)
+        return
+    if critic.warmup_steps >= cfg.train.steps:
+        raise ConfigError(f"critic.warmup_steps={critic.warmup_steps} >= train.steps={cfg.train.steps}: the actor "
+                          "would never train; lower critic.warmup_steps (e.g. a tenth of train.steps)")
 
 
 RUN_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))  # top-level keys, never read as TRL names
@@ -566,6 +589,15 @@ def read_config_file(path: str | Path) -> dict:
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...), got "
                           f"{_kind(data)}")
     return data
+
+
+def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's optional CONFIG argument and its overrides: `quarl CMD key=value ...` (no YAML file) puts
+    the first override where the file would be; it is moved back to the overrides."""
+    overrides = list(overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        return None, [config, *overrides]
+    return config, overrides
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

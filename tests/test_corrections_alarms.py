@@ -43,7 +43,9 @@ def test_advice_follows_the_config():
     out, _ = _feed(alarms, [0.5], name="is/truncated_frac")
     assert "loss.is_cap" in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(correction="tbpo")), [0.9], "is/masked_frac")
-    assert "loss.tbpo_band" in out[0][0]
+    assert "loss.tbpo_band" in out[0][0] and "loss.geo_high" not in out[0][0]  # only the band of this correction
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(correction="geo_mask")), [0.9], "is/masked_frac")
+    assert "loss.geo_high" in out[0][0] and "loss.tbpo_band" not in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg()), [0.2], "error/flagged_frac")
     assert "loss.error_token_guard=mask" in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(guard="mask")), [0.2], "error/flagged_frac")
@@ -65,3 +67,13 @@ def test_below_threshold_missing_nan_disabled_and_zero_threshold_never_fire():
 def test_bad_config(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         AlarmConfig(**kwargs).validate()
+
+
+def test_w8a8_rollouts_are_pointed_to_weight_only_quantization():
+    from quarl.config import load_config
+
+    for weight_only, expected in ((False, True), (True, False)):
+        cfg = load_config(None, ["precision.flow=split", "precision.format=int8",
+                                 f"precision.weight_only={str(weight_only).lower()}"])
+        out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), cfg), [0.5])
+        assert ("precision.weight_only=true" in out[0][0]) is expected

@@ -1,11 +1,13 @@
 """PPO with a critic: GAE against the closed form A_k = Σ_l (γλ)^l δ_{k+l} in float64, and the clipped value
 loss against its formula."""
 
+import math
+
 import pytest
 import torch
 
-from quarl.rl.advantages import gae_advantages
-from quarl.rl.critic import ValueHead, value_loss
+from quarl.rl.advantages import gae_advantages, token_rewards
+from quarl.rl.critic import ValueHead, explained_variance, value_loss
 
 
 def _gae_closed_form(r, v, mask, gamma, lam):
@@ -58,7 +60,7 @@ def test_value_loss_matches_formula_and_clips():
     vc = old + torch.clamp(v.detach() - old, -0.2, 0.2)
     per = 0.5 * torch.maximum((v.detach() - ret) ** 2, (vc - ret) ** 2)
     torch.testing.assert_close(loss.detach(), per[mask].mean(), rtol=1e-12, atol=0)
-    assert 0 < met["critic/clip_frac"] < 1
+    assert 0 < met["critic/vf_clipfrac"] < 1
     loss.backward()
     # where the clipped error wins and V left the band, the gradient is zero
     frozen = ((vc - ret) ** 2 > (v.detach() - ret) ** 2) & ((v.detach() - old).abs() > 0.2) & mask
@@ -75,3 +77,30 @@ def test_value_head_shapes():
     assert out.shape == (2, 5) and out.dtype == torch.float32 and out.abs().max() == 0
     with pytest.raises(ValueError, match=r"\[B, T, 8\]"):
         head(torch.randn(2, 8))
+
+
+def test_token_rewards_sit_on_the_last_counted_token():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    mask = torch.rand(6, 9, generator=g) > 0.4
+    mask[2] = False  # an answer with no counted token receives nothing
+    rewards = torch.randn(6, generator=g, dtype=torch.float64)
+    got = token_rewards(rewards, mask)
+    want = torch.zeros(6, 9, dtype=torch.float64)
+    for b in range(6):
+        counted = [t for t in range(9) if mask[b, t]]
+        if counted:
+            want[b, counted[-1]] = rewards[b]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"rewards must be \[B\]"):
+        token_rewards(rewards[:5], mask)
+
+
+def test_explained_variance_matches_its_formula():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    ret = torch.randn(4, 7, generator=g, dtype=torch.float64)
+    val = ret + 0.3 * torch.randn(4, 7, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 7, generator=g) > 0.3
+    r, v = ret[mask].numpy(), val[mask].numpy()
+    assert explained_variance(ret, val, mask) == pytest.approx(1 - (r - v).var() / r.var(), rel=1e-12)
+    assert explained_variance(ret, ret, mask) == pytest.approx(1.0)
+    assert math.isnan(explained_variance(torch.ones(2, 3), torch.zeros(2, 3), torch.ones(2, 3)))

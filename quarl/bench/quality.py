@@ -53,6 +53,10 @@ SETTINGS: dict[str, list[str]] = {
     "split-fp8-tis": ["precision.flow=split", "precision.format=fp8", FULL_LR],
     "split-fp8-block-tis": ["precision.flow=split", "precision.format=fp8-block", FULL_LR],
     "unified-fp8-block": ["precision.flow=unified", "precision.format=fp8-block", FULL_LR],
+    # weight-only rollouts: on small models the per-token activation quantizer makes most of the mismatch
+    # (bench/results/mismatch.md); without it the unified flow's two forwards differ only in rounding order
+    "split-int8-w8a16-tis": ["precision.flow=split", "precision.format=int8", "precision.weight_only=true", FULL_LR],
+    "unified-int8-w8a16": ["precision.flow=unified", "precision.format=int8", "precision.weight_only=true", FULL_LR],
     "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],
@@ -66,6 +70,9 @@ SETTINGS: dict[str, list[str]] = {
                         "train.mini_batch_size=32", FULL_LR],
     "split-int8-gspo-tis": ["precision.flow=split", "precision.format=int8", "loss.importance_sampling_level=sequence",
                             "train.mini_batch_size=32", FULL_LR],
+    # PPO with a critic (docs/CORRECTIONS.md): GAE advantages from a separate full-precision critic
+    "split-int8-ppo-gae": ["precision.flow=split", "precision.format=int8", "loss.advantage_estimator=gae",
+                           "train.mini_batch_size=32", FULL_LR],
     "split-nvfp4-tis": ["precision.flow=split", "precision.format=nvfp4", FULL_LR],
     "split-mxfp4-tis": ["precision.flow=split", "precision.format=mxfp4", FULL_LR],
 }

@@ -136,3 +136,22 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float =
         std = sel.std(unbiased=False) if sel.numel() > 1 else torch.ones((), dtype=dtype)
         adv = torch.where(m, (adv - sel.mean()) / (std + _STD_EPS), torch.zeros_like(adv))
     return adv, returns
+
+
+def token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Outcome rewards laid out per token for GAE: each answer's reward on its last counted token, 0 elsewhere.
+
+    Args:
+        rewards: [B] float, one reward per answer.
+        mask: [B, T] bool or 0/1 float, 1 = a counted answer token.
+    Returns:
+        [B, T] float32 (float64 for float64 rewards); an answer with no counted token receives no reward.
+    """
+    if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards must be [B] and mask [B, T] with the same B; got {tuple(rewards.shape)} and "
+                         f"{tuple(mask.shape)}")
+    m = mask.bool() if mask.dtype == torch.bool else mask != 0
+    # the last counted token: counted, and no counted token after it
+    last = m & (m.long().cumsum(1) == m.long().sum(1, keepdim=True))
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    return torch.where(last, r.unsqueeze(1).expand_as(last), torch.zeros((), dtype=r.dtype))

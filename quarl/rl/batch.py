@@ -28,9 +28,12 @@ class RolloutBatch:
 
     input_ids [B, T] int64; attention_mask [B, T] int64 (1 = real token); answer_mask [B, T-1] float32 (1 = answer
     token that counts in the loss); behaviour_logprobs [B, T-1] float32 (log μ, 0 outside answers);
-    advantages [B] float32; rewards [B] float32; group_index [B] int64 (which prompt the row answers);
-    answer_lengths [B] int64; expert_indices int16 [B, T, num_moe_layers, k] or None: the experts the rollout routed
-    each token to (-1 where it has no record: padding, and each row's last token, which the rollout never fed back).
+    advantages [B] float32 (one per answer) or [B, T-1] float32 (per token, GAE); rewards [B] float32 (the reward
+    the advantages come from: the task's plus DAPO's overlong penalty); group_index [B] int64 (which prompt the
+    row answers); answer_lengths [B] int64; with a critic (loss.advantage_estimator=gae) also returns [B, T-1]
+    float32 (GAE's value targets) and values [B, T-1] float32 (V_old, the critic's values before the update).
+    expert_indices int16 [B, T, num_moe_layers, k] or None (MoE rollouts): the experts the rollout routed each token
+    to (-1 where it has no record: padding, and each row's last token, which the rollout never fed back).
     """
 
     input_ids: torch.Tensor
@@ -41,6 +44,8 @@ class RolloutBatch:
     rewards: torch.Tensor
     group_index: torch.Tensor
     answer_lengths: torch.Tensor
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
     expert_indices: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -51,19 +56,26 @@ class RolloutBatch:
         """Number of trailing log-prob columns that hold every answer token of these rows (>= 1)."""
         return max(1, int(self.answer_lengths.max())) if len(self.answer_lengths) else 1
 
+    def answer_advantages(self, width: int) -> torch.Tensor:
+        """The advantages as the loss takes them: [B] per answer, or the last `width` columns [B, width] per token."""
+        return self.advantages if self.advantages.dim() == 1 else self.advantages[:, -width:]
+
     def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
         """The given rows, trimmed on the left to their longest real sequence (saves compute in micro-batches)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         length = max(2, int(self.attention_mask[rows].sum(1).max()))
+        columns = lambda t: None if t is None else t[rows, -(length - 1):]  # noqa: E731  ([B, T-1] tensors)
         return RolloutBatch(
             input_ids=self.input_ids[rows, -length:],
             attention_mask=self.attention_mask[rows, -length:],
-            answer_mask=self.answer_mask[rows, -(length - 1):],
-            behaviour_logprobs=self.behaviour_logprobs[rows, -(length - 1):],
-            advantages=self.advantages[rows],
+            answer_mask=columns(self.answer_mask),
+            behaviour_logprobs=columns(self.behaviour_logprobs),
+            advantages=self.advantages[rows] if self.advantages.dim() == 1 else columns(self.advantages),
             rewards=self.rewards[rows],
             group_index=self.group_index[rows],
             answer_lengths=self.answer_lengths[rows],
+            returns=columns(self.returns),
+            values=columns(self.values),
             expert_indices=None if self.expert_indices is None else self.expert_indices[rows, -length:],
         )
 
@@ -122,7 +134,7 @@ def build_batch(
     return RolloutBatch(
         input_ids, attention_mask, answer_mask, behaviour,
         advantages.float(), rewards.float(), torch.tensor(group_index, dtype=torch.long),
-        torch.tensor([len(a) for a in answer_ids], dtype=torch.long), expert_indices,
+        torch.tensor([len(a) for a in answer_ids], dtype=torch.long), expert_indices=expert_indices,
     )
 
 

@@ -1,5 +1,5 @@
 """Atomic, checksummed checkpoints of a training run: trainable weights, optimizer, RNG states, step (the learning
-rate is a function of the step).
+rate is a function of the step), and extra plain fields (counters; the critic's weights and optimizer with PPO).
 
 Files live in RUN_DIR/checkpoints/:
 
@@ -264,7 +264,8 @@ def remove_orphans(folder: str | Path) -> list[Path]:
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, keep: int = 2, **extra) -> Path:
     """Write the state after `step` completed RL steps; keep the newest `keep` (>= 1) checkpoints. Returns the path.
 
-    Refuses (ValueError, nothing written) when a trainable parameter or an optimizer tensor holds NaN/Inf. Writes
+    Refuses (ValueError, nothing written) when a trainable parameter, an optimizer tensor or a tensor among the
+    `extra` values (e.g. a critic's weights and optimizer state) holds NaN/Inf. Writes
     the .pt, then its .sha256, then `latest`, each atomically; then removes older checkpoints beyond `keep`, any
     with a higher step (left from before a resume that fell back past them) and temporary files a crash left
     behind. `extra` values must be plain types (weights_only=True loads them).
@@ -277,9 +278,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, keep: int 
     path = folder / f"step_{step:06d}.pt"
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     optimizer_state = optimizer.state_dict()
-    check_finite(list(trainable.items()) + list(_tensors(optimizer_state, "optimizer")))
     for key, value in extra.items():
         _check_plain(value, key)
+    check_finite(list(trainable.items()) + list(_tensors(optimizer_state, "optimizer"))
+                 + [item for key, value in extra.items() for item in _tensors(value, key)])
     state = {
         "step": step,
         "model": {n: p.detach().cpu().clone() for n, p in trainable.items()},

@@ -39,10 +39,17 @@ ALARM_METRICS = {"kl": "mismatch/kl", "truncated_frac": "is/truncated_frac", "ma
                  "error_frac": "error/flagged_frac"}
 
 
+# The keys that widen each rejecting correction's acceptance band (docs/CORRECTIONS.md).
+BAND_KEYS = {"geo_mask": "loss.geo_high / loss.geo_low", "seq_mask_tis": "loss.geo_high / loss.geo_low",
+             "tbpo": "loss.tbpo_band", "mis": "loss.mis_high / loss.mis_low",
+             "icepop": "loss.icepop_high / loss.icepop_low"}
+
+
 def _advice(key: str, run_cfg) -> str:
     """What to try, given the run config (a RunConfig, or None for generic advice)."""
-    flow = getattr(getattr(run_cfg, "precision", None), "flow", None)
-    fmt = getattr(getattr(run_cfg, "precision", None), "format", None)
+    precision = getattr(run_cfg, "precision", None)
+    flow = getattr(precision, "flow", None)
+    fmt = getattr(precision, "format", None)
     loss = getattr(run_cfg, "loss", None)
     correction = getattr(loss, "correction", None)
     tips = []
@@ -54,12 +61,15 @@ def _advice(key: str, run_cfg) -> str:
             tips.append(f"a larger loss.is_cap (now {getattr(loss, 'is_cap', '?')})")
         if flow == "split" and fmt not in ("fp8-block", None):
             tips.append(f"a finer rollout format (precision.format=fp8-block instead of {fmt})")
+        if flow in ("split", "unified") and getattr(precision, "resolved_weight_only", True) is False:
+            tips.append("weight-only quantization (precision.weight_only=true: activations stay in the compute "
+                        "dtype; `quarl bench mismatch` measures each format both ways on your model)")
         if flow in ("split", None):
             tips.append("the unified flow (precision.flow=unified: training sees the rollout's quantizer, so the "
                         "mismatch is kernels only)")
     elif key == "masked_frac":
-        tips.append("a wider acceptance band (loss.geo_high, loss.tbpo_band, loss.mis_high or loss.icepop_high, "
-                    f"for loss.correction={correction})")
+        band = BAND_KEYS.get(correction, "loss.geo_high, loss.tbpo_band, loss.mis_high or loss.icepop_high")
+        tips.append(f"a wider acceptance band ({band}, for loss.correction={correction})")
         if flow in ("split", None):
             tips.append("less mismatch (precision.format=fp8-block, or precision.flow=unified)")
     else:  # error_frac

@@ -78,6 +78,7 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 CORRECTION_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ERROR_TOKEN_GUARDS = ("off", "mask", "drop")
+ADVANTAGE_ESTIMATORS = ("group", "gae")
 DEFAULT_AGGREGATION = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 DAPO_EPSILON_HIGH = 0.28  # DAPO "clip-higher"
 
@@ -277,6 +278,8 @@ class LossConfig:
     """Objective, aggregation and mismatch correction (BRIEF §4). Call `validate()` to check and resolve it."""
 
     loss_type: str = "grpo"  # "grpo" | "dapo" | "dr_grpo"  (sets the default aggregation)
+    # group: group-relative (grpo, dapo: over the group's std; dr_grpo: centred) | gae: PPO with a critic (critic.*)
+    advantage_estimator: str = "group"
     # None -> by loss_type: grpo seq-mean-token-mean, dapo token-mean, dr_grpo seq-mean-token-sum-norm
     aggregation: str | None = None
     epsilon_low: float = 0.2  # PPO clip range below 1
@@ -333,6 +336,9 @@ class LossConfig:
         """
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss.loss_type={self.loss_type!r} is unknown; choose one of {LOSS_TYPES}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"loss.advantage_estimator={self.advantage_estimator!r} is unknown; choose one of "
+                             f"{ADVANTAGE_ESTIMATORS} (gae = PPO with a critic, configured under critic.*)")
         agg = self.resolved_aggregation
         if agg not in AGGREGATIONS:
             raise ValueError(f"loss.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS} "

@@ -1,7 +1,8 @@
 """The RL training loop (BRIEF §1). Read `Trainer.step` top to bottom: it is the table of contents of quarl.
 
     sync (re-quantize + AQN) -> rollout (behaviour log-probs) -> rewards -> advantages
-    -> proximal (+ reference) log-probs -> clipped objective with a mismatch correction -> optimizer steps
+    -> proximal (+ reference) log-probs [-> critic: V_old, GAE advantages and returns]
+    -> clipped objective with a mismatch correction [+ clipped value loss] -> optimizer steps
     -> metrics, samples, checkpoint
 """
 
@@ -17,7 +18,7 @@ import signal
 import sys
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
 from quarl.rl.checkpoint import atomic_write_bytes, load_latest_intact, save_checkpoint
+from quarl.rl.critic import Critic
 from quarl.rl.error_tokens import guard_error_answers
 from quarl.rl.evaluate import evaluate
 from quarl.rl.master_weights import MasterWeightAdamW
@@ -233,6 +235,9 @@ class Trainer:
             )
         self.model, self.tokenizer = model.to(device=self.device, dtype=self.dtype), tokenizer
         self.model.set_fast_paths(cfg.fast_paths)  # the training forward's and the answer log-probs' paths
+        # PPO with a critic; built before UAQ and quantization touch the actor: a separate critic copies these weights
+        self.critic = Critic.build(cfg, self.model, self.device, self.dtype) \
+            if cfg.loss.advantage_estimator == "gae" else None
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
         self.quantized_linears = apply_precision(self.model, cfg.precision)
@@ -313,6 +318,8 @@ class Trainer:
             # the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning)
             state, ckpt = load_latest_intact(run_dir, self.model, self.optimizer)
             self.start_step = resume_step = state["step"]
+            if self.critic is not None:
+                self.critic.load_state_dict(state.get("critic"), ckpt)
             self.nonfinite_total = int(state.get("nonfinite_total", 0))
             self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
             refresh_rollout_weights(self.model)
@@ -336,8 +343,11 @@ class Trainer:
     def set_lr(self, step: int) -> None:
         """The learning rate is a pure function of the RL step (warm-up, then the schedule): nothing to save."""
         t = self.cfg.train
+        factor = lr_factor(step, t.steps, t.warmup_steps, t.lr_schedule)
         for group in self.optimizer.param_groups:
-            group["lr"] = t.lr * lr_factor(step, t.steps, t.warmup_steps, t.lr_schedule)
+            group["lr"] = t.lr * factor
+        if self.critic is not None:
+            self.critic.set_lr(factor)
 
     def sync(self, step: int) -> float:
         """Re-quantize master weights into the rollout copy (in place) and draw this step's AQN noise."""
@@ -415,7 +425,7 @@ class Trainer:
             prompt_ids=[o.prompt_token_ids for o in outputs for _ in o.completions],
             answer_ids=[c.token_ids for o in outputs for c in o.completions],
             behaviour_logprobs=[c.logprobs for o in outputs for c in o.completions],
-            counts=counts, advantages=advantages, rewards=flat_rewards,
+            counts=counts, advantages=advantages, rewards=shaped,
             group_index=[i for i, o in enumerate(outputs) for _ in o.completions],
             pad_id=0,  # any id below the vocabulary size: padding is masked
             routing=[c.routing for o in outputs for c in o.completions]
@@ -519,8 +529,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(tr.seed * 31337 + step)
         sums: dict[str, float] = {}
         weight_total = 0.0
-        grad_norms, losses = [], []
+        grad_norms, critic_norms, losses = [], [], []
         skipped: list[str] = []  # the cause of each skipped optimizer step
+        critic = self.critic
+        optimizers = [self.optimizer] + ([critic.optimizer] if critic is not None else [])
+        actor_trains = critic is None or critic.actor_trains(step)  # critic warm-up: only the critic learns
         self.model.train()
         for _ in range(tr.epochs):
             order = torch.randperm(n, generator=gen) if tr.epochs > 1 or mini < n else torch.arange(n)
@@ -529,7 +542,8 @@ class Trainer:
                 num_tokens = int(batch.answer_mask[mini_rows].sum().item())
                 if num_tokens == 0:
                     continue
-                self.optimizer.zero_grad(set_to_none=True)
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
                 mini_loss = 0.0
                 mini_sums: dict[str, float] = {}
                 mini_weight = 0.0
@@ -538,11 +552,12 @@ class Trainer:
                     rows = mini_rows[u0 : u0 + tr.micro_batch_size]
                     sub = batch.select(rows)
                     routing = self.expert_routing(sub)
-                    logprobs, ent = answer_logprobs(
-                        self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                        self.cfg.rollout.temperature, sub.answer_width, with_entropy=collect_proximal,
-                        answer_lengths=sub.answer_lengths, routing=routing,
-                    )
+                    with critic.reading(self.model) if critic is not None else nullcontext():
+                        logprobs, ent = answer_logprobs(
+                            self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
+                            self.cfg.rollout.temperature, sub.answer_width, with_entropy=collect_proximal,
+                            answer_lengths=sub.answer_lengths, routing=routing,
+                        )
                     if collect_proximal:  # this forward is the proximal pass: its routing is the step's
                         self.count_routing(sub, routing)
                     width = logprobs.shape[1]  # the last `width` columns hold every answer token of these rows
@@ -554,9 +569,14 @@ class Trainer:
                         collected_entropy[rows, -width:] = ent.float().cpu()
                     loss, metrics = policy_loss(
                         logprobs, prox, sub.behaviour_logprobs[:, -width:].to(self.device),
-                        sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.loss_cfg,
-                        reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
+                        sub.answer_advantages(width).to(self.device), sub.answer_mask[:, -width:].to(self.device),
+                        self.loss_cfg, reference_logprobs=dev(reference), num_sequences=len(mini_rows),
+                        num_tokens=num_tokens,
                     )
+                    if critic is not None:  # the clipped value loss joins this backward (alone during warm-up)
+                        value_loss, value_metrics = critic.loss(sub, width, num_tokens, self.device, actor_trains)
+                        loss = (loss if actor_trains else loss.detach()) + value_loss
+                        metrics.update(value_metrics)
                     loss_value = loss.item()
                     if bad is None and not math.isfinite(loss_value):
                         bad = f"non-finite loss ({loss_value})"
@@ -570,24 +590,33 @@ class Trainer:
                 grad_norm = float("nan")
                 if bad is None:
                     grad_norm = float(self.optimizer.clip_grad_norm_(tr.max_grad_norm))
+                    critic_norm = 0.0 if critic is None else float(critic.optimizer.clip_grad_norm_(tr.max_grad_norm))
                     if not math.isfinite(grad_norm):
                         bad = f"non-finite gradient norm ({grad_norm})"
+                    elif not math.isfinite(critic_norm):
+                        bad = f"non-finite critic gradient norm ({critic_norm})"
                 if bad is not None:
-                    self.optimizer.zero_grad(set_to_none=True)  # nothing of this minibatch reaches the weights
+                    for optimizer in optimizers:  # nothing of this minibatch reaches the weights
+                        optimizer.zero_grad(set_to_none=True)
                     skipped.append(bad)
                     continue
-                self.optimizer.step()
+                for optimizer in optimizers:
+                    optimizer.step()
                 losses.append(mini_loss)
                 grad_norms.append(grad_norm)
+                critic_norms.append(critic_norm)
                 weight_total += mini_weight
                 for k, v in mini_sums.items():
                     sums[k] = sums.get(k, 0.0) + v
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         if grad_norms:
             self.check_weights_finite(step + 1)
         out = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
         if grad_norms:
             out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            if critic is not None:
+                out["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
             out["train/loss"] = sum(losses) / len(losses)
         out["train/optimizer_steps"] = len(grad_norms)
         out["train/skipped_updates"] = len(skipped)
@@ -606,7 +635,8 @@ class Trainer:
             if master is not p:
                 tensors.append(master.detach())
                 names.append(f"{by_id.get(id(p), '?')} (float32 master)")
-        return [n for n, ok in zip(names, _finite_flags(tensors)) if not ok]
+        bad = [n for n, ok in zip(names, _finite_flags(tensors)) if not ok]
+        return bad + (self.critic.nonfinite_weights() if self.critic is not None else [])
 
     def check_weights_finite(self, step: int, doing: str = "after the optimizer step") -> None:
         """NonFiniteError naming the (1-based) step when a trainable weight is NaN/Inf: nothing good follows."""
@@ -690,6 +720,11 @@ class Trainer:
             batch, proximal, reference, entropy, error_metrics = guard_error_answers(
                 batch, self.loss_cfg, proximal, reference, entropy)
             metrics.update(error_metrics)
+        if self.critic is not None:  # V_old over the answers (no grad, like π_prox), then GAE advantages and returns
+            t0 = time.perf_counter()
+            batch, critic_metrics = self.critic.prepare(batch, self.cfg.train.micro_batch_size, self.device)
+            metrics.update(critic_metrics)
+            metrics["time/critic_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         update_metrics = self.update(batch, proximal, reference, step, collect_proximal=from_update)
@@ -838,8 +873,9 @@ class Trainer:
         from tqdm import tqdm
 
         self.check_weights_finite(step, doing="at the checkpoint")
+        critic = {"critic": self.critic.state_dict()} if self.critic is not None else {}
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, keep=self.cfg.output.keep_checkpoints,
-                               nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
+                               nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak, **critic)
         tqdm.write(f"[quarl] step {step}: checkpoint saved to {path}")  # above the progress bar, not through it
 
 
