@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    # HF dir, hub id, .gguf path, the embedded default, or a built-in random tiny-random-llama / -qwen2 / -qwen3
+    # HF dir, hub id, .gguf path, the embedded default, or built-in random tiny-random-llama|qwen2|qwen3|qwen3-moe
     name: str = "smollm2-135m-instruct"
     gguf_file: str | None = None  # file name inside a hub repo or folder that holds several .gguf files
     revision: str | None = None  # hub revision (branch, tag or commit)
@@ -110,6 +110,8 @@ class RolloutSection:
     max_batch_size: int = 256  # sequences decoded at once (KV slots of the fast engine)
     engine: str = "auto"  # auto (fast on a GPU, reference on a CPU) | fast | reference
     sampler: str = "inverse-cdf"  # fast engine's temperature draws: inverse-cdf (one uniform per sequence) | gumbel
+    # MoE models: the training forward routes each token to the experts the rollout chose (R3)
+    router_replay: bool = False
 
 
 @dataclass

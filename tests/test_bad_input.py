@@ -1,6 +1,6 @@
 """Bad inputs fail with one clear line: an exception the CLI prints as `quarl CMD: error: ...` (ValueError,
 FileNotFoundError, ImportError) whose message names the culprit (file, key, record, function, device) and says
-what is wrong. Plus the built-in tiny random models (model.name=tiny-random-llama / -qwen2 / -qwen3).
+what is wrong. Plus the built-in tiny random models (model.name=tiny-random-llama / -qwen2 / -qwen3 / -qwen3-moe).
 """
 
 import json
@@ -341,11 +341,12 @@ def digit_reward(completion: str, example: dict) -> float:
 def test_tiny_random_model_loads_forwards_and_trains(tmp_path, name):
     from quarl.rl.trainer import Trainer
 
-    assert name in ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3")
+    assert name in ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-qwen3-moe")
     rng_state = torch.random.get_rng_state()
     model, tok = load_model(name, device="cpu", dtype=torch.float32)
     assert torch.equal(torch.random.get_rng_state(), rng_state)  # seeded privately
-    assert model.config.architecture == name.rsplit("-", 1)[1] and model.config.num_layers >= 2
+    assert model.config.architecture == name.removeprefix("tiny-random-").replace("-", "_")
+    assert model.config.num_layers >= 2
     again, _ = load_model(name.upper(), device="cpu", dtype="bfloat16")  # deterministic, any dtype
     assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(model.parameters(), again.parameters()))
     ids = torch.tensor([tok("What is 3 + 4?").input_ids])

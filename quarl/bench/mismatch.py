@@ -112,7 +112,7 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
     """Sample the answers in full precision, then score them with each (format, weight_only) rollout copy.
 
     Returns {"rows": [{format, weight_only, kl_mean, kl_p90, kl_max, top1_agree, seconds}], "tokens": N,
-    "answers": B, "mean_answer_tokens": float}.
+    "answers": B, "mean_answer_tokens": float, "dtype": the models' dtype}.
     """
     from quarl.devices import resolve_device
     from quarl.model.loading import load_model
@@ -157,7 +157,7 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
         rows.append(row)
         log(f"[quarl] {fmt} {'weight-only' if weight_only else 'quantized activations'}: "
             f"KL {row['kl_mean']:.4f}, top-1 agreement {agree:.3f}")
-    return dict(rows=rows, tokens=int(predicts.sum()), answers=len(kept),
+    return dict(rows=rows, tokens=int(predicts.sum()), answers=len(kept), dtype=str(dtype).replace("torch.", ""),
                 mean_answer_tokens=float(predicts.sum()) / max(len(kept), 1))
 
 
@@ -187,7 +187,7 @@ def run_bench_mismatch(args) -> int:
         r = cfg.rollout
         facts = [f"model {cfg.model.name}, data {cfg.data.train} (held-out prompts), {result['answers']} answers "
                  f"sampled in full precision at temperature {r.temperature}, max {r.max_new_tokens} new tokens, "
-                 f"{result['tokens']} answer tokens; compute dtype {cfg.precision.compute_dtype}"]
+                 f"{result['tokens']} answer tokens; weights and compute in {result['dtype']}"]
         append_entry(args.out, "Rollout/training mismatch per format, before training",
                      "Exact per-token KL(mu || pi) between each split-flow rollout copy (mu) and the full-precision "
                      "model (pi) on answers the full-precision model sampled (quarl/bench/mismatch.py).",

@@ -70,6 +70,9 @@ SETTINGS: dict[str, list[str]] = {
                         "train.mini_batch_size=32", FULL_LR],
     "split-int8-gspo-tis": ["precision.flow=split", "precision.format=int8", "loss.importance_sampling_level=sequence",
                             "train.mini_batch_size=32", FULL_LR],
+    # PPO with a critic (docs/CORRECTIONS.md): GAE advantages from a separate full-precision critic
+    "split-int8-ppo-gae": ["precision.flow=split", "precision.format=int8", "loss.advantage_estimator=gae",
+                           "train.mini_batch_size=32", FULL_LR],
     "split-nvfp4-tis": ["precision.flow=split", "precision.format=nvfp4", FULL_LR],
     "split-mxfp4-tis": ["precision.flow=split", "precision.format=mxfp4", FULL_LR],
 }

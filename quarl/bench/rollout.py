@@ -58,14 +58,25 @@ MODEL_SIZES = {
 }
 
 
+# Qwen3-30B-A3B (config.json of the released checkpoint): 48 layers, each a sparse MoE block of 128 experts of width
+# 768 with top-8 routing (renormalised); q/k norms, no attention bias. Built with random weights like the others.
+MODEL_SIZES["30b-a3b"] = dict(
+    architecture="qwen3_moe", attention_bias=False, attention_out_bias=False, qk_norm=True, vocab_size=151936,
+    hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+    tie_word_embeddings=False, max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True)
+
+
 def model_config(size: str):
-    """The ModelConfig of a Qwen2.5 size (a key of MODEL_SIZES, e.g. "7b")."""
+    """The ModelConfig of a size (a key of MODEL_SIZES: a Qwen2.5 size such as "7b", or "30b-a3b" for the
+    Qwen3-30B-A3B mixture of experts)."""
     from quarl.model.config import ModelConfig
 
     if size not in MODEL_SIZES:
         raise ValueError(f"--model-size {size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}")
-    return ModelConfig(architecture="qwen2", attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6,
-                       max_position_embeddings=32768, eos_token_ids=[151643, 151645], **MODEL_SIZES[size])
+    qwen25 = dict(architecture="qwen2", attention_bias=True)
+    return ModelConfig(**{**qwen25, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                          "eos_token_ids": [151643, 151645], **MODEL_SIZES[size]})
 
 
 def build_model(size: str, device: str = "cuda", seed: int = 0, std: float = 0.02, precision=None):
@@ -88,13 +99,17 @@ def build_model(size: str, device: str = "cuda", seed: int = 0, std: float = 0.0
 
 
 def parameter_count(size: str) -> int:
-    """Parameters of the Qwen2.5 `size` architecture (tied embeddings counted once), from its shapes."""
+    """Parameters of the `size` architecture (tied embeddings counted once), from its shapes."""
     c = model_config(size)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    attention = c.hidden_size * (q + 2 * kv) + (q + 2 * kv) + q * c.hidden_size  # q/k/v with bias, o without
-    layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    attention += (q + 2 * kv) * c.attention_bias + c.hidden_size * c.attention_out_bias + 2 * c.head_dim * c.qk_norm
+    dense = 3 * c.hidden_size * c.intermediate_size
+    sparse = c.num_experts * (c.hidden_size + 3 * c.hidden_size * c.moe_intermediate_size)  # router + experts
+    moe = len(c.moe_layers)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return c.num_layers * layer + embeddings + c.hidden_size
+    return c.num_layers * (attention + 2 * c.hidden_size) + moe * sparse + (c.num_layers - moe) * dense + \
+        embeddings + c.hidden_size
 
 
 def _deferred_choice(text: str):
@@ -111,7 +126,8 @@ def _deferred_choice(text: str):
 
 def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench rollout`."""
-    parser.add_argument("--model-size", default="7b", help=f"Qwen2.5 architecture: {', '.join(MODEL_SIZES)}")
+    parser.add_argument("--model-size", default="7b",
+                        help=f"architecture (Qwen2.5 sizes; 30b-a3b = Qwen3-30B-A3B MoE): {', '.join(MODEL_SIZES)}")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                         help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS)
                         + f", a quantized one optionally with {HEAD_SUFFIX} to quantize lm_head too; KV "
@@ -169,14 +185,19 @@ def parse_settings(text: str) -> list[tuple[str, str]]:
 
 
 def linear_bytes_and_params(model) -> tuple[int, int]:
-    """(bytes the rollout forward reads for all linears, lm_head included; number of linear weights)."""
+    """(bytes the rollout forward reads for all linears, lm_head included; number of linear weights a token
+    multiplies by). In a MoE model a token multiplies by k of the E experts of a layer, so each expert's weights
+    count k / E times, while every expert's bytes are read (a decode batch of B tokens routes B * k pairs,
+    touching nearly every expert once B * k >> E)."""
     from quarl.model.qlinear import QuantLinear
 
+    c = model.config
+    active = c.num_experts_per_tok / c.num_experts if c.num_experts else 1.0
     nbytes = params = 0
-    for m in model.modules():
+    for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
             continue
-        params += m.in_features * m.out_features
+        params += m.in_features * m.out_features * (active if ".experts." in name else 1.0)
         if m.rollout_format is not None and m.qweight_data is not None:
             parts = (m.qweight_data, m.qweight_scale, m.qweight_global_scale)
             nbytes += sum(t.numel() * t.element_size() for t in parts if t is not None)
@@ -184,7 +205,7 @@ def linear_bytes_and_params(model) -> tuple[int, int]:
             nbytes += m.weight.numel() * m.weight.element_size()
         if m.bias is not None:
             nbytes += m.bias.numel() * m.bias.element_size()
-    return nbytes, params
+    return nbytes, round(params)
 
 
 def kv_bytes_per_element(kv: str, head_dim: int, model_itemsize: int) -> float:

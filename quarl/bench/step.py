@@ -132,6 +132,7 @@ PATHS = {
     "lora-handoff": "lora_codes_handoff",
     "lora-stack": "stack_lora",
     "rollout-lora-stack": "stack_rollout_lora",
+    "grouped-experts": "grouped_experts",
 }
 
 

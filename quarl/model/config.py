@@ -7,6 +7,11 @@ One dataclass for the three supported families (they differ only in a few switch
 | `llama` (SmolLM2)   | LlamaForCausalLM    | optional q/k/v/o bias (`attention_bias`), llama3 rope scaling    |
 | `qwen2` (Qwen2.5)   | Qwen2ForCausalLM    | q/k/v bias always on, o_proj without bias                        |
 | `qwen3`             | Qwen3ForCausalLM    | RMSNorm on q and k per head (`qk_norm`), head_dim given apart    |
+| `qwen3_moe`         | Qwen3MoeForCausalLM | qwen3 attention; sparse MoE MLPs (`num_experts` > 0, see below)  |
+
+Mixture of experts (qwen3_moe): a layer i gets a sparse MoE block (a router over `num_experts` SwiGLU experts of
+width `moe_intermediate_size`, `num_experts_per_tok` of them per token) unless i is in `mlp_only_layers` or
+(i + 1) is not a multiple of `decoder_sparse_step`; such layers keep a dense MLP of width `intermediate_size`.
 
 Both config styles are read: transformers < 5 (`rope_theta` + `rope_scaling`) and transformers >= 5
 (`rope_parameters`). `to_hf_dict()` writes both, so either version loads what we save.
@@ -18,7 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,7 +40,7 @@ class UnsupportedArchitectureError(ValueError):
 class ModelConfig:
     """Decoder hyper-parameters (names follow the meaning, HF names are mapped in `from_hf`)."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" (the HF model_type)
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" (the HF model_type)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,6 +59,12 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    num_experts: int = 0  # experts per MoE layer (0 = a dense model)
+    num_experts_per_tok: int = 0  # top-k: experts each token is routed to
+    moe_intermediate_size: int = 0  # hidden width of each expert's SwiGLU MLP
+    norm_topk_prob: bool = False  # renormalise the k chosen routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here (dense MLP)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,6 +85,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.num_experts:
+            self._validate_moe()
+        elif self.architecture == "qwen3_moe":
+            raise ValueError("a qwen3_moe config needs num_experts > 0 (num_local_experts in transformers >= 5)")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -88,6 +104,31 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"llama3 rope_scaling is missing {sorted(missing)}: {self.rope_scaling}")
         return self
+
+    def _validate_moe(self) -> None:
+        if self.architecture != "qwen3_moe":
+            raise ValueError(f"num_experts={self.num_experts} is set, but mixture-of-experts layers exist only in "
+                             f"qwen3_moe models, not {self.architecture}; set num_experts=0")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                             f"num_experts={self.num_experts}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be a positive integer")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1 (1 = every layer sparse)")
+        bad = [i for i in self.mlp_only_layers if not 0 <= int(i) < self.num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layer indices of a {self.num_layers}-layer model")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a sparse MoE block (else a dense MLP), as transformers decides."""
+        return self.num_experts > 0 and layer_idx not in self.mlp_only_layers and \
+            (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the decoder layers with a sparse MoE block, in order (empty for a dense model)."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     @property
     def rope_type(self) -> str:
@@ -162,10 +203,11 @@ class ModelConfig:
             attention_bias=True if model_type == "qwen2" else attn_bias,
             attention_out_bias=False if model_type == "qwen2" else attn_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **(_moe_fields(d) if model_type == "qwen3_moe" else {}),
         )
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
@@ -201,8 +243,14 @@ class ModelConfig:
             d.update(use_sliding_window=False, sliding_window=None)
         else:
             d["attention_bias"] = self.attention_bias
-        if self.architecture == "qwen3":
+        if self.architecture in ("qwen3", "qwen3_moe"):
             d.update(use_sliding_window=False, sliding_window=None)
+        if self.architecture == "qwen3_moe":
+            # num_experts (transformers < 5, the published checkpoints) and num_local_experts (>= 5) both
+            d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
         if self.architecture == "llama":
             d["mlp_bias"] = self.mlp_bias
         elif self.mlp_bias:
@@ -210,3 +258,16 @@ class ModelConfig:
         if torch_dtype is not None:
             d["torch_dtype"] = torch_dtype
         return d
+
+
+def _moe_fields(d: dict) -> dict:
+    """ModelConfig's MoE fields from a qwen3_moe config dict (num_experts, or num_local_experts from
+    transformers >= 5)."""
+    experts = d.get("num_local_experts", d.get("num_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+                mlp_only_layers=[int(i) for i in d.get("mlp_only_layers") or []])

@@ -1,8 +1,10 @@
 """`QuarlForCausalLM`: one decoder definition for rollout (KV-cached decoding) and training (full forward).
 
-Llama / Qwen2 / Qwen3 families with grouped-query attention. Parameter names match Hugging Face, so
-`model.load_state_dict(hf_model.state_dict())` works. Every linear, lm_head included, is a `QuantLinear`;
-with tied embeddings `lm_head.weight` IS `model.embed_tokens.weight` (one Parameter).
+Llama / Qwen2 / Qwen3 / Qwen3-MoE families with grouped-query attention (MoE blocks: quarl/model/moe.py).
+Parameter names match Hugging Face checkpoints, so `model.load_state_dict(hf_model.state_dict())` works (for MoE
+models, transformers >= 5 stacks each layer's experts in memory; its checkpoints name every expert apart, as we do).
+Every linear, lm_head included, is a `QuantLinear`; with tied embeddings `lm_head.weight` IS
+`model.embed_tokens.weight` (one Parameter).
 
 Attention masks: `attention_mask` [B, T] (1 = real token) may pad on the left or the right. When positions are
 not given they count real tokens only (position of a token = number of real tokens before it), so a left-padded
@@ -19,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.config import ModelConfig
 from quarl.model.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding, prepare_training_kernels
+from quarl.model.moe import ExpertRouting, SparseMoeBlock, TopKRouter
 from quarl.model.qlinear import QuantLinear
 
 
@@ -119,7 +122,7 @@ class QuarlForCausalLM(nn.Module):
 
     def _init_module(self, module: nn.Module, std: float) -> None:
         """init_weights for one module (not its children)."""
-        if isinstance(module, (QuantLinear, nn.Embedding)):
+        if isinstance(module, (QuantLinear, nn.Embedding, TopKRouter)):
             if module.weight is not None and module.weight.numel():
                 module.weight.normal_(0.0, std)
             if getattr(module, "bias", None) is not None:
@@ -146,7 +149,7 @@ class QuarlForCausalLM(nn.Module):
             raise TypeError(f"set_fast_paths takes a quarl.fast_paths.FastPaths, got {type(fast_paths).__name__}")
         self.fast_paths = fast_paths
         for module in self.modules():
-            if isinstance(module, (Attention, MLP, QuantLinear)):
+            if isinstance(module, (Attention, MLP, QuantLinear, SparseMoeBlock)):
                 module.fast_paths = fast_paths
 
     def set_rollout(self, on: bool) -> None:
@@ -164,9 +167,15 @@ class QuarlForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     # ------------------------------------------------------------------ forward
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has sparse mixture-of-experts layers (qwen3_moe)."""
+        return bool(self.config.moe_layers)
+
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None, kv_cache=None,
-                      decode_start: torch.Tensor | None = None) -> torch.Tensor:
+                      decode_start: torch.Tensor | None = None, routing: ExpertRouting | None = None
+                      ) -> torch.Tensor:
         """Final-norm hidden states [B, T, hidden] in the model dtype. Arguments as in `forward`."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
@@ -198,16 +207,18 @@ class QuarlForCausalLM(nn.Module):
         recompute = self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
             if recompute:  # keep only each layer's input; backward re-runs the layer (same RNG for dropout)
-                x = checkpoint(layer, x, cos, sin, attn_mask, None, start, decode_start, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, attn_mask, None, start, decode_start, routing,
+                               use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start)
+                x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start, routing)
         if kv_cache is not None:
             kv_cache.commit(T)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache=None,
-                logits_to_keep: int | None = None, decode_start: torch.Tensor | None = None) -> torch.Tensor:
+                logits_to_keep: int | None = None, decode_start: torch.Tensor | None = None,
+                routing: ExpertRouting | None = None) -> torch.Tensor:
         """Logits for every (or the last `logits_to_keep`) position.
 
         Args:
@@ -220,10 +231,12 @@ class QuarlForCausalLM(nn.Module):
             decode_start: long [B], the first column of each row that the rollout engine decoded (rather than
                 prefilled), or a `quarl.model.layers.DecodeStart` carrying its maximum too (saves a device sync
                 per layer); used only by attention layers with `kv_quant` set (FP8 KV cache in the unified flow).
+            routing: a `quarl.model.moe.ExpertRouting` (MoE models): experts to replay for these tokens and/or a
+                record of the routing; None = every MoE layer routes by its own top-k.
         Returns:
             float32 logits [B, T or k, vocab_size] (float64 for a float64 model).
         """
-        h = self.hidden_states(input_ids, positions, attention_mask, kv_cache, decode_start)
+        h = self.hidden_states(input_ids, positions, attention_mask, kv_cache, decode_start, routing)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)

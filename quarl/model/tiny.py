@@ -11,7 +11,7 @@ from typing import Any
 
 from quarl.model.config import ModelConfig
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # Shapes small enough for fast CPU tests but with every structural feature: GQA (4 query heads per 2 kv heads),
 # several layers, head_dim != hidden/heads for qwen3.
@@ -22,11 +22,14 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
     "llama": dict(head_dim=16, attention_bias=False),
     "qwen2": dict(),  # q/k/v bias is built in; head_dim = hidden / heads
     "qwen3": dict(head_dim=24, attention_bias=False),  # head_dim given separately, q/k norms built in
+    # three layers, the middle one dense (mlp_only_layers): MoE ordinals differ from layer indices
+    "qwen3_moe": dict(head_dim=24, attention_bias=False, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
 }
 
 
 def tiny_hf_config(arch: str, **overrides: Any):
-    """A transformers config (LlamaConfig / Qwen2Config / Qwen3Config) for a tiny random model.
+    """A transformers config (LlamaConfig / Qwen2Config / Qwen3Config / Qwen3MoeConfig) for a tiny random model.
 
     `overrides` use transformers' names (e.g. tie_word_embeddings=True, rope_scaling={...}, rope_theta=...).
     """
@@ -47,6 +50,8 @@ def tiny_hf_config(arch: str, **overrides: Any):
                                rope_parameters=rope_parameters, **kwargs)
     if hasattr(cfg, "_attn_implementation"):
         cfg._attn_implementation = "eager"  # the plainest reference
+    if arch == "qwen3_moe" and hasattr(cfg, "_experts_implementation"):
+        cfg._experts_implementation = "eager"  # a loop over experts, which also runs in float64
     return cfg
 
 

@@ -4,6 +4,9 @@ Layout: each row is prompt + answer, LEFT-padded so that every row ends in the l
 [B, T-1] log-prob tensors scores token t+1, so all answer tokens lie in the last `answer_width` columns: the
 training forward only needs logits there (`logits_to_keep`), which saves most of the lm_head work and memory on
 long prompts. Answer token j of a row with an answer of length A sits in column T-1-A+j.
+
+MoE models: `expert_indices` holds the rollout's routing of every token it fed through the model (the prompt and
+every answer token but the last), in the same left-padded layout, for router replay and the routing-mismatch metric.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from quarl import kernels
 from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.model.layers import DecodeStart
+from quarl.model.moe import ExpertRouting
 from quarl.rl.mismatch import entropy_from_logits
 
 
@@ -28,6 +32,8 @@ class RolloutBatch:
     the advantages come from: the task's plus DAPO's overlong penalty); group_index [B] int64 (which prompt the
     row answers); answer_lengths [B] int64; with a critic (loss.advantage_estimator=gae) also returns [B, T-1]
     float32 (GAE's value targets) and values [B, T-1] float32 (V_old, the critic's values before the update).
+    expert_indices int16 [B, T, num_moe_layers, k] or None (MoE rollouts): the experts the rollout routed each token
+    to (-1 where it has no record: padding, and each row's last token, which the rollout never fed back).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +46,7 @@ class RolloutBatch:
     answer_lengths: torch.Tensor
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    expert_indices: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -69,6 +76,7 @@ class RolloutBatch:
             answer_lengths=self.answer_lengths[rows],
             returns=columns(self.returns),
             values=columns(self.values),
+            expert_indices=None if self.expert_indices is None else self.expert_indices[rows, -length:],
         )
 
 
@@ -81,8 +89,13 @@ def build_batch(
     rewards: torch.Tensor,
     group_index: list[int],
     pad_id: int,
+    routing: list[torch.Tensor] | None = None,
 ) -> RolloutBatch:
-    """Assemble B rows. counts[i] = False masks row i out of the loss entirely (e.g. DAPO overlong filter)."""
+    """Assemble B rows. counts[i] = False masks row i out of the loss entirely (e.g. DAPO overlong filter).
+
+    routing (MoE rollouts): per row, integer [len(prompt) + len(answer) - 1, num_moe_layers, k], the experts of every
+    token but the last (`Completion.routing`); becomes `expert_indices`.
+    """
     rows = len(answer_ids)
     if not (len(prompt_ids) == len(behaviour_logprobs) == len(counts) == rows):
         raise ValueError("build_batch: prompt_ids, answer_ids, behaviour_logprobs and counts must have equal length")
@@ -106,10 +119,22 @@ def build_batch(
         behaviour[i, start:] = torch.tensor(lp, dtype=torch.float32)
         if counts[i]:
             answer_mask[i, start:] = 1.0
+    expert_indices = None
+    if routing is not None:
+        if len(routing) != rows or any(r is None for r in routing):
+            raise ValueError("build_batch: routing must give one record per row (every completion of a MoE rollout)")
+        layers, k = routing[0].shape[1:]
+        expert_indices = torch.full((rows, total, layers, k), -1, dtype=torch.int16)
+        for i, (p, a, r) in enumerate(zip(prompt_ids, answer_ids, routing)):
+            n = len(p) + len(a)
+            if tuple(r.shape) != (n - 1, layers, k):
+                raise ValueError(f"row {i}: routing of shape {tuple(r.shape)}, expected {(n - 1, layers, k)} (every "
+                                 "token but the last)")
+            expert_indices[i, total - n:total - 1] = r.to(torch.int16)
     return RolloutBatch(
         input_ids, attention_mask, answer_mask, behaviour,
         advantages.float(), rewards.float(), torch.tensor(group_index, dtype=torch.long),
-        torch.tensor([len(a) for a in answer_ids], dtype=torch.long),
+        torch.tensor([len(a) for a in answer_ids], dtype=torch.long), expert_indices=expert_indices,
     )
 
 
@@ -132,6 +157,7 @@ def answer_logprobs(
     with_entropy: bool = False,
     answer_lengths: torch.Tensor | None = None,
     fast_paths: FastPaths | None = None,
+    routing: ExpertRouting | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each of the last `width` tokens under logits / temperature, like the rollout engine scores it.
 
@@ -140,22 +166,24 @@ def answer_logprobs(
     entropy is always detached. answer_lengths [B] tells the model where each row's decoding began (the last
     prompt token, column T-1-A), which attention layers that mimic an FP8 KV cache need. fast_paths: whose
     `fused_logprobs` decides the path; None = the model's (`QuarlForCausalLM.fast_paths`, which the trainer sets
-    from the run's config).
+    from the run's config). routing: a `quarl.model.moe.ExpertRouting` for MoE models (router replay over input_ids'
+    [B, T] tokens, and/or a record of the routing); None = own top-k.
     """
     T = input_ids.shape[1]
     width = min(width, T - 1)
     # With its maximum read here once: attention layers that mimic an FP8 KV cache slice by it without a sync.
     decode_start = None if answer_lengths is None else DecodeStart.of(T - 1 - answer_lengths, input_ids.device)
     paths = fast_paths_of(model) if fast_paths is None else fast_paths
+    kwargs = {} if routing is None else {"routing": routing}  # models without MoE layers need not take it
     if _fused_logprobs_ok(model, input_ids, paths.fused_logprobs):
         from quarl.kernels.token_logprobs import token_logprobs
 
-        h = model.hidden_states(input_ids, attention_mask=attention_mask, decode_start=decode_start)
+        h = model.hidden_states(input_ids, attention_mask=attention_mask, decode_start=decode_start, **kwargs)
         logits = model.lm_head(h[:, -(width + 1):-1])  # [B, width, vocab] in the model dtype, no float32 copy
         t = temperature if temperature > 0 else 1.0
         return token_logprobs(logits, input_ids[:, -width:].to(logits.device), t, with_entropy)
     logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=width + 1,
-                   decode_start=decode_start)[:, :-1]  # float32 (float64 for a float64 model)
+                   decode_start=decode_start, **kwargs)[:, :-1]  # float32 (float64 for a float64 model)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, -width:].to(logits.device).unsqueeze(-1)

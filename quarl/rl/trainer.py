@@ -28,6 +28,7 @@ from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
 from quarl.model.layers import Attention
+from quarl.model.moe import ExpertRouting, routing_mismatch
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
 from quarl.model.rollout_sync import RolloutSync
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
@@ -60,20 +61,22 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 def make_engine(model, tokenizer, cfg: RunConfig, device: torch.device):
     """The fast engine (slot KV cache, CUDA graphs) on a GPU or with an FP8 KV cache, the reference engine on a CPU,
-    unless configured."""
+    unless configured. Serving a MoE model, either engine records each token's experts (router replay and the
+    routing-mismatch metrics)."""
     from quarl.rollout.engine import RolloutEngine
     from quarl.rollout.fast_engine import FastRolloutEngine
 
+    moe = getattr(model, "is_moe", False)
     kind = cfg.rollout.engine
     if kind == "auto":  # an FP8 KV cache exists in the fast engine only (which also runs on a CPU)
         kind = "fast" if device.type == "cuda" or cfg.precision.kv_cache != "auto" else "reference"
     if kind == "reference":
         if cfg.precision.kv_cache != "auto":
             raise ValueError(f"precision.kv_cache={cfg.precision.kv_cache} needs rollout.engine=fast")
-        return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+        return RolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size, record_routing=moe)
     return FastRolloutEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size,
                              kv_cache_dtype=cfg.precision.kv_cache, sampler=cfg.rollout.sampler,
-                             fast_paths=cfg.fast_paths)
+                             fast_paths=cfg.fast_paths, record_routing=moe)
 
 
 class RunStopped(RuntimeError):
@@ -261,7 +264,11 @@ class Trainer:
             cfg.loss, max_new_tokens=cfg.loss.max_new_tokens or cfg.rollout.max_new_tokens
         )
         self.alarms = MismatchAlarms(cfg.alarms, cfg)  # one warning with remedies when the mismatch drifts
+        if cfg.rollout.router_replay and not getattr(self.model, "is_moe", False):
+            raise ValueError(f"rollout.router_replay=true needs a mixture-of-experts model; {cfg.model.name} has no "
+                             "MoE layers (set rollout.router_replay=false)")
         self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
+        self._routing_counts: dict[str, list[float]] = {}  # moe/* metric -> [differing decisions, decisions]
         self.rollout_sync = RolloutSync(self.model)
         self.task.set_tokenizer(self.tokenizer)
         self.run_dir = Path(cfg.output.dir)
@@ -423,6 +430,8 @@ class Trainer:
             counts=counts, advantages=advantages, rewards=shaped,
             group_index=[i for i, o in enumerate(outputs) for _ in o.completions],
             pad_id=0,  # any id below the vocabulary size: padding is masked
+            routing=[c.routing for o in outputs for c in o.completions]
+            if all(c.routing is not None for o in outputs for c in o.completions) else None,
         )
         stats = {
             "reward/trained_mean": flat_rewards.mean().item(),
@@ -444,16 +453,46 @@ class Trainer:
         for start in range(0, len(batch), mb):
             rows = list(range(start, min(start + mb, len(batch))))
             sub = batch.select(rows)
+            routing = self.expert_routing(sub)
             lp, ent = answer_logprobs(
                 model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
-                self.cfg.rollout.temperature, sub.answer_width, with_entropy, sub.answer_lengths,
+                self.cfg.rollout.temperature, sub.answer_width, with_entropy, sub.answer_lengths, routing=routing,
             )
+            if model is self.model:
+                self.count_routing(sub, routing)
             width = lp.shape[1]  # rows are left-padded: answers live in the last `width` columns
             out[rows, -width:] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, -width:] = ent.float().cpu()
         model.train(was_training)
         return out, entropy
+
+    def expert_routing(self, sub: RolloutBatch) -> ExpertRouting | None:
+        """The routing of a training forward over `sub` (MoE models with a rollout record): the rollout's experts
+        replayed when rollout.router_replay, and a record of the forward's own top-k either way."""
+        if sub.expert_indices is None:
+            return None
+        replay = sub.expert_indices.to(self.device) if self.cfg.rollout.router_replay else None
+        return ExpertRouting(replay=replay, record=True)
+
+    def count_routing(self, sub: RolloutBatch, routing: ExpertRouting | None) -> None:
+        """Add the forward's routing decisions that differ from the rollout's to this step's moe/* counts:
+        routing_mismatch compares the forward's own top-k (what it would route to without replay), and
+        routing_mismatch_used the experts it used (0 with replay)."""
+        if routing is None:
+            return
+        recorded = sub.expert_indices
+        for key, which in (("moe/routing_mismatch", "own"), ("moe/routing_mismatch_used", "used")):
+            fraction, decisions = routing_mismatch(recorded, routing.stacked(which).cpu())
+            counts = self._routing_counts.setdefault(key, [0.0, 0])
+            counts[0] += fraction * decisions
+            counts[1] += decisions
+
+    def routing_metrics(self) -> dict:
+        """This step's moe/* metrics (empty for dense models), then the counts start over."""
+        out = {key: wrong / total for key, (wrong, total) in self._routing_counts.items() if total}
+        self._routing_counts = {}
+        return out
 
     def proximal_from_update(self, batch_size: int) -> bool:
         """Whether π_prox can be read off the update's own forward instead of a separate scoring pass.
@@ -514,12 +553,15 @@ class Trainer:
                 for u0 in range(0, len(mini_rows), tr.micro_batch_size):
                     rows = mini_rows[u0 : u0 + tr.micro_batch_size]
                     sub = batch.select(rows)
+                    routing = self.expert_routing(sub)
                     with critic.reading(self.model) if critic is not None else nullcontext():
                         logprobs, ent = answer_logprobs(
                             self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
                             self.cfg.rollout.temperature, sub.answer_width, with_entropy=collect_proximal,
-                            answer_lengths=sub.answer_lengths,
+                            answer_lengths=sub.answer_lengths, routing=routing,
                         )
+                    if collect_proximal:  # this forward is the proximal pass: its routing is the step's
+                        self.count_routing(sub, routing)
                     width = logprobs.shape[1]  # the last `width` columns hold every answer token of these rows
                     dev = lambda t: None if t is None else t[rows, -width:].to(self.device)  # noqa: E731
                     prox = dev(proximal)
@@ -698,6 +740,7 @@ class Trainer:
         if proximal is not None and mask.sum() > 0:
             metrics.update(mismatch_metrics(batch.behaviour_logprobs, proximal, mask))
             metrics["policy/entropy"] = float((entropy * mask).sum() / mask.sum())
+        metrics.update(self.routing_metrics())
         if self.loss_cfg.error_token_guard == "off":  # error/* metrics only
             metrics.update(guard_error_answers(batch, self.loss_cfg, proximal)[-1])
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]

@@ -4,7 +4,8 @@ Once before training, for every decoder layer: divide the q/k/v and gate/up mast
 multiply the RMSNorm weight in front of them (input_layernorm, post_attention_layernorm) by s. The network computes
 the same function (norm(x)·s · (W/s)^T = norm(x) · W^T; biases are untouched), but the weights are s times smaller,
 so an optimizer update is s times larger relative to the quantization step. o_proj and down_proj are never touched:
-no norm sits in front of them to absorb the factor.
+no norm sits in front of them to absorb the factor. In a MoE layer the norm feeds the router and every expert's
+gate/up, so all of them are divided (the router's logits, and hence its choices, are unchanged).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def apply_uaq(model: nn.Module, scale: float) -> int:
     count = 0
     for layer in decoder_layers(model):
         for norm_name, proj_names in UAQ_GROUPS:
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if proj_names[0].startswith("mlp.") and experts is not None:  # a MoE block: router + every expert
+                proj_names = ("mlp.gate",) + tuple(f"mlp.experts.{e}.{p}" for e in range(len(experts))
+                                                   for p in ("gate_proj", "up_proj"))
             norm = layer.get_submodule(norm_name)
             norm.weight.mul_(scale)
             for name in proj_names:

@@ -8,7 +8,8 @@ How a call runs (correctness first, plain PyTorch, fast enough for CPU RL on sma
      from), check EOS / stop strings / length, drop finished rows from the cache, and run a one-token forward
      for the rest. Finished sequences cost nothing afterwards.
 The model runs in rollout mode (`set_rollout(True)`: quantized linears, AQN noise) and is put back into training
-mode afterwards, also on errors.
+mode afterwards, also on errors. With `record_routing` (MoE models) every completion carries the experts each of
+its tokens was routed to (`Completion.routing`), for router replay in the training forward.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from quarl.model.moe import ExpertRouting
 from quarl.model.tokenizer import encode_prompt, eos_token_ids
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampling import SamplingParams, sample_tokens
@@ -30,12 +32,15 @@ class Completion:
     finish_reason: "eos" (the EOS token is the last entry of token_ids/logprobs but not part of `text`), "stop"
     (a stop string appeared: `text` ends before it; token_ids end with the token that completed it) or "length"
     (max_new_tokens reached). `text` is decoded with special tokens kept and no clean-up of spaces.
+    routing (engines that record MoE routing): int16 [len(prompt) + len(token_ids) - 1, num_moe_layers, k], the
+    experts of every token the engine fed through the model (the prompt, then every sampled token but the last).
     """
 
     token_ids: list[int]
     text: str
     logprobs: list[float]
     finish_reason: str
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,26 +55,32 @@ class RequestOutput:
 class _Sequence:
     """Decode state of one sample."""
 
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "text")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "routing")
 
     def __init__(self):
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.text: str | None = None
+        self.routing: list[torch.Tensor] = []  # int16 [tokens, num_moe_layers, k] pieces, in feeding order
 
 
 class RolloutEngine:
     """Generates groups of completions with a `QuarlForCausalLM` (see the module docstring)."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 256):
+    def __init__(self, model, tokenizer, max_batch_size: int = 256, record_routing: bool = False):
         """max_batch_size: most sequences decoded together. A prompt's n samples always share one batch, so a
-        single prompt with n > max_batch_size still runs (as one batch of n)."""
+        single prompt with n > max_batch_size still runs (as one batch of n). record_routing: fill
+        `Completion.routing` (needs a MoE model)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if record_routing and not getattr(model, "is_moe", False):
+            raise ValueError("record_routing=True needs a mixture-of-experts model (e.g. qwen3_moe); this model has "
+                             "no MoE layers")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = int(max_batch_size)
+        self.record_routing = bool(record_routing)
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_new_tokens: int = 256,
@@ -109,7 +120,8 @@ class RolloutEngine:
                     seqs = self._generate_chunk(chunk, n, max_new_tokens, params, stop, eos, gen, progress)
                     for i in range(len(chunk)):
                         outputs[c0 + i].completions = [
-                            Completion(s.token_ids, s.text, s.logprobs, s.finish_reason)
+                            Completion(s.token_ids, s.text, s.logprobs, s.finish_reason,
+                                       torch.cat(s.routing) if self.record_routing else None)
                             for s in seqs[i * n:(i + 1) * n]
                         ]
         finally:
@@ -176,11 +188,18 @@ class RolloutEngine:
             input_ids[i, L - len(ids):] = torch.tensor(ids)
             mask[i, L - len(ids):] = 1
         cache = KVCache.for_model(model, P, L + max_new_tokens)
-        logits = model(input_ids.to(device), attention_mask=mask.to(device), kv_cache=cache, logits_to_keep=1)[:, -1]
+        routing = ExpertRouting(record=True) if self.record_routing else None
+        extra = {} if routing is None else {"routing": routing}
+        logits = model(input_ids.to(device), attention_mask=mask.to(device), kv_cache=cache, logits_to_keep=1,
+                       **extra)[:, -1]
         cache.repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
 
         seqs = [_Sequence() for _ in range(P * n)]
+        if routing is not None:  # each prompt's routing (padding columns dropped), shared by its n samples
+            prompt_routing = routing.stacked().to(device="cpu", dtype=torch.int16)
+            for g, s in enumerate(seqs):
+                s.routing.append(prompt_routing[g // n, L - len(chunk[g // n]):])
         active = list(range(P * n))  # global sample index of each cache row
         # A stop string of c characters spans at most 4c byte-level tokens; a few more absorb a split character.
         window = 4 * max((len(s) for s in stop), default=0) + 4
@@ -208,7 +227,12 @@ class RolloutEngine:
                 cache.select(idx)
                 tokens = tokens.index_select(0, idx)
                 active = [active[r] for r in keep_rows]
-            logits = model(tokens[:, None], kv_cache=cache)[:, -1]
+            routing = ExpertRouting(record=True) if self.record_routing else None
+            logits = model(tokens[:, None], kv_cache=cache, **({} if routing is None else {"routing": routing}))[:, -1]
+            if routing is not None:
+                fed = routing.stacked().to(device="cpu", dtype=torch.int16)  # [rows, 1, moe layers, k]
+                for row, g in enumerate(active):
+                    seqs[g].routing.append(fed[row])
         return seqs
 
     def _hit_stop(self, s: _Sequence, stop: list[str], window: int) -> bool:

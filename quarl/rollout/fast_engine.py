@@ -37,6 +37,7 @@ import torch
 from quarl.config import SAMPLERS
 from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.fallbacks import report_fallback
+from quarl.model.moe import ExpertRouting
 from quarl.model.tokenizer import eos_token_ids
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
@@ -62,7 +63,7 @@ class FastRolloutEngine(RolloutEngine):
                  kv_cache_dtype: str | torch.dtype = "auto", use_cuda_graphs: bool | None = None,
                  sync_every: int = 16, max_prefill_tokens: int = 32768, attention_backend: str = "auto",
                  fused_decode: bool | None = None, sampler: str = "inverse-cdf",
-                 fast_paths: FastPaths | None = None):
+                 fast_paths: FastPaths | None = None, record_routing: bool = False):
         """
         Args:
             model: a QuarlForCausalLM (any device and dtype; CUDA + bf16 is the fast case).
@@ -86,8 +87,16 @@ class FastRolloutEngine(RolloutEngine):
             fast_paths: the optional decode paths (`quarl.fast_paths.FastPaths`: `lora_codes_handoff`,
                 `stack_rollout_lora`); None = the model's (`model.fast_paths`, else the defaults). The CUDA
                 graphs are keyed by it, so assigning another `engine.fast_paths` later captures anew.
+            record_routing: fill `Completion.routing` with every fed token's experts (MoE models; router replay).
         """
-        super().__init__(model, tokenizer, max_batch_size)
+        super().__init__(model, tokenizer, max_batch_size, record_routing)
+        moe = getattr(model, "is_moe", False)
+        if moe and use_cuda_graphs:
+            raise ValueError("use_cuda_graphs=True cannot serve a mixture-of-experts model: its expert grouping reads "
+                             "token counts on the host each step; pass use_cuda_graphs=None or False")
+        if moe and fused_decode:
+            raise ValueError("fused_decode=True does not cover mixture-of-experts MLPs; pass fused_decode=None or "
+                             "False")
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (a prompt token and a new one), got {max_seq_len}")
         if int(sync_every) != sync_every or sync_every < 1:
@@ -100,7 +109,11 @@ class FastRolloutEngine(RolloutEngine):
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
         self.kv_token_scales = kv_cache_dtype == "fp8-token"
         self.kv_dtype = self._kv_dtype("fp8" if self.kv_token_scales else kv_cache_dtype)
-        self.use_cuda_graphs = (model.device.type == "cuda") if use_cuda_graphs is None else bool(use_cuda_graphs)
+        self.use_cuda_graphs = (model.device.type == "cuda" and not moe) if use_cuda_graphs is None \
+            else bool(use_cuda_graphs)
+        if moe and model.device.type == "cuda":
+            report_fallback("moe_cuda_graphs", "a mixture-of-experts model decodes without CUDA graphs (its expert "
+                            "grouping reads token counts on the host)")
         if self.use_cuda_graphs and model.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a model on a CUDA device")
         self.sync_every = int(sync_every)
@@ -199,11 +212,16 @@ class FastRolloutEngine(RolloutEngine):
                                  model.device, token_scales=self.kv_token_scales)
         self.state = DecodeState.allocate(self.num_slots, capacity, c.vocab_size, model.device,
                                           torch.float64 if model.dtype == torch.float64 else torch.float32,
-                                          noise_width=self._noise_width())
+                                          noise_width=self._noise_width(), experts_shape=self._experts_shape())
         if self._attention is None:
             self._attention, self.attention_name = make_decode_attention(
                 model.device, model.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype,
                 self.cache.kv_scale, self.attention_backend, self.kv_token_scales)
+
+    def _experts_shape(self) -> tuple[int, int] | None:
+        """(num_moe_layers, k) of the routing record, or None when not recording."""
+        c = self.model.config
+        return (len(c.moe_layers), c.num_experts_per_tok) if self.record_routing else None
 
     @property
     def sampler(self) -> str:
@@ -219,6 +237,8 @@ class FastRolloutEngine(RolloutEngine):
         need = SlotKVCache.nbytes_for(c.num_layers, self.num_slots, c.num_kv_heads, c.head_dim, capacity,
                                       self.kv_dtype, self.kv_token_scales)
         need += self.num_slots * (self._noise_width() * 4 + capacity * 12)  # noise, out_tokens, out_logprobs
+        if self.record_routing:  # out_experts, int16
+            need += self.num_slots * capacity * 2 * len(c.moe_layers) * c.num_experts_per_tok
         if self.model.device.type != "cuda":
             return
         free, _ = torch.cuda.mem_get_info(self.model.device)
@@ -336,7 +356,13 @@ class FastRolloutEngine(RolloutEngine):
             ids, mask = ids[keep], mask[keep]
             writer = PrefillCacheWriter(self.cache, torch.tensor([s for _, s in rows], device=device),
                                         torch.tensor([row_of[i] for i, _ in rows], device=device))
-            model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer)
+            routing = ExpertRouting(record=True) if self.record_routing else None
+            model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer,
+                                **({} if routing is None else {"routing": routing}))
+            if routing is not None:  # each prompt's experts (right-padded rows) into each of its slots
+                used = routing.stacked().to(self.state.out_experts.dtype)
+                for i, s in rows:
+                    self.state.out_experts[s, :len(bodies[i])] = used[row_of[i], :len(bodies[i])]
             # A projection that fell back to bf16 in this forward built its own dequantized cache, which
             # un-stacks its fused weight: stack again, else the decode steps run the parts one by one.
             self._restack()
@@ -358,6 +384,8 @@ class FastRolloutEngine(RolloutEngine):
             t[d] = t[s]
         st.out_tokens[d, :generated] = st.out_tokens[s, :generated]
         st.out_logprobs[d, :generated] = st.out_logprobs[s, :generated]
+        if st.out_experts is not None:
+            st.out_experts[d, :columns] = st.out_experts[s, :columns]
         st.done[s] = True
 
 
@@ -478,6 +506,9 @@ class _Run:
                     finished = Completion(ids, self.e._decode(ids), lps, "length")
             if finished is not None:
                 i, j = self.owner[s]
+                if self.e.record_routing:  # every token fed: the prompt, then the answer but its last token
+                    fed = len(self.prompt_ids[i]) + len(finished.token_ids) - 1
+                    finished.routing = st.out_experts[s, :fed].to("cpu", copy=True)  # the slot is reused
                 self.results[i][j] = finished
                 self.owner[s] = None
                 self.free.append(s)

@@ -14,13 +14,14 @@ import torch
 
 from quarl import kernels
 from quarl.model.layers import apply_rope
+from quarl.model.moe import ExpertRouting
 from quarl.rollout.fast_attention import AttentionFn
 from quarl.rollout.fast_cache import SlotKVCache
 from quarl.rollout.sampling import SamplingParams, filtered_logprobs
 
 
 def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor,
-                  attention: AttentionFn, kv_len: int) -> torch.Tensor:
+                  attention: AttentionFn, kv_len: int, routing: ExpertRouting | None = None) -> torch.Tensor:
     """Next-token logits for slots 0..B-1, each fed one token; writes the tokens' keys/values into the cache.
 
     Args:
@@ -29,6 +30,7 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
         tokens, positions: long [B].
         attention: decode attention function (see quarl.rollout.fast_attention).
         kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
+        routing: an `ExpertRouting` that records the MoE layers' experts of these tokens (MoE models), or None.
     Returns:
         logits [B, vocab] in the model's dtype (the sampler widens them to float32 itself).
     """
@@ -51,7 +53,7 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
         li = attn.layer_idx
         out = attention(q[:, :, 0], cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li))
         x = x + attn.o_proj(out.reshape(B, Hq * D))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.feed_forward(layer.post_attention_layernorm(x), routing)
     return model.lm_head(model.model.norm(x))
 
 
@@ -196,6 +198,8 @@ class DecodeState:
     last_token long [S]: the token the next step feeds; slot_len long [S]: columns filled = the position of that
     token; num_generated long [S]; done bool [S] (finished or idle: such slots compute but record nothing);
     out_tokens long [S, C], out_logprobs float32 [S, C]: the sampled tokens and behaviour log-probs;
+    out_experts int16 [S, C, num_moe_layers, k] or None (engines recording MoE routing): column c holds the experts
+    of the token fed at position c (prompt columns written by the prefill);
     max_new long [1]; eos_mask bool [V]: tokens that finish a completion; noise float32 [S, V] (Gumbel-max) or
     [S, 1] (inverse CDF): uniform draws, refilled before every sampling step (outside the graph, from the
     engine's seeded generator).
@@ -210,11 +214,14 @@ class DecodeState:
     max_new: torch.Tensor
     eos_mask: torch.Tensor
     noise: torch.Tensor | None
+    out_experts: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_slots: int, capacity: int, vocab_size: int, device, logprob_dtype=torch.float32,
-                 with_noise: bool = True, noise_width: int | None = None) -> "DecodeState":
-        """noise_width: uniform draws per slot, vocab_size (None, Gumbel-max) or 1 (inverse CDF)."""
+                 with_noise: bool = True, noise_width: int | None = None,
+                 experts_shape: tuple[int, int] | None = None) -> "DecodeState":
+        """noise_width: uniform draws per slot, vocab_size (None, Gumbel-max) or 1 (inverse CDF). experts_shape:
+        (num_moe_layers, k) to record MoE routing in out_experts, None not to."""
         long = dict(dtype=torch.long, device=device)
         return cls(
             last_token=torch.zeros(num_slots, **long),
@@ -226,6 +233,8 @@ class DecodeState:
             max_new=torch.ones(1, **long),
             eos_mask=torch.zeros(vocab_size, dtype=torch.bool, device=device),
             noise=torch.empty(num_slots, noise_width or vocab_size, device=device) if with_noise else None,
+            out_experts=None if experts_shape is None else torch.full((num_slots, capacity, *experts_shape), -1,
+                                                                      dtype=torch.int16, device=device),
         )
 
     def counters(self) -> list[torch.Tensor]:
@@ -247,10 +256,11 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     C = cache.capacity
     tokens = state.last_token[:batch]
     positions = state.slot_len[:batch].clamp(max=C - 1)  # finished slots may sit at the last column
+    routing = ExpertRouting(record=True) if state.out_experts is not None else None
     if decoder is not None:
         logits = decoder.logits(cache, tokens, positions, attention, kv_len)
     else:
-        logits = decode_logits(model, cache, tokens, positions, attention, kv_len)
+        logits = decode_logits(model, cache, tokens, positions, attention, kv_len, routing)
     new, new_lp = sample_next(logits, params, None if params.greedy else state.noise[:batch])
     new_lp = new_lp.to(state.out_logprobs.dtype)
 
@@ -259,6 +269,10 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     col = state.num_generated[:batch].clamp(max=state.out_tokens.shape[1] - 1)
     state.out_tokens[rows, col] = torch.where(active, new, state.out_tokens[rows, col])
     state.out_logprobs[rows, col] = torch.where(active, new_lp, state.out_logprobs[rows, col])
+    if routing is not None:  # the experts of the tokens just fed, at their positions
+        used = routing.stacked().to(state.out_experts.dtype)  # [batch, moe layers, k]
+        state.out_experts[rows, positions] = torch.where(active[:, None, None], used,
+                                                         state.out_experts[rows, positions])
     step = active.long()
     state.num_generated[:batch] += step
     state.slot_len[:batch] += step

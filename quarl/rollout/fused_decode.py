@@ -430,9 +430,9 @@ DEFAULT_DEFERRED = ("qkv", "o", "down")  # see FusedDecoder.__init__
 
 
 def fused_decode_supported(model) -> bool:
-    """Whether `FusedDecoder` covers this model: SiLU-gated MLPs, no per-head q/k norms (Qwen3 keeps the
-    module path)."""
-    return all(layer.self_attn.q_norm is None for layer in model.model.layers)
+    """Whether `FusedDecoder` covers this model: dense SiLU-gated MLPs (no MoE blocks), no per-head q/k norms
+    (Qwen3 and Qwen3-MoE keep the module path)."""
+    return all(layer.self_attn.q_norm is None and hasattr(layer.mlp, "gate_proj") for layer in model.model.layers)
 
 
 class FusedDecoder:

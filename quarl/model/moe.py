@@ -1,0 +1,292 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE) and router replay.
+
+A `SparseMoeBlock` replaces the dense MLP in the MoE layers of a `qwen3_moe` model, computing what transformers'
+`Qwen3MoeSparseMoeBlock` computes:
+
+    logits = x @ W_router^T                   [N, E], in the compute dtype (the router is never quantized)
+    probs = softmax(logits) in float32        [N, E]
+    experts = top-k of probs                  long [N, k]   (or the replayed experts, see below)
+    w = probs[experts], / sum(w) if norm_topk_prob, cast to the compute dtype
+    y = sum_j w_j * expert_{experts_j}(x),    expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+
+Every expert projection is a `QuantLinear` (HF names `experts.{e}.gate_proj` ...), so the precision flow quantizes
+each expert on its own exactly as it does a dense MLP; the router (`gate`, a `TopKRouter`) is not a linear module
+and stays in full precision under every flow.
+
+Expert computation is grouped: the N x k (token, expert) pairs are sorted by expert, each expert runs once on its
+contiguous slice of rows, and the weighted rows are added back into their tokens. `grouped_swiglu` (the reference:
+one call per expert that owns rows, each projection a QuantLinear in its current mode, so every precision flow
+applies) and `grouped_gemm_swiglu` (one grouped GEMM per projection over all experts, torch's grouped_mm; used on
+Hopper GPUs for experts whose linears compute plain x @ W^T, `FastPaths.grouped_experts`) compute the same thing.
+
+Router replay (R3): an `ExpertRouting` handed to the forward can carry recorded experts per token and MoE layer;
+the block then uses them instead of its own top-k, with the gate weights recomputed from its own router (softmax
+over all experts, gathered at the recorded ones, renormalised), so gradients still reach the router. The same
+object records, per MoE layer, the experts used and the block's own top-k (for the routing-mismatch metric).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
+from quarl.model.config import ModelConfig
+from quarl.model.qlinear import QuantLinear
+
+
+class ExpertRouting:
+    """Routing instructions and records of one forward through the MoE layers.
+
+    replay: integer [B, T, num_moe_layers, k] (any integer dtype) or None: the experts each token uses in each MoE
+        layer (in order of `ModelConfig.moe_layers`). A token whose entry holds a negative value (no record: padding,
+        or the last generated token, which the rollout never fed back) uses the layer's own top-k.
+    record: keep what each MoE layer did in `used` and `own` (moe ordinal -> long [B, T, k]): the experts it used
+        (replayed or its own) and its own top-k. A layer recomputed by activation checkpointing overwrites its
+        entries with the same values.
+    """
+
+    def __init__(self, replay: torch.Tensor | None = None, record: bool = False):
+        if replay is not None and (replay.dim() != 4 or replay.is_floating_point()):
+            raise ValueError("ExpertRouting.replay must be an integer tensor [batch, seq_len, moe_layers, k], got "
+                             f"{replay.dtype} of shape {tuple(replay.shape)}")
+        self.replay = replay
+        self.record = bool(record)
+        self.used: dict[int, torch.Tensor] = {}
+        self.own: dict[int, torch.Tensor] = {}
+
+    def stacked(self, which: str = "used") -> torch.Tensor:
+        """The record as long [*tokens, num_moe_layers, k] ("used" or "own"; tokens = [B, T] in a full forward, [B]
+        in a decode step); needs record=True and a forward."""
+        table = self.used if which == "used" else self.own
+        if not table:
+            raise ValueError("no routing was recorded: pass ExpertRouting(record=True) to a forward of a MoE model")
+        return torch.stack([table[i] for i in sorted(table)], dim=-2)
+
+
+class TopKRouter(nn.Module):
+    """The router of a MoE layer: weight [num_experts, hidden] (HF's `mlp.gate.weight`).
+
+    Deliberately not a linear module: the precision flow configures every `QuantLinear` (and checks every
+    nn.Linear), and the router must stay in full precision (a few quantized logits flip top-k choices).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> router logits [N, num_experts] in x's dtype."""
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+def routing_weights(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                    experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Experts and gate weights of every token.
+
+    Args:
+        logits: router logits [N, E] (any float dtype).
+        top_k: k, experts per token.
+        norm_topk_prob: renormalise the k weights to sum to 1.
+        experts: integer [N, k] experts to use (router replay; rows with a negative entry use their own top-k),
+            or None = every token's own top-k.
+    Returns:
+        (experts long [N, k], weights [N, k] in float32 (float64 for float64 logits), own top-k long [N, k]).
+        The weights are differentiable w.r.t. logits (softmax over all E, gathered at the chosen experts).
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(logits.to(dtype), dim=-1)
+    own = torch.topk(probs, top_k, dim=-1).indices
+    if experts is None:
+        chosen = own
+    else:
+        if experts.shape != own.shape:
+            raise ValueError(f"replayed experts have shape {tuple(experts.shape)}, but this layer routes "
+                             f"{tuple(own.shape)} (tokens x top-k); the record belongs to another batch or model")
+        experts = experts.to(device=own.device, dtype=torch.long)
+        if bool((experts >= logits.shape[-1]).any()):
+            raise ValueError(f"replayed expert ids reach {int(experts.max())}, but this layer has "
+                             f"{logits.shape[-1]} experts; the record belongs to another model")
+        recorded = (experts >= 0).all(-1, keepdim=True)
+        chosen = torch.where(recorded, experts, own)
+    weights = probs.gather(-1, chosen)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return chosen, weights, own
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, slot) pairs by expert.
+
+    experts: long [N, k]. Returns (order long [N*k]: flat pair indices sorted by expert, stable, so each expert's
+    rows keep token order; counts long [num_experts]: pairs per expert). Pair p belongs to token p // k. No host
+    sync (a scatter-add rather than bincount, whose output size depends on the values).
+    """
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
+
+
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """SwiGLU of each expert over its contiguous rows: rows counts[:e].sum() ... counts[:e+1].sum() go through
+    experts[e] (down(silu(gate(x)) * up(x)), each projection a QuantLinear in its current mode).
+
+    x_sorted: [M, hidden] rows sorted by expert; counts: long [E] with counts.sum() == M. Returns [M, hidden] in the
+    experts' output dtype. The reference path, which serves every precision flow: one call per expert that owns
+    rows (the counts are read on the host once). `grouped_gemm_swiglu` computes the same with one grouped GEMM per
+    projection where the experts compute plain x @ W^T.
+    """
+    out = x_sorted.new_empty(x_sorted.shape[0], experts[0].down_proj.out_features)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            rows = x_sorted[start:start + n]
+            out[start:start + n] = experts[e](rows)
+            start += n
+    return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of group e] = x[rows of group e] @ W_e^T for contiguous row groups, one grouped GEMM each way.
+
+    The experts' weights are stacked on the fly; backward keeps the weights themselves (parameters, no memory)
+    rather than their stacked copy, and stacks them again, so autograd holds no second copy of every expert.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offsets, *weights)
+        return F.grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = F.grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            # [out, M] @ [M, in] with groups along M -> [E, out, in]; an expert without rows gets zeros
+            stacked = F.grouped_mm(grad.t(), x, offs=offsets)
+            grad_w = [g if need else None for g, need in zip(stacked.unbind(0), ctx.needs_input_grad[2:])]
+        return grad_x, None, *grad_w
+
+
+def grouped_gemm_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """What `grouped_swiglu` computes, with one grouped GEMM per projection over all experts (torch's grouped_mm)
+    and no host sync. Only for experts whose projections compute plain x @ W^T (`plain_experts`); x_sorted's rows
+    and every projection's sizes must span multiples of 16 bytes (grouped_mm's alignment). Differentiable w.r.t.
+    x_sorted and the master weights. x_sorted [M, hidden], counts long [E] -> [M, hidden] in x_sorted's dtype."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    gate = _GroupedLinear.apply(x_sorted, offsets, *[e.gate_proj.weight for e in experts])
+    up = _GroupedLinear.apply(x_sorted, offsets, *[e.up_proj.weight for e in experts])
+    return _GroupedLinear.apply(F.silu(gate) * up, offsets, *[e.down_proj.weight for e in experts])
+
+
+def plain_experts(experts: nn.ModuleList, x: torch.Tensor) -> bool:
+    """Whether every expert projection computes plain x @ W^T in its current mode (a master weight in x's dtype,
+    no bias, no adapter, no quantization in this mode) with sizes grouped_mm can align (multiples of 16 bytes)."""
+    size = x.element_size()
+    for expert in experts:
+        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            fmt = lin.rollout_format if lin.rollout else lin.train_format
+            if lin.weight is None or lin.weight.dtype != x.dtype or lin.bias is not None or lin.lora_rank or \
+                    fmt is not None or (lin.in_features * size) % 16 or (lin.out_features * size) % 16:
+                return False
+    return True
+
+
+def grouped_gemm_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
+    """Whether `grouped_gemm_swiglu` serves x: `fast_paths.grouped_experts`, a CUDA bf16 x on a Hopper-or-newer GPU
+    (grouped_mm's kernels), torch with grouped_mm, and plain experts."""
+    return fast_paths.grouped_experts and x.is_cuda and x.dtype == torch.bfloat16 and \
+        hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0) and plain_experts(experts, x)
+
+
+def moe_experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList,
+                grouped_gemm: bool = False) -> torch.Tensor:
+    """sum_j weights[:, j] * experts[experts_idx[:, j]](x), computed by sorting (token, expert) pairs by expert.
+
+    x [N, hidden]; experts_idx long [N, k]; weights [N, k] (cast to x's dtype, as transformers does);
+    grouped_gemm: take `grouped_gemm_swiglu` (the caller checked `grouped_gemm_ok`), else `grouped_swiglu`.
+    Returns [N, hidden] in x's dtype.
+    """
+    N, k = experts_idx.shape
+    order, counts = sort_by_expert(experts_idx, len(experts))
+    token = order // k
+    swiglu = grouped_gemm_swiglu if grouped_gemm else grouped_swiglu
+    y = swiglu(x.index_select(0, token), counts, experts)
+    y = y * weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None]
+    return x.new_zeros(N, y.shape[-1], dtype=y.dtype).index_add(0, token, y).to(x.dtype)
+
+
+class Expert(nn.Module):
+    """One expert: down(silu(gate(x)) * up(x)), every projection a QuantLinear (HF names gate/up/down_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = QuantLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = QuantLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = QuantLinear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, hidden] -> [M, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse MLP (see the module docstring). `moe_index`: this block's ordinal among the MoE layers,
+    which indexes `ExpertRouting` records."""
+
+    def __init__(self, config: ModelConfig, moe_index: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
+        super().__init__()
+        self.moe_index = moe_index
+        self.fast_paths = fast_paths  # `grouped_experts` (set by the model: `QuarlForCausalLM.set_fast_paths`)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = TopKRouter(config.hidden_size, config.num_experts)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:
+        """x [..., hidden] (e.g. [B, T, hidden], or [B, hidden] in a decode step) -> the same shape and dtype.
+
+        routing: replayed experts for these tokens (`replay[..., moe_index, :]` must have x's leading shape) and/or
+        where to record the routing; None = own top-k, nothing recorded.
+        """
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        replay = None
+        if routing is not None and routing.replay is not None:
+            replay = routing.replay[..., self.moe_index, :]
+            if replay.shape[:-1] != lead:
+                raise ValueError(f"router replay covers tokens {tuple(replay.shape[:-1])}, but this forward has "
+                                 f"{tuple(lead)}; pass the record of exactly these input_ids")
+            replay = replay.reshape(-1, replay.shape[-1])
+        chosen, weights, own = routing_weights(self.gate(flat), self.top_k, self.norm_topk_prob, replay)
+        if routing is not None and routing.record:
+            routing.used[self.moe_index] = chosen.reshape(*lead, self.top_k)
+            routing.own[self.moe_index] = own.reshape(*lead, self.top_k)
+        # transformers casts the routing weights to the compute dtype before weighting the experts' outputs
+        grouped = grouped_gemm_ok(self.experts, flat, self.fast_paths)
+        return moe_experts(flat, chosen, weights.to(x.dtype), self.experts, grouped).reshape(x.shape)
+
+
+def routing_mismatch(recorded: torch.Tensor, computed: torch.Tensor) -> tuple[float, int]:
+    """Fraction of routing decisions that differ: for every token with a record (no negative entry) and MoE layer,
+    the recorded experts that are not among the computed ones, over all k choices.
+
+    recorded, computed: integer [..., k] of the same shape (order within k ignored). Returns (fraction, number of
+    decisions compared); (0.0, 0) when nothing was recorded.
+    """
+    if recorded.shape != computed.shape:
+        raise ValueError(f"routing records differ in shape: {tuple(recorded.shape)} vs {tuple(computed.shape)}")
+    recorded, computed = recorded.long(), computed.long().to(recorded.device)
+    valid = (recorded >= 0).all(-1)
+    if not bool(valid.any()):
+        return 0.0, 0
+    rec, com = recorded[valid], computed[valid]  # [M, k]
+    found = (rec[:, :, None] == com[:, None, :]).any(-1)
+    return float((~found).float().mean()), int(found.numel())
