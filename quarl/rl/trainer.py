@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from quarl import distributed as qdist
 from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device
 from quarl.fallbacks import reported_fallbacks
@@ -33,6 +34,7 @@ from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
 from quarl.rl.checkpoint import atomic_write_bytes, load_latest_intact, save_checkpoint
+from quarl.rl.sharded_checkpoint import load_latest_sharded, save_sharded_checkpoint
 from quarl.rl.error_tokens import guard_error_answers
 from quarl.rl.evaluate import evaluate
 from quarl.rl.master_weights import MasterWeightAdamW
@@ -40,8 +42,15 @@ from quarl.rl.mismatch import mismatch_metrics
 from quarl.rl.mismatch_alarms import MismatchAlarms
 from quarl.rl.objectives import get_correction, policy_loss
 from quarl.rl.run_log import RunLog
+from quarl.rl.sharding import ShardedRolloutSync, drop_unused_rollout_buffers, local_part, shard_model
 from quarl.rl.uaq import apply_uaq
 from quarl.tasks.task import TaskData, load_task
+
+
+def group_seed(round_seed: int, prompt_index: int) -> int:
+    """The sampling seed of one group on many ranks: a function of the round's seed (run seed, step, refill
+    attempt) and the prompt's index in the round, never of the rank."""
+    return (round_seed * 1_000_033 + prompt_index * 7_919 + 1) % (2**62)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -202,6 +211,19 @@ class GracefulInterrupt:
             self._previous = {}
 
 
+class _NoLog:
+    """The run log of ranks other than 0: rank 0 alone writes metrics, TensorBoard and samples."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def samples(self, step: int, rows: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
     """Owns the model, the rollout engine, the optimizer and the run directory of one training run."""
 
@@ -213,8 +235,19 @@ class Trainer:
         from quarl.model.loading import load_model
 
         self.cfg = cfg
-        self.device = resolve_device(cfg.model.device)
+        # Under torchrun: one rank per process, the trained model sharded (FSDP2), a full rollout copy per rank
+        # (quarl/rl/sharding.py, docs/DISTRIBUTED.md). Without it: one process, one model, as always.
+        self.distributed = qdist.launched_by_torchrun()
+        if self.distributed:
+            resolve_device(cfg.model.device)  # the same checks of the name
+            self.device = qdist.local_device(cfg.model.device)
+            qdist.init_from_env(self.device)
+        else:
+            self.device = resolve_device(cfg.model.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
+        self.is_main = qdist.is_main()
+        # Sharded masters are the parameters themselves (float32); the compute dtype is FSDP's mixed precision.
+        master_dtype = torch.float32 if self.distributed else self.dtype
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
         if cfg.reward.function:  # user code: say so before importing and trying it on one example
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
@@ -225,10 +258,10 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         if model is None:
             model, tokenizer = load_model(
-                cfg.model.name, device=str(self.device), dtype=self.dtype,
+                cfg.model.name, device=str(self.device), dtype=master_dtype,
                 gguf_file=cfg.model.gguf_file, revision=cfg.model.revision,
             )
-        self.model, self.tokenizer = model.to(device=self.device, dtype=self.dtype), tokenizer
+        self.model, self.tokenizer = model.to(device=self.device, dtype=master_dtype), tokenizer
         self.model.set_fast_paths(cfg.fast_paths)  # the training forward's and the answer log-probs' paths
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
@@ -242,6 +275,9 @@ class Trainer:
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.rollout_model = self.model  # what the rollout engine reads: the model itself on one process
+        if self.distributed:
+            self._shard()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters: check lora/precision settings")
@@ -254,8 +290,9 @@ class Trainer:
             cfg.loss, max_new_tokens=cfg.loss.max_new_tokens or cfg.rollout.max_new_tokens
         )
         self.alarms = MismatchAlarms(cfg.alarms, cfg)  # one warning with remedies when the mismatch drifts
-        self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
-        self.rollout_sync = RolloutSync(self.model)
+        self.engine = make_engine(self.rollout_model, self.tokenizer, cfg, self.device)
+        self.rollout_sync = ShardedRolloutSync(self.model, self.rollout_model) if self.distributed else \
+            RolloutSync(self.model)
         self.task.set_tokenizer(self.tokenizer)
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
@@ -270,6 +307,25 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ setup
 
+    def _shard(self) -> None:
+        """Make the rank's full rollout copy (compute dtype, quantized), then shard the trained model (and the
+        reference model) with FSDP2; see quarl/rl/sharding.py."""
+        rollout = copy.deepcopy(self.model).requires_grad_(False)
+        adapters = {n: p.dtype for n, p in rollout.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+        rollout.to(dtype=self.dtype)
+        for name, p in rollout.named_parameters():  # adapters stay float32, as on one process
+            if name in adapters:
+                p.data = p.data.to(adapters[name])
+        refresh_rollout_weights(rollout)  # quantized from the compute-dtype weights, as on one process
+        self.rollout_model = rollout
+        drop_unused_rollout_buffers(self.model)
+        # The fused log-prob path calls hidden_states() and lm_head directly, outside the root's FSDP forward hooks
+        self.model.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
+        shard_model(self.model, self.device, self.dtype)
+        if self.reference is not None:
+            self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
+            shard_model(self.reference, self.device, self.dtype)
+
     def prepare_run_dir(self) -> None:
         """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.
 
@@ -279,6 +335,33 @@ class Trainer:
         deleted). A non-empty folder that is not a quarl run (see `is_run_dir`), e.g. a source tree given as
         output.dir, is refused (RunDirError) and left untouched.
         """
+        error = None
+        if self.is_main:  # rank 0 alone owns the folder: lock, earlier runs, config, metrics
+            try:
+                self._claim_run_dir()
+            except Exception as e:  # every rank must hear of it, or the others wait for rank 0 forever
+                error = e
+        if self.distributed:
+            told = qdist.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+            if told is not None and error is None:
+                raise RunStopped(f"rank 0 could not prepare output.dir ({told})")
+        if error is not None:
+            raise error
+        resume_step = None
+        if self.cfg.resume:
+            self._restore()
+            resume_step = self.start_step
+        if not self.is_main:
+            self.log = _NoLog()
+            return
+        self.log = RunLog(self.run_dir, tensorboard=self.cfg.output.tensorboard, resume_step=resume_step)
+        # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
+        saved = config_to_dict(self.cfg)
+        saved.pop("resume", None)
+        atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
+
+    def _claim_run_dir(self) -> None:
+        """Check and lock the run directory; move an earlier run aside (see `prepare_run_dir`)."""
         run_dir = self.run_dir
         check_output_dir(run_dir)
         print(f"[quarl] run directory: {run_dir}", flush=True)
@@ -301,28 +384,34 @@ class Trainer:
         else:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._lock = lock_run_dir(run_dir)
-        resume_step = None
-        if self.cfg.resume:
-            # the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning)
-            state, ckpt = load_latest_intact(run_dir, self.model, self.optimizer)
-            self.start_step = resume_step = state["step"]
-            self.nonfinite_total = int(state.get("nonfinite_total", 0))
-            self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+
+    def _restore(self) -> None:
+        """Load the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning): a
+        single-process .pt file, or on many ranks a sharded DCP folder (written on any number of ranks)."""
+        if self.distributed:
+            state, ckpt = load_latest_sharded(self.run_dir, self.model, self.optimizer.optimizer)
+        else:
+            state, ckpt = load_latest_intact(self.run_dir, self.model, self.optimizer)
+        self.start_step = state["step"]
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        if self.distributed:
+            self.rollout_sync()
+        else:
             refresh_rollout_weights(self.model)
+        if self.is_main:
             print(f"[quarl] resumed from {ckpt} (step {self.start_step})")
-        self.log = RunLog(run_dir, tensorboard=self.cfg.output.tensorboard, resume_step=resume_step)
-        # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
-        saved = config_to_dict(self.cfg)
-        saved.pop("resume", None)
-        atomic_write_bytes(run_dir / "config.yaml", yaml.safe_dump(saved).encode())
 
     def close(self) -> None:
-        """Close the run log and release the run directory's lock (train() does this however it ends)."""
+        """Close the run log, release the run directory's lock and leave the process group (train() does this
+        however it ends)."""
         if self.log is not None:
             self.log.close()
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if self.distributed:
+            qdist.shutdown()
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -342,7 +431,7 @@ class Trainer:
         sigma = aqn_sigma(step, self.cfg.train.steps, a.sigma_start, a.sigma_end, a.stages)
         if a.sigma_start > 0:
             gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + step)
-            set_aqn_noise(self.model, sigma, gen)
+            set_aqn_noise(self.rollout_model, sigma, gen)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return sigma, time.perf_counter() - t0
@@ -362,14 +451,18 @@ class Trainer:
         tokens = 0
         while True:
             batch = self.task.train_batch(step, attempt, wanted if attempt == 0 else wanted - len(examples))
-            outs = self.engine.generate(
-                [self.task.render(ex) for ex in batch], n=r.num_generations,
-                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                stop=list(r.stop) or None, seed=tr.seed * 1_000_003 + step * 101 + attempt,
-            )
-            # every answer of the round in one call: user reward functions may score a batch at once
-            flat = self.task.rewards([c.text for out in outs for c in out.completions],
-                                     [ex for ex, out in zip(batch, outs) for _ in out.completions])
+            seed = tr.seed * 1_000_003 + step * 101 + attempt
+            if self.distributed:
+                outs, flat = self._rollout_share(batch, seed)
+            else:
+                outs = self.engine.generate(
+                    [self.task.render(ex) for ex in batch], n=r.num_generations,
+                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    stop=list(r.stop) or None, seed=seed,
+                )
+                # every answer of the round in one call: user reward functions may score a batch at once
+                flat = self.task.rewards([c.text for out in outs for c in out.completions],
+                                         [ex for ex, out in zip(batch, outs) for _ in out.completions])
             offsets = [0]
             for out in outs:
                 offsets.append(offsets[-1] + len(out.completions))
@@ -392,6 +485,28 @@ class Trainer:
         self._nonfinite_reward_groups = (dropped_groups, sampled_groups)
         sampled = torch.cat(sampled_rewards) if sampled_rewards else torch.zeros(0)
         return examples, outputs, rewards, sampled, tokens, attempt
+
+    def _rollout_share(self, batch: list, seed: int) -> tuple[list, list[float]]:
+        """Many ranks: generate and score this rank's contiguous share of the round's prompts (whole groups), then
+        gather every rank's groups in prompt order, so each rank holds the round's full results.
+
+        Each group draws from its own generator seeded by (round seed, the prompt's index in the round), never by
+        the rank: the same global batch gives the same rollouts on any number of ranks. (One process without
+        torchrun seeds one generator per round instead, so its samples differ from these; both are reproducible.)
+        Returns (outputs [len(batch)], rewards flat over outputs' completions)."""
+        r = self.cfg.rollout
+        share = qdist.shard_range(len(batch), qdist.world_size(), qdist.rank())
+        outs = []
+        for i in share:
+            outs += self.engine.generate(
+                [self.task.render(batch[i])], n=r.num_generations, max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None,
+                seed=group_seed(seed, i),
+            )
+        flat = self.task.rewards([c.text for out in outs for c in out.completions],
+                                 [batch[i] for i, out in zip(share, outs) for _ in out.completions]) if outs else []
+        gathered = qdist.all_gather_objects((outs, [float(x) for x in flat]))
+        return [o for part in gathered for o in part[0]], [x for part in gathered for x in part[1]]
 
     def assemble(self, outputs, rewards) -> tuple[RolloutBatch, dict]:
         r, tr = self.cfg.rollout, self.cfg.train
@@ -429,19 +544,42 @@ class Trainer:
         mb = self.cfg.train.micro_batch_size
         was_training = model.training
         model.eval()  # π_prox is the policy itself: no (LoRA) dropout
-        for start in range(0, len(batch), mb):
-            rows = list(range(start, min(start + mb, len(batch))))
+        for rows, idle in self.micro_batches(torch.arange(len(batch)), mb):
+            rows = rows.tolist()
             sub = batch.select(rows)
             lp, ent = answer_logprobs(
                 model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
                 self.cfg.rollout.temperature, sub.answer_width, with_entropy, sub.answer_lengths,
             )
+            if idle:  # a forward only to keep this rank's collectives in step with the others
+                continue
             width = lp.shape[1]  # rows are left-padded: answers live in the last `width` columns
             out[rows, -width:] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, -width:] = ent.float().cpu()
         model.train(was_training)
+        if self.distributed:  # every row was filled by exactly one rank and is 0 elsewhere: the sum is exact
+            out = qdist.sum_over_ranks(out, self.device)
+            entropy = qdist.sum_over_ranks(entropy, self.device) if with_entropy else None
         return out, entropy
+
+    def micro_batches(self, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, bool]]:
+        """Micro-batches (row indices, idle) of `rows` for this process.
+
+        One process: consecutive chunks of `size`, none idle. Many ranks: this rank's contiguous share of `rows`
+        in chunks of `size`, then idle micro-batches (the first row again, whose results are thrown away) until
+        every rank has as many as the rank with the largest share: each forward and backward of a sharded model
+        runs collectives, so every rank must run the same number.
+        """
+        if not self.distributed:
+            return [(rows[i:i + size], False) for i in range(0, len(rows), size)]
+        world = qdist.world_size()
+        share = qdist.shard_range(len(rows), world, qdist.rank())
+        mine = rows[share.start:share.stop]
+        out = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
+        most = -(-len(qdist.shard_range(len(rows), world, 0)) // size)  # share 0 is the largest
+        out += [(rows[:1], True)] * (most - len(out))
+        return out
 
     def proximal_from_update(self, batch_size: int) -> bool:
         """Whether π_prox can be read off the update's own forward instead of a separate scoring pass.
@@ -495,8 +633,7 @@ class Trainer:
                 mini_sums: dict[str, float] = {}
                 mini_weight = 0.0
                 bad = None  # why this minibatch gets no optimizer step
-                for u0 in range(0, len(mini_rows), tr.micro_batch_size):
-                    rows = mini_rows[u0 : u0 + tr.micro_batch_size]
+                for rows, idle in self.micro_batches(mini_rows, tr.micro_batch_size):
                     sub = batch.select(rows)
                     logprobs, ent = answer_logprobs(
                         self.model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
@@ -508,28 +645,44 @@ class Trainer:
                     prox = dev(proximal)
                     if collect_proximal:
                         prox = logprobs.detach()
-                        collected[rows, -width:] = prox.float().cpu()
-                        collected_entropy[rows, -width:] = ent.float().cpu()
+                        if not idle:
+                            collected[rows, -width:] = prox.float().cpu()
+                            collected_entropy[rows, -width:] = ent.float().cpu()
                     loss, metrics = policy_loss(
                         logprobs, prox, sub.behaviour_logprobs[:, -width:].to(self.device),
                         sub.advantages.to(self.device), sub.answer_mask[:, -width:].to(self.device), self.loss_cfg,
                         reference_logprobs=dev(reference), num_sequences=len(mini_rows), num_tokens=num_tokens,
                     )
+                    if idle:  # no share of the loss, but the same collectives as the other ranks
+                        (loss * 0.0).backward()
+                        continue
                     loss_value = loss.item()
                     if bad is None and not math.isfinite(loss_value):
                         bad = f"non-finite loss ({loss_value})"
-                    if bad is None:
-                        loss.backward()
+                    if bad is None or self.distributed:  # a sharded backward is a collective: every rank runs it
+                        # FSDP averages gradients over ranks; this rank's loss is a share of the minibatch's sum
+                        (loss * qdist.world_size() if self.distributed else loss).backward()
                     mini_loss += loss_value  # micro-batch losses are shares of the minibatch loss
                     w = float(sub.answer_mask.sum())
                     mini_weight += w
                     for k, v in metrics.items():
                         mini_sums[k] = mini_sums.get(k, 0.0) + float(v) * w
                 grad_norm = float("nan")
-                if bad is None:
-                    grad_norm = float(self.optimizer.clip_grad_norm_(tr.max_grad_norm))
-                    if not math.isfinite(grad_norm):
+                if bad is None or self.distributed:
+                    grad_norm = self.optimizer.clip_grad_norm_(tr.max_grad_norm)
+                    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                    if bad is None and not math.isfinite(grad_norm):
                         bad = f"non-finite gradient norm ({grad_norm})"
+                if self.distributed:
+                    # one rank's bad loss skips the step on every rank; losses and metrics are sums of shares
+                    if qdist.any_rank(bad is not None, self.device) and bad is None:
+                        bad = "non-finite loss on another rank"
+                    keys = sorted(set().union(*qdist.all_gather_objects(sorted(mini_sums))))
+                    totals = qdist.sum_over_ranks(torch.tensor(
+                        [mini_loss, mini_weight] + [mini_sums.get(k, 0.0) for k in keys], dtype=torch.float64),
+                        self.device).tolist()
+                    mini_loss, mini_weight = totals[0], totals[1]
+                    mini_sums = dict(zip(keys, totals[2:]))
                 if bad is not None:
                     self.optimizer.zero_grad(set_to_none=True)  # nothing of this minibatch reaches the weights
                     skipped.append(bad)
@@ -551,20 +704,26 @@ class Trainer:
         out["train/skipped_updates"] = len(skipped)
         out["_nonfinite"] = skipped
         if collect_proximal:
+            if self.distributed:  # each row was filled by one rank and is 0 on the others: the sums are exact
+                collected = qdist.sum_over_ranks(collected, self.device)
+                collected_entropy = qdist.sum_over_ranks(collected_entropy, self.device)
             out["_proximal"], out["_entropy"] = collected, collected_entropy
         return out
 
     def nonfinite_weights(self) -> list[str]:
         """Names of trainable parameters (or their float32 masters) holding NaN/Inf."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        tensors = [p.detach() for _, p in named]
+        tensors = [local_part(p.detach()) for _, p in named]  # many ranks: each checks its shards ...
         names = [n for n, _ in named]
         by_id = {id(p): n for n, p in named}
         for p, master in zip(self.optimizer.params, self.optimizer.masters):
             if master is not p:
                 tensors.append(master.detach())
                 names.append(f"{by_id.get(id(p), '?')} (float32 master)")
-        return [n for n, ok in zip(names, _finite_flags(tensors)) if not ok]
+        flags = _finite_flags(tensors)
+        if self.distributed:  # ... and every rank learns of any rank's bad shard
+            flags = [bool(v) for v in qdist.all_reduce_min([float(f) for f in flags], self.device)]
+        return [n for n, ok in zip(names, flags) if not ok]
 
     def check_weights_finite(self, step: int, doing: str = "after the optimizer step") -> None:
         """NonFiniteError naming the (1-based) step when a trainable weight is NaN/Inf: nothing good follows."""
@@ -678,9 +837,12 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Held-out scores of the current weights in rollout precision, without AQN noise."""
-        refresh_rollout_weights(self.model)
+        if self.distributed:
+            self.rollout_sync()
+        else:
+            refresh_rollout_weights(self.model)
         if self.cfg.aqn.sigma_start > 0:
-            set_aqn_noise(self.model, 0.0)
+            set_aqn_noise(self.rollout_model, 0.0)
         e = self.cfg.eval
         kwargs = dict(n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                       seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None)
@@ -689,8 +851,9 @@ class Trainer:
         if e.full_precision and self.cfg.precision.flow != "bf16":
             from quarl.rollout.engine import RolloutEngine
 
-            with full_precision(self.model):
-                engine = RolloutEngine(self.model, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size)
+            with full_precision(self.rollout_model):
+                engine = RolloutEngine(self.rollout_model, self.tokenizer,
+                                       max_batch_size=self.cfg.rollout.max_batch_size)
                 full = evaluate(engine, self.task, self.task.eval_examples, **kwargs)
             out.update({f"eval_full/{k}": v for k, v in full.items() if k != "num_examples"})
         return out
@@ -733,7 +896,7 @@ class Trainer:
         interrupt = GracefulInterrupt()
         bar = tqdm(
             total=cfg.train.steps, initial=self.start_step, desc="quarl train", unit="step",
-            disable=not cfg.output.progress, dynamic_ncols=True,
+            disable=not cfg.output.progress or not self.is_main, dynamic_ncols=True,
         )
         step = self.start_step
         last: dict = {}
@@ -747,13 +910,16 @@ class Trainer:
                         last.update(self.evaluate())
                     self.log.log(step, last)
                     self._count_skipped(step, last)
-                    self.alarms.check(step, last)
+                    if self.is_main:
+                        self.alarms.check(step, last)
                     bar.update(1)
                     bar.set_postfix(
                         reward=f"{last.get('reward/mean', float('nan')):.3f}",
                         kl=f"{last.get('mismatch/kl', float('nan')):.1e}",
                         s=f"{last.get('time/step_s', 0):.1f}",
                     )
+                    if self.distributed:  # a signal to any rank stops every rank after the same step
+                        interrupt.requested = qdist.any_rank(interrupt.requested, self.device)
                     if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or interrupt.requested:
                         self.checkpoint(step)
                     if interrupt.requested:
@@ -771,7 +937,13 @@ class Trainer:
         if not summary.get("interrupted") and cfg.output.export_hf:
             from quarl.export import export_run
 
-            export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
+            if self.distributed:  # the rollout copy gathers the trained weights (layer by layer); rank 0 writes
+                self.rollout_sync()
+                if self.is_main:
+                    export_run(self.rollout_model, self.tokenizer, self.cfg, self.run_dir / "export")
+                qdist.barrier()
+            else:
+                export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
         summary["last"] = last
         summary["step"] = step
         return summary
@@ -795,6 +967,13 @@ class Trainer:
         from tqdm import tqdm
 
         self.check_weights_finite(step, doing="at the checkpoint")
+        if self.distributed:
+            path = save_sharded_checkpoint(
+                self.run_dir, step, self.model, self.optimizer.optimizer, keep=self.cfg.output.keep_checkpoints,
+                nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
+            if self.is_main:
+                tqdm.write(f"[quarl] step {step}: checkpoint saved to {path}")
+            return
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, keep=self.cfg.output.keep_checkpoints,
                                nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
         tqdm.write(f"[quarl] step {step}: checkpoint saved to {path}")  # above the progress bar, not through it
