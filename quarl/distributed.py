@@ -120,9 +120,42 @@ def broadcast_object(obj):
     return box[0]
 
 
+def collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another rank is gone (it died, was killed, or hangs
+    past the timeout): what a rank sees when the job loses one of its processes."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        word in text for word in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
+
+
 def shard_range(total: int, parts: int, index: int) -> range:
     """Contiguous share `index` of `total` items split into `parts` shares whose sizes differ by at most one
     (the first `total % parts` shares get one more)."""
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`quarl train --nproc N ...`: run `python -m torch.distributed.run --standalone --nproc_per_node N -m quarl
+    argv...` (one node, a free port) and return its exit status. A failed job ends with one line saying so:
+    torchrun has then stopped every rank, and only finished checkpoints are in the run directory."""
+    import subprocess
+    import sys
+
+    if int(nproc) != nproc or nproc < 1:
+        raise ValueError(f"--nproc must be an integer >= 1 (processes, one per GPU), got {nproc}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(nproc)}",
+           "-m", "quarl", *argv]
+    print(f"[quarl] launching {nproc} processes: {' '.join(cmd[1:])}", flush=True)
+    try:
+        rc = subprocess.run(cmd).returncode
+    except KeyboardInterrupt:  # torchrun forwards the signal to every rank and waits for them
+        return 130
+    if rc not in (0, 130, 143):
+        print(f"quarl train: error: the {nproc}-process job stopped (exit status {rc}): a rank failed or was "
+              "killed (its error is above) and torchrun ended the others; checkpoints already written are intact "
+              "(resume with resume=RUN_DIR, on any number of processes)", file=sys.stderr, flush=True)
+    return rc

@@ -25,8 +25,6 @@ import shutil
 import warnings
 from pathlib import Path
 
-import torch
-
 from quarl import distributed as qdist
 from quarl.rl.checkpoint import CheckpointWarning, _fsync_dir, atomic_write_bytes, file_sha256
 
@@ -73,7 +71,7 @@ def verify_sharded(path: str | Path) -> str | None:
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, keep: int = 2, **extra) -> Path:
     """Save the sharded model and optimizer after `step` completed steps; every rank must call it. Keeps the newest
-    `keep` folders (0 = all). Returns the folder. extra: plain numbers stored in quarl.json."""
+    `keep` folders (>= 1). Returns the folder. extra: plain numbers stored in quarl.json."""
     import torch.distributed.checkpoint as dcp
 
     folder = Path(run_dir) / "checkpoints"
@@ -95,7 +93,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, ke
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(folder)
-        if keep:
+        if keep >= 1:
             for old in sharded_checkpoints(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     qdist.barrier()

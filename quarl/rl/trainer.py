@@ -879,6 +879,13 @@ class Trainer:
         """
         try:
             return self._train()
+        except Exception as e:
+            if self.distributed and qdist.collective_failure(e):
+                raise RunStopped(
+                    f"rank {qdist.rank()} of {qdist.world_size()}: another rank stopped while this one waited for it "
+                    f"({str(e).splitlines()[0][:200]}); the job stopped; checkpoints already written are intact: "
+                    f"resume with resume={self.run_dir}") from e
+            raise
         finally:
             self.close()
 
