@@ -18,6 +18,8 @@ import torch
 
 from quarl.rl.sharded_checkpoint import sharded_checkpoints, verify_sharded
 
+pytestmark = pytest.mark.slow  # real torchrun launches: about 15 s each on two cores
+
 ROOT = Path(__file__).resolve().parent.parent
 REWARD = '''def digit_reward(completion, example):
     return sum(ch.isdigit() for ch in completion[:8]) / 8.0
@@ -66,7 +68,7 @@ def tokens(rollout):
 
 
 def logprobs(rollout):
-    return torch.tensor([[lp for _, lp in group] for group in rollout], dtype=torch.float64)
+    return torch.tensor([x for group in rollout for _, lps in group for x in lps], dtype=torch.float64)
 
 
 def max_weight_diff(a: dict, b: dict) -> float:

@@ -490,18 +490,19 @@ class Trainer:
         """Many ranks: generate and score this rank's contiguous share of the round's prompts (whole groups), then
         gather every rank's groups in prompt order, so each rank holds the round's full results.
 
-        Each group draws from its own generator seeded by (round seed, the prompt's index in the round), never by
-        the rank: the same global batch gives the same rollouts on any number of ranks. (One process without
-        torchrun seeds one generator per round instead, so its samples differ from these; both are reproducible.)
+        Every answer draws from its own stream, seeded by (round seed, the prompt's index in the round, the answer's
+        index; `quarl.rollout.seeding`), never by the rank or by the other prompts of the call: the same global
+        batch gives the same rollouts on any number of ranks. (One process without torchrun draws a round from one
+        generator instead, so its samples differ from these; both are reproducible.)
         Returns (outputs [len(batch)], rewards flat over outputs' completions)."""
         r = self.cfg.rollout
         share = qdist.shard_range(len(batch), qdist.world_size(), qdist.rank())
         outs = []
-        for i in share:
-            outs += self.engine.generate(
-                [self.task.render(batch[i])], n=r.num_generations, max_new_tokens=r.max_new_tokens,
+        if len(share):
+            outs = self.engine.generate(
+                [self.task.render(batch[i]) for i in share], n=r.num_generations, max_new_tokens=r.max_new_tokens,
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None,
-                seed=group_seed(seed, i),
+                seeds=[group_seed(seed, i) for i in share],
             )
         flat = self.task.rewards([c.text for out in outs for c in out.completions],
                                  [batch[i] for i, out in zip(share, outs) for _ in out.completions]) if outs else []
