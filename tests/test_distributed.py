@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     (tmp / "reward.py").write_text(REWARD)
     one = torchrun(1, tmp / "one.pt", overrides(tmp, tmp / "one", 3))
-    two = torchrun(2, tmp / "two.pt", overrides(tmp, tmp / "two", 2))
+    two = torchrun(2, tmp / "two.pt", overrides(tmp, tmp / "two", 2, "output.export_hf=true"))
     resumed = torchrun(1, tmp / "resumed.pt", overrides(tmp, tmp / "two", 3, f"resume={tmp / 'two'}"))
     return {"one": one, "two": two, "resumed": resumed, "tmp": tmp}
 
@@ -93,6 +93,20 @@ def test_two_ranks_equal_one_rank(runs):
         for key in ("train/grad_norm", "policy/entropy", "policy/ratio_mean", "is/weight_mean"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
         assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=1e-6)
+        # the rollout copy follows the trained weights: in float32 on the CPU the behaviour log-probs equal the
+        # training forward's (a stale copy after step 1 would differ by ~1e-3)
+        assert m2["mismatch/max_abs_logp_diff"] < 1e-5
+
+
+def test_the_export_holds_the_gathered_weights(runs):
+    from safetensors.torch import load_file
+
+    exported = load_file(str(runs["tmp"] / "two" / "export" / "hf" / "model.safetensors"))
+    weights = runs["two"]["weights"][2]
+    common = [k for k in weights if k in exported]
+    assert len(common) >= len(weights) - 1  # all of them (lm_head may be tied to the embeddings)
+    for k in common:  # float32 masters rounded once to the export's bf16
+        assert torch.equal(exported[k], weights[k].to(torch.bfloat16)), k
 
 
 def test_rank_zero_alone_writes_the_run_files(runs):

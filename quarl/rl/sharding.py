@@ -6,13 +6,15 @@ On many ranks (docs/DISTRIBUTED.md) the trainer keeps two models per process:
     (embeddings, final norm, lm_head): each rank holds 1/N of the float32 master weights, their gradients and
     AdamW moments; on a GPU the forward and backward compute in bf16 (`MixedPrecisionPolicy`) and gradients are
     reduced in float32;
-  * a full rollout copy in the compute dtype, quantized as the precision flow says, which the rank's own rollout
-    engine reads. It never takes gradients.
+  * a full rollout copy, which the rank's own rollout engine reads. Its quantized linears keep only their codes
+    and scales (a frozen quantized base, `make_rollout_copy`), everything else is in the compute dtype. It never
+    takes gradients.
 
 `ShardedRolloutSync` brings the rollout copy up to date after an optimizer step: decoder layer by decoder layer it
 all-gathers the trained parameters (rounded to the compute dtype first, so the transfer is half the size of the
-float32 masters and the values are those the single-process sync quantizes) into the copy and re-quantizes that
-layer's linears in place. At no time is more than one layer gathered.
+float32 masters and the values are those the single-process sync quantizes) and quantizes each gathered weight
+straight into the copy's codes in place (or copies it, for full-precision tensors). At no time is more than one
+layer gathered, and no bf16 weight of a quantized linear outlives its own re-quantization.
 """
 
 from __future__ import annotations
@@ -62,6 +64,32 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
     return model
 
 
+def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    """A rollout-only copy of the (not yet sharded) trained model: no gradients, in `compute_dtype` (LoRA adapters
+    stay float32, as on one process), and every quantized linear turned into a frozen quantized base, so the copy
+    holds 1 (int8 / fp8) or about 0.56 (nvfp4) bytes per weight instead of the 2 of a bf16 weight. Its codes are
+    quantized from the weights rounded to `compute_dtype`, as on one process. Full-precision linears (the bf16
+    flow, lm_head) keep their weights."""
+    import copy
+
+    rollout = copy.deepcopy(model).requires_grad_(False)
+    adapters = {n: p.dtype for n, p in rollout.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+    rollout.to(dtype=compute_dtype)
+    for name, p in rollout.named_parameters():
+        if name in adapters:
+            p.data = p.data.to(adapters[name])
+    for m in rollout.modules():
+        if not isinstance(m, QuantLinear) or m.weight is None or m.rollout_format is None:
+            continue
+        lora = {k: getattr(m, k) for k in ("lora_A", "lora_B")}
+        settings = dict(m._settings, frozen_base=True, train_format=None, quantized_backward=False)
+        m.configure(**settings)  # re-quantizes from the compute-dtype weight, then drops it
+        for k, p in lora.items():  # configure re-initialised the adapters: keep the trained ones
+            if p is not None:
+                setattr(m, k, p)
+    return rollout.requires_grad_(False)
+
+
 def drop_unused_rollout_buffers(model: nn.Module) -> None:
     """Free the quantized rollout buffers of the trained model's linears that train their weight: on many ranks the
     rollout copy holds the quantized weights, and the training forward never reads these (a frozen qlora base,
@@ -82,19 +110,22 @@ class ShardedRolloutSync:
 
     def __init__(self, trained: nn.Module, rollout: nn.Module):
         self.trained, self.rollout = trained, rollout
-        rollout_params = dict(rollout.named_parameters())
-        self.groups: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], list[QuantLinear]]] = []
+        modules = dict(rollout.named_modules())
+        self.groups: list[tuple[list[tuple[torch.Tensor, torch.Tensor | QuantLinear]], list[QuantLinear]]] = []
         layer_names = [f"model.layers.{i}." for i in range(len(trained.model.layers))]
         claimed: set[str] = set()
         for prefix in layer_names + [""]:
-            pairs = []
+            pairs = []  # (trained parameter, rollout parameter it is copied into, or frozen base it quantizes into)
             for name, p in trained.named_parameters():
                 if not p.requires_grad or name in claimed or not name.startswith(prefix):
                     continue
-                if name not in rollout_params:
-                    raise RuntimeError(f"the rollout copy has no parameter {name}: it was not made from this model")
+                owner, _, attr = name.rpartition(".")
+                target = modules.get(owner)
+                if target is None:
+                    raise RuntimeError(f"the rollout copy has no module {owner}: it was not made from this model")
                 claimed.add(name)
-                pairs.append((p, rollout_params[name]))
+                base = isinstance(target, QuantLinear) and attr == "weight" and target.weight is None
+                pairs.append((p, target if base else getattr(target, attr)))
             linears = [m for n, m in rollout.named_modules()
                        if isinstance(m, QuantLinear) and f"{n}.".startswith(prefix) and id(m) not in
                        {id(x) for _, ls in self.groups for x in ls}]
@@ -103,7 +134,10 @@ class ShardedRolloutSync:
     @torch.no_grad()
     def __call__(self) -> None:
         for pairs, linears in self.groups:
-            for trained_param, rollout_param in pairs:
-                rollout_param.copy_(full_value(trained_param, rollout_param.dtype))
+            for trained_param, target in pairs:
+                if isinstance(target, QuantLinear):  # gathered in the compute dtype, quantized in place
+                    target.load_frozen_base(full_value(trained_param, target.compute_dtype))
+                else:
+                    target.copy_(full_value(trained_param, target.dtype))
             for m in linears:
                 m.refresh(only_if_changed=True)  # weights just copied changed their version; a frozen base did not

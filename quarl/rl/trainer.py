@@ -42,7 +42,8 @@ from quarl.rl.mismatch import mismatch_metrics
 from quarl.rl.mismatch_alarms import MismatchAlarms
 from quarl.rl.objectives import get_correction, policy_loss
 from quarl.rl.run_log import RunLog
-from quarl.rl.sharding import ShardedRolloutSync, drop_unused_rollout_buffers, local_part, shard_model
+from quarl.rl.sharding import (ShardedRolloutSync, drop_unused_rollout_buffers, local_part, make_rollout_copy,
+                               shard_model)
 from quarl.rl.uaq import apply_uaq
 from quarl.tasks.task import TaskData, load_task
 
@@ -310,14 +311,7 @@ class Trainer:
     def _shard(self) -> None:
         """Make the rank's full rollout copy (compute dtype, quantized), then shard the trained model (and the
         reference model) with FSDP2; see quarl/rl/sharding.py."""
-        rollout = copy.deepcopy(self.model).requires_grad_(False)
-        adapters = {n: p.dtype for n, p in rollout.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
-        rollout.to(dtype=self.dtype)
-        for name, p in rollout.named_parameters():  # adapters stay float32, as on one process
-            if name in adapters:
-                p.data = p.data.to(adapters[name])
-        refresh_rollout_weights(rollout)  # quantized from the compute-dtype weights, as on one process
-        self.rollout_model = rollout
+        self.rollout_model = make_rollout_copy(self.model, self.dtype)
         drop_unused_rollout_buffers(self.model)
         # The fused log-prob path calls hidden_states() and lm_head directly, outside the root's FSDP forward hooks
         self.model.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
@@ -849,7 +843,8 @@ class Trainer:
                       seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None)
         result = evaluate(self.engine, self.task, self.task.eval_examples, **kwargs)
         out = {f"eval/{k}": v for k, v in result.items()}
-        if e.full_precision and self.cfg.precision.flow != "bf16":
+        # many ranks: the rollout copy keeps only the quantized weights, so there is no full-precision twin to score
+        if e.full_precision and self.cfg.precision.flow != "bf16" and not self.distributed:
             from quarl.rollout.engine import RolloutEngine
 
             with full_precision(self.rollout_model):
@@ -945,16 +940,38 @@ class Trainer:
         if not summary.get("interrupted") and cfg.output.export_hf:
             from quarl.export import export_run
 
-            if self.distributed:  # the rollout copy gathers the trained weights (layer by layer); rank 0 writes
-                self.rollout_sync()
-                if self.is_main:
-                    export_run(self.rollout_model, self.tokenizer, self.cfg, self.run_dir / "export")
-                qdist.barrier()
+            if self.distributed:
+                self.export_distributed()
             else:
                 export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
         summary["last"] = last
         summary["step"] = step
         return summary
+
+    def export_distributed(self) -> None:
+        """Many ranks: gather the trained weights whole into rank 0's CPU memory (parameter by parameter), load them
+        into a CPU copy of the model as configured, and export it from rank 0 (RUN_DIR/export, as on one process).
+        The rollout copy cannot serve: its quantized linears keep codes only."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from quarl.export import export_run
+        from quarl.model.loading import load_model
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+        if self.is_main:
+            cfg = self.cfg
+            torch.manual_seed(cfg.train.seed)  # a random-init model (tiny-random-*) comes back the same
+            model, _ = load_model(cfg.model.name, device="cpu", dtype=torch.float32, gguf_file=cfg.model.gguf_file,
+                                  revision=cfg.model.revision)
+            if cfg.uaq.scale != 1.0:
+                apply_uaq(model, cfg.uaq.scale)
+            apply_precision(model, cfg.precision)
+            unexpected = model.load_state_dict(full, strict=False).unexpected_keys
+            if unexpected:
+                raise RuntimeError(f"the gathered weights hold {unexpected[:3]}, which the reloaded model lacks")
+            export_run(model, self.tokenizer, cfg, self.run_dir / "export")
+        qdist.barrier()
 
     def _count_skipped(self, step: int, metrics: dict) -> None:
         """Consecutive steps with a skipped update or a NaN/Inf reward (a reward function that keeps returning them
