@@ -34,6 +34,9 @@ def test_synced_rollout_copy_equals_the_single_process_rollout_weights(name, dty
     sync = ShardedRolloutSync(trained, rollout)
     quantized = [m for m in rollout.modules() if isinstance(m, QuantLinear) and m.rollout_format is not None]
     assert all(m.weight is None for m in quantized)  # codes and scales only
+    for a, b in zip(rollout.modules(), trained.modules()):  # a frozen qlora base is shared, not copied
+        if isinstance(a, QuantLinear) and b.frozen_base:
+            assert a.qweight_data.data_ptr() == b.qweight_data.data_ptr()
     assert all(p.dtype == torch.float32 for n, p in rollout.named_parameters() if "lora_" in n)
     ids = torch.randint(0, trained.config.vocab_size, (3, 11))
     for _ in range(2):  # two "optimizer steps": every trained tensor moves (LoRA B too, so adapters count)

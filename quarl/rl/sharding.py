@@ -69,7 +69,7 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
     stay float32, as on one process), and every quantized linear turned into a frozen quantized base, so the copy
     holds 1 (int8 / fp8) or about 0.56 (nvfp4) bytes per weight instead of the 2 of a bf16 weight. Its codes are
     quantized from the weights rounded to `compute_dtype`, as on one process. Full-precision linears (the bf16
-    flow, lm_head) keep their weights."""
+    flow, lm_head) keep their weights. A frozen qlora base is not copied: both models read the same buffers."""
     import copy
 
     rollout = copy.deepcopy(model).requires_grad_(False)
@@ -78,7 +78,10 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
     for name, p in rollout.named_parameters():
         if name in adapters:
             p.data = p.data.to(adapters[name])
-    for m in rollout.modules():
+    for m, source in zip(rollout.modules(), model.modules()):
+        if isinstance(m, QuantLinear) and source.frozen_base:  # a qlora base never changes: share its codes
+            m.qweight_data, m.qweight_scale = source.qweight_data, source.qweight_scale
+            m.qweight_global_scale = source.qweight_global_scale
         if not isinstance(m, QuantLinear) or m.weight is None or m.rollout_format is None:
             continue
         lora = {k: getattr(m, k) for k in ("lora_A", "lora_B")}
