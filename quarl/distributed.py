@@ -150,10 +150,13 @@ def launch(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={int(nproc)}",
            "-m", "quarl", *argv]
     print(f"[quarl] launching {nproc} processes: {' '.join(cmd[1:])}", flush=True)
-    try:
-        rc = subprocess.run(cmd).returncode
-    except KeyboardInterrupt:  # torchrun forwards the signal to every rank and waits for them
-        return 130
+    job = subprocess.Popen(cmd)
+    while True:
+        try:
+            rc = job.wait()
+            break
+        except KeyboardInterrupt:  # the ranks got Ctrl-C too: wait while they stop (the run directory stays whole)
+            continue
     if rc not in (0, 130, 143):
         print(f"quarl train: error: the {nproc}-process job stopped (exit status {rc}): a rank failed or was "
               "killed (its error is above) and torchrun ended the others; checkpoints already written are intact "
