@@ -250,11 +250,11 @@ class Trainer:
         # Sharded masters are the parameters themselves (float32); the compute dtype is FSDP's mixed precision.
         master_dtype = torch.float32 if self.distributed else self.dtype
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
-        if cfg.reward.function:  # user code: say so before importing and trying it on one example
+        if cfg.reward.function and self.is_main:  # user code: say so before importing and trying it on one example
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
         self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed, reward_fns=reward_fns,
                                         reward_weights=reward_weights, dataset=dataset, eval_dataset=eval_dataset)
-        if cfg.reward.function:
+        if cfg.reward.function and self.is_main:
             print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
         if model is None:
