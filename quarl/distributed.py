@@ -151,12 +151,16 @@ def launch(nproc: int, argv: list[str]) -> int:
            "-m", "quarl", *argv]
     print(f"[quarl] launching {nproc} processes: {' '.join(cmd[1:])}", flush=True)
     job = subprocess.Popen(cmd)
+    interrupted = False
     while True:
         try:
             rc = job.wait()
             break
         except KeyboardInterrupt:  # the ranks got Ctrl-C too: wait while they stop (the run directory stays whole)
-            continue
+            interrupted = True
+    if interrupted:  # torchrun reports its own signal as a failure; the ranks saved and stopped
+        print("[quarl] interrupted: the ranks stopped after saving their step (see above)", file=sys.stderr)
+        return 130
     if rc not in (0, 130, 143):
         print(f"quarl train: error: the {nproc}-process job stopped (exit status {rc}): a rank failed or was "
               "killed (its error is above) and torchrun ended the others; checkpoints already written are intact "

@@ -1,8 +1,8 @@
 """Runs on many processes (torchrun, gloo on the CPU, FSDP2): the same as one process, resumable on another number
 of ranks, and a killed rank stops the whole job with nothing half written (docs/DISTRIBUTED.md).
 
-Every run here is a real `python -m torch.distributed.run --standalone` (a free port each) of tests/distributed_worker.py
-or of `quarl train --nproc`, on the tiny random Llama, 2 steps of 4 prompts x 4 answers.
+Every run here is a real `python -m torch.distributed.run --standalone` (a free port each) of
+tests/distributed_worker.py or of `quarl train --nproc`, on the tiny random Llama, 4 prompts x 4 answers a step.
 """
 
 import json
@@ -196,6 +196,33 @@ def test_killing_one_rank_stops_the_job_cleanly(tmp_path):
     assert all(n.endswith(".dcp") or n.endswith(".dcp.tmp") for n in names), names
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+
+
+def test_ctrl_c_stops_every_rank_after_saving_the_step(tmp_path):
+    """Ctrl-C in a terminal reaches the launcher, torchrun and every rank (torchrun then sends it again): the ranks
+    finish the step, save it and stop; `quarl train --nproc` exits 130."""
+    (tmp_path / "reward.py").write_text(REWARD)
+    run = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "quarl", "train", "--nproc", "2", *overrides(tmp_path, run, 500)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own process group, as a terminal's foreground job
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step_000002.dcp").is_dir():
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not reach step 2"
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGINT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 130, err[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1))
+    assert sharded_checkpoints(run)[-1].name == f"step_{last:06d}.dcp"  # the interrupted step was saved
+    assert verify_sharded(sharded_checkpoints(run)[-1]) is None
+    assert f"stopped after step {last}" in out
 
 
 @pytest.mark.gpu

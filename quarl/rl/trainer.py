@@ -182,14 +182,21 @@ class GracefulInterrupt:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, echo_s: float = 0.0):
+        """echo_s: a repeat of the first signal within this many seconds is the same request delivered twice, not
+        a second Ctrl-C (under torchrun a terminal's Ctrl-C reaches a rank directly and again through torchrun)."""
         self.requested = False
         self.signum: int | None = None
+        self.echo_s = echo_s
+        self._first_at = 0.0
         self._previous: dict = {}
 
     def _handler(self, signum, frame):
         if self.requested:
+            if signum == self.signum and time.monotonic() - self._first_at < self.echo_s:
+                return
             raise KeyboardInterrupt
+        self._first_at = time.monotonic()
         self.requested = True
         self.signum = signum
         name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -896,7 +903,7 @@ class Trainer:
             self.log.log(0, summary["before"])
             print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
             self.warn_if_rollout_format_too_lossy(summary["before"])
-        interrupt = GracefulInterrupt()
+        interrupt = GracefulInterrupt(echo_s=2.0 if self.distributed else 0.0)
         bar = tqdm(
             total=cfg.train.steps, initial=self.start_step, desc="quarl train", unit="step",
             disable=not cfg.output.progress or not self.is_main, dynamic_ncols=True,
@@ -926,8 +933,9 @@ class Trainer:
                     if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or interrupt.requested:
                         self.checkpoint(step)
                     if interrupt.requested:
-                        print(f"[quarl] stopped after step {step}; resume with: quarl train {self.run_dir}/config.yaml "
-                              f"resume={self.run_dir}")
+                        if self.is_main:
+                            print(f"[quarl] stopped after step {step}; resume with: quarl train "
+                                  f"{self.run_dir}/config.yaml resume={self.run_dir}")
                         summary["interrupted"] = True
                         summary["signal"] = interrupt.signum
                         break
