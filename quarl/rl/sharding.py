@@ -72,12 +72,17 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
     flow, lm_head) keep their weights. A frozen qlora base is not copied: both models read the same buffers."""
     import copy
 
-    rollout = copy.deepcopy(model).requires_grad_(False)
-    adapters = {n: p.dtype for n, p in rollout.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
-    rollout.to(dtype=compute_dtype)
-    for name, p in rollout.named_parameters():
-        if name in adapters:
-            p.data = p.data.to(adapters[name])
+    # The copy's tensors are made in their final dtype as the structure is copied (no second float32 model, not
+    # even for a moment): floating tensors in compute_dtype, LoRA adapters kept float32.
+    memo = {}
+    for name, p in model.named_parameters():
+        adapter = name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
+        value = p.detach().to(torch.float32 if adapter else compute_dtype, copy=True)
+        memo[id(p)] = nn.Parameter(value, requires_grad=False)
+    for b in model.buffers():
+        if b.is_floating_point():
+            memo[id(b)] = b.to(compute_dtype, copy=True)
+    rollout = copy.deepcopy(model, memo).requires_grad_(False)
     for m, source in zip(rollout.modules(), model.modules()):
         if isinstance(m, QuantLinear) and source.frozen_base:  # a qlora base never changes: share its codes
             m.qweight_data, m.qweight_scale = source.qweight_data, source.qweight_scale
