@@ -151,6 +151,23 @@ def test_a_damaged_sharded_checkpoint_is_not_intact(runs, tmp_path):
     assert "quarl.json" in verify_sharded(copy)
 
 
+def test_resume_skips_a_damaged_sharded_checkpoint(runs, tmp_path):
+    """A flipped byte in the newest checkpoint of the two-rank run: resuming on two ranks warns, takes step 1's
+    checkpoint (whose weights come back exactly) and trains step 2 again with the same rollouts."""
+    import shutil
+
+    run = tmp_path / "two"
+    shutil.copytree(runs["tmp"] / "two", run, ignore=shutil.ignore_patterns("step_000003.dcp", ".quarl.lock"))
+    shard = next(p for p in (run / "checkpoints" / "step_000002.dcp").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    again = torchrun(2, tmp_path / "again.pt", overrides(runs["tmp"], run, 2, *UNIFIED, f"resume={run}"))
+    assert max_weight_diff(again["start"], runs["two"]["weights"][1]) == 0.0
+    assert list(again["rollouts"]) == [2]
+    assert tokens(again["rollouts"][2]) == tokens(runs["two"]["rollouts"][2])
+
+
 def rank_process(marker: str, rank: int) -> int | None:
     """The pid of the worker process of `rank` whose command line holds `marker`."""
     for entry in Path("/proc").iterdir():

@@ -8,8 +8,8 @@ Folder layout in RUN_DIR/checkpoints/:
         quarl.json              step, run counters, the world size it was written on, and the SHA-256 of every
                                 other file of the folder
 
-Written atomically: every rank writes into `.step_NNNNNN.dcp.tmp/`, rank 0 then checksums the files, writes
-quarl.json last and renames the folder into place (rename is atomic on POSIX file systems). A folder counts as
+Written atomically: every rank writes into `.step_NNNNNN.dcp.tmp/`, the ranks checksum the files (each a share, in
+parallel), rank 0 writes quarl.json last and renames the folder into place (rename is atomic on POSIX file systems). A folder counts as
 intact only when quarl.json exists and every checksum matches; a run killed while writing leaves only a `.tmp`
 folder, which loading ignores and the next save removes. Loading reshards: DCP reads the global tensors into
 however many ranks load them (1 included). Frozen parameters (a LoRA base) are not saved: they come from the
@@ -49,8 +49,9 @@ def sharded_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def verify_sharded(path: str | Path) -> str | None:
-    """None when the folder is intact (quarl.json present, every checksum matches), else the reason in words."""
+def verify_sharded(path: str | Path, part: int = 0, parts: int = 1) -> str | None:
+    """None when the folder is intact (quarl.json present, every checksum matches), else the reason in words.
+    part / parts: check only every parts-th file from the part-th on (the ranks share the hashing)."""
     path = Path(path)
     meta_path = path / META_NAME
     if not meta_path.is_file():
@@ -60,7 +61,7 @@ def verify_sharded(path: str | Path) -> str | None:
         files = meta["files"]
     except (ValueError, KeyError) as e:
         return f"unreadable {META_NAME} ({e})"
-    for name, digest in files.items():
+    for name, digest in sorted(files.items())[part::parts]:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -84,8 +85,11 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, ke
     qdist.barrier()
     dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
     qdist.barrier()  # every rank's files are written
+    names = sorted(p.name for p in tmp.iterdir() if p.is_file())[qdist.rank()::qdist.world_size()]
+    files = {}
+    for part in qdist.all_gather_objects({name: file_sha256(tmp / name) for name in names}):  # hashed in parallel
+        files.update(part)
     if qdist.is_main():
-        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         meta = {"step": int(step), "world_size": qdist.world_size(), "files": files,
                 **{k: int(v) for k, v in extra.items()}}
         atomic_write_bytes(tmp / META_NAME, json.dumps(meta, indent=1).encode())
@@ -106,17 +110,15 @@ def load_latest_sharded(run_dir: str | Path, model, optimizer) -> tuple[dict, Pa
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    chosen, skipped = None, []
-    if qdist.is_main():
-        for path in reversed(sharded_checkpoints(run_dir)):
-            reason = verify_sharded(path)
-            if reason is None:
-                chosen = str(path)
-                break
-            skipped.append(f"{path.name}: {reason}")
-        for line in skipped:
-            warnings.warn(f"skipping checkpoint {line}", CheckpointWarning, stacklevel=2)
-    chosen = qdist.broadcast_object(chosen)
+    chosen = None
+    candidates = qdist.broadcast_object([str(p) for p in reversed(sharded_checkpoints(run_dir))])
+    for path in candidates:  # newest first; the ranks share the checksums of each folder
+        reasons = [r for r in qdist.all_gather_objects(verify_sharded(path, qdist.rank(), qdist.world_size())) if r]
+        if not reasons:
+            chosen = path
+            break
+        if qdist.is_main():
+            warnings.warn(f"skipping checkpoint {Path(path).name}: {reasons[0]}", CheckpointWarning, stacklevel=2)
     if chosen is None:
         raise FileNotFoundError(f"resume={run_dir}: no intact sharded checkpoint (step_*.dcp with {META_NAME}) in "
                                 f"{Path(run_dir) / 'checkpoints'}; a run on many ranks resumes from those only")
