@@ -45,7 +45,11 @@ def is_main() -> bool:
 def local_device(device_name: str) -> torch.device:
     """The device of this process: its own GPU (LOCAL_RANK) when `device_name` resolves to CUDA, else the CPU."""
     if device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= count:
+            raise ValueError(f"local rank {local} needs GPU {local}, but {count} GPU(s) are visible: start at most "
+                             f"{count} processes per machine (--nproc / --nproc_per_node)")
+        return torch.device("cuda", local)
     return torch.device("cpu")
 
 
