@@ -15,9 +15,12 @@ stops at once with 130). Resuming a run directory runs the reward function named
 
 
 def _train(args) -> int:
+    from quarl.distributed import launch, launched_by_torchrun
     from quarl.rl.trainer import RunStopped, train_from_config
 
     config, overrides = args.config, list(args.overrides)
+    if args.nproc is not None and not launched_by_torchrun():  # one process per GPU, through torchrun
+        return launch(args.nproc, ["train", *([config] if config is not None else []), *overrides])
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)  # `quarl train key=value ...` with the built-in defaults
         config = None
@@ -197,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5 precision.flow=unified; "
                                                  "resume=RUN_DIR continues a run")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="run on N processes of this machine, one per GPU (starts torchrun; FSDP2, see "
+                        "docs/DISTRIBUTED.md); several machines: torchrun ... -m quarl train CONFIG")
     p.set_defaults(fn=_train)
 
     p = sub.add_parser("config", help="print the effective configuration (validated; null defaults resolved to "

@@ -294,3 +294,14 @@ def test_critic_keeps_float32_masters_on_a_16bit_trunk_and_never_checkpoints_nan
         critic.head.proj.weight[0, 3] = float("nan")
     with pytest.raises(NonFiniteError, match=r"critic.head.proj.weight"):
         trainer.checkpoint(1)
+
+
+def test_a_critic_under_torchrun_is_refused_before_any_process_group(monkeypatch):
+    import quarl.distributed as qdist
+    from quarl.rl.trainer import Trainer
+
+    monkeypatch.setattr(qdist, "launched_by_torchrun", lambda: True)
+    cfg = load_config(None, ["model.name=tiny-random-llama", "model.device=cpu", "loss.advantage_estimator=gae"])
+    with pytest.raises(ValueError, match="runs on one process"):
+        Trainer(cfg)
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())

@@ -389,6 +389,16 @@ class QuantLinear(nn.Module):
             out.global_scale.copy_(fresh.global_scale)
         return out
 
+    @torch.no_grad()
+    def load_frozen_base(self, w: torch.Tensor) -> None:
+        """Quantize w [out, in] (any float dtype, rounded to the compute dtype first) into a frozen base, in place:
+        how a rollout-only copy whose master weight lives elsewhere (a sharded trainer) takes each update."""
+        if not self.frozen_base:
+            raise RuntimeError("load_frozen_base needs a frozen base (configure(frozen_base=True))")
+        qt = self._quantize_into_rollout_copy(w.to(self.compute_dtype))
+        if self.weight_dequant is not None:
+            self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight [out, in] the training forward uses, detached: the master weight, or for a frozen
         base the dequantized quantized base. dtype: default the compute dtype."""

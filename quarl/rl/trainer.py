@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from quarl import distributed as qdist
 from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
@@ -36,6 +37,7 @@ from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlon
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
 from quarl.rl.checkpoint import atomic_write_bytes, load_latest_intact, save_checkpoint
 from quarl.rl.critic import Critic
+from quarl.rl.sharded_checkpoint import load_latest_sharded, save_sharded_checkpoint
 from quarl.rl.error_tokens import guard_error_answers
 from quarl.rl.evaluate import evaluate
 from quarl.rl.master_weights import MasterWeightAdamW
@@ -43,8 +45,16 @@ from quarl.rl.mismatch import mismatch_metrics
 from quarl.rl.mismatch_alarms import MismatchAlarms
 from quarl.rl.objectives import get_correction, policy_loss
 from quarl.rl.run_log import RunLog
+from quarl.rl.sharding import (ShardedRolloutSync, drop_unused_rollout_buffers, local_part, make_rollout_copy,
+                               shard_model)
 from quarl.rl.uaq import apply_uaq
 from quarl.tasks.task import TaskData, load_task
+
+
+def group_seed(round_seed: int, prompt_index: int) -> int:
+    """The sampling seed of one group on many ranks: a function of the round's seed (run seed, step, refill
+    attempt) and the prompt's index in the round, never of the rank."""
+    return (round_seed * 1_000_033 + prompt_index * 7_919 + 1) % (2**62)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -177,14 +187,21 @@ class GracefulInterrupt:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, echo_s: float = 0.0):
+        """echo_s: a repeat of the first signal within this many seconds is the same request delivered twice, not
+        a second Ctrl-C (under torchrun a terminal's Ctrl-C reaches a rank directly and again through torchrun)."""
         self.requested = False
         self.signum: int | None = None
+        self.echo_s = echo_s
+        self._first_at = 0.0
         self._previous: dict = {}
 
     def _handler(self, signum, frame):
         if self.requested:
+            if signum == self.signum and time.monotonic() - self._first_at < self.echo_s:
+                return
             raise KeyboardInterrupt
+        self._first_at = time.monotonic()
         self.requested = True
         self.signum = signum
         name = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -207,6 +224,22 @@ class GracefulInterrupt:
             self._previous = {}
 
 
+class _NoLog:
+    """The run log of ranks other than 0: rank 0 alone writes metrics, TensorBoard and samples."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def samples(self, step: int, rows: list) -> None:
+        pass
+
+    def eval_samples(self, step: int, rows: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
     """Owns the model, the rollout engine, the optimizer and the run directory of one training run."""
 
@@ -219,23 +252,37 @@ class Trainer:
 
         self.cfg = cfg
         RunLog.check_installed(cfg.output.report_to)  # a missing tracker fails before the model loads
-        self.device = resolve_device(cfg.model.device)
+        # Under torchrun: one rank per process, the trained model sharded (FSDP2), a full rollout copy per rank
+        # (quarl/rl/sharding.py, docs/DISTRIBUTED.md). Without it: one process, one model, as always.
+        self.distributed = qdist.launched_by_torchrun()
+        if self.distributed and cfg.loss.advantage_estimator == "gae":
+            raise ValueError("loss.advantage_estimator=gae (PPO with a critic) runs on one process: the critic is not "
+                             "sharded over ranks; run it without torchrun / --nproc, or use advantage_estimator=group")
+        if self.distributed:
+            resolve_device(cfg.model.device)  # the same checks of the name
+            self.device = qdist.local_device(cfg.model.device)
+            qdist.init_from_env(self.device)
+        else:
+            self.device = resolve_device(cfg.model.device)
         set_cpu_threads(self.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
+        self.is_main = qdist.is_main()
+        # Sharded masters are the parameters themselves (float32); the compute dtype is FSDP's mixed precision.
+        master_dtype = torch.float32 if self.distributed else self.dtype
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
-        if cfg.reward.function:  # user code: say so before importing and trying it on one example
+        if cfg.reward.function and self.is_main:  # user code: say so before importing and trying it on one example
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
         self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed, reward_fns=reward_fns,
                                         reward_weights=reward_weights, dataset=dataset, eval_dataset=eval_dataset)
-        if cfg.reward.function:
+        if cfg.reward.function and self.is_main:
             print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
         if model is None:
             model, tokenizer = load_model(
-                cfg.model.name, device=str(self.device), dtype=self.dtype,
+                cfg.model.name, device=str(self.device), dtype=master_dtype,
                 gguf_file=cfg.model.gguf_file, revision=cfg.model.revision,
             )
-        self.model, self.tokenizer = model.to(device=self.device, dtype=self.dtype), tokenizer
+        self.model, self.tokenizer = model.to(device=self.device, dtype=master_dtype), tokenizer
         self.model.set_fast_paths(cfg.fast_paths)  # the training forward's and the answer log-probs' paths
         # PPO with a critic; built before UAQ and quantization touch the actor: a separate critic copies these weights
         self.critic = Critic.build(cfg, self.model, self.device, self.dtype) \
@@ -252,6 +299,9 @@ class Trainer:
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.rollout_model = self.model  # what the rollout engine reads: the model itself on one process
+        if self.distributed:
+            self._shard()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters: check lora/precision settings")
@@ -267,9 +317,10 @@ class Trainer:
         if cfg.rollout.router_replay and not getattr(self.model, "is_moe", False):
             raise ValueError(f"rollout.router_replay=true needs a mixture-of-experts model; {cfg.model.name} has no "
                              "MoE layers (set rollout.router_replay=false)")
-        self.engine = make_engine(self.model, self.tokenizer, cfg, self.device)
+        self.engine = make_engine(self.rollout_model, self.tokenizer, cfg, self.device)
+        self.rollout_sync = ShardedRolloutSync(self.model, self.rollout_model) if self.distributed else \
+            RolloutSync(self.model)
         self._routing_counts: dict[str, list[float]] = {}  # moe/* metric -> [differing decisions, decisions]
-        self.rollout_sync = RolloutSync(self.model)
         self.task.set_tokenizer(self.tokenizer)
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
@@ -284,6 +335,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ setup
 
+    def _shard(self) -> None:
+        """Make the rank's full rollout copy (compute dtype, quantized), then shard the trained model (and the
+        reference model) with FSDP2; see quarl/rl/sharding.py."""
+        self.rollout_model = make_rollout_copy(self.model, self.dtype)
+        drop_unused_rollout_buffers(self.model)
+        # The fused log-prob path calls hidden_states() and lm_head directly, outside the root's FSDP forward hooks
+        self.model.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
+        shard_model(self.model, self.device, self.dtype)
+        if self.reference is not None:
+            self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
+            shard_model(self.reference, self.device, self.dtype)
+
     def prepare_run_dir(self) -> None:
         """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.
 
@@ -293,6 +356,33 @@ class Trainer:
         deleted). A non-empty folder that is not a quarl run (see `is_run_dir`), e.g. a source tree given as
         output.dir, is refused (RunDirError) and left untouched.
         """
+        error = None
+        if self.is_main:  # rank 0 alone owns the folder: lock, earlier runs, config, metrics
+            try:
+                self._claim_run_dir()
+            except Exception as e:  # every rank must hear of it, or the others wait for rank 0 forever
+                error = e
+        if self.distributed:
+            told = qdist.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+            if told is not None and error is None:
+                raise RunStopped(f"rank 0 could not prepare output.dir ({told})")
+        if error is not None:
+            raise error
+        resume_step = None
+        if self.cfg.resume:
+            self._restore()
+            resume_step = self.start_step
+        if not self.is_main:
+            self.log = _NoLog()
+            return
+        self.log = RunLog.from_config(self.run_dir, self.cfg, resume_step=resume_step)
+        # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
+        saved = config_to_dict(self.cfg)
+        saved.pop("resume", None)
+        atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
+
+    def _claim_run_dir(self) -> None:
+        """Check and lock the run directory; move an earlier run aside (see `prepare_run_dir`)."""
         run_dir = self.run_dir
         check_output_dir(run_dir)
         print(f"[quarl] run directory: {run_dir}", flush=True)
@@ -315,30 +405,36 @@ class Trainer:
         else:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._lock = lock_run_dir(run_dir)
-        resume_step = None
-        if self.cfg.resume:
-            # the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning)
-            state, ckpt = load_latest_intact(run_dir, self.model, self.optimizer)
-            self.start_step = resume_step = state["step"]
-            if self.critic is not None:
-                self.critic.load_state_dict(state.get("critic"), ckpt)
-            self.nonfinite_total = int(state.get("nonfinite_total", 0))
-            self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+
+    def _restore(self) -> None:
+        """Load the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning): a
+        single-process .pt file, or on many ranks a sharded DCP folder (written on any number of ranks)."""
+        if self.distributed:
+            state, ckpt = load_latest_sharded(self.run_dir, self.model, self.optimizer.optimizer)
+        else:
+            state, ckpt = load_latest_intact(self.run_dir, self.model, self.optimizer)
+        self.start_step = state["step"]
+        if self.critic is not None:
+            self.critic.load_state_dict(state.get("critic"), ckpt)
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        if self.distributed:
+            self.rollout_sync()
+        else:
             refresh_rollout_weights(self.model)
+        if self.is_main:
             print(f"[quarl] resumed from {ckpt} (step {self.start_step})")
-        self.log = RunLog.from_config(run_dir, self.cfg, resume_step=resume_step)
-        # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
-        saved = config_to_dict(self.cfg)
-        saved.pop("resume", None)
-        atomic_write_bytes(run_dir / "config.yaml", yaml.safe_dump(saved).encode())
 
     def close(self) -> None:
-        """Close the run log and release the run directory's lock (train() does this however it ends)."""
+        """Close the run log, release the run directory's lock and leave the process group (train() does this
+        however it ends)."""
         if self.log is not None:
             self.log.close()
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if self.distributed:
+            qdist.shutdown()
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -361,7 +457,7 @@ class Trainer:
         sigma = aqn_sigma(step, self.cfg.train.steps, a.sigma_start, a.sigma_end, a.stages)
         if a.sigma_start > 0:
             gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + step)
-            set_aqn_noise(self.model, sigma, gen)
+            set_aqn_noise(self.rollout_model, sigma, gen)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return sigma, time.perf_counter() - t0
@@ -381,14 +477,18 @@ class Trainer:
         tokens = 0
         while True:
             batch = self.task.train_batch(step, attempt, wanted if attempt == 0 else wanted - len(examples))
-            outs = self.engine.generate(
-                [self.task.render(ex) for ex in batch], n=r.num_generations,
-                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                stop=list(r.stop) or None, seed=tr.seed * 1_000_003 + step * 101 + attempt,
-            )
-            # every answer of the round in one call: user reward functions may score a batch at once
-            flat = self.task.rewards([c.text for out in outs for c in out.completions],
-                                     [ex for ex, out in zip(batch, outs) for _ in out.completions])
+            seed = tr.seed * 1_000_003 + step * 101 + attempt
+            if self.distributed:
+                outs, flat = self._rollout_share(batch, seed)
+            else:
+                outs = self.engine.generate(
+                    [self.task.render(ex) for ex in batch], n=r.num_generations,
+                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    stop=list(r.stop) or None, seed=seed,
+                )
+                # every answer of the round in one call: user reward functions may score a batch at once
+                flat = self.task.rewards([c.text for out in outs for c in out.completions],
+                                         [ex for ex, out in zip(batch, outs) for _ in out.completions])
             offsets = [0]
             for out in outs:
                 offsets.append(offsets[-1] + len(out.completions))
@@ -411,6 +511,29 @@ class Trainer:
         self._nonfinite_reward_groups = (dropped_groups, sampled_groups)
         sampled = torch.cat(sampled_rewards) if sampled_rewards else torch.zeros(0)
         return examples, outputs, rewards, sampled, tokens, attempt
+
+    def _rollout_share(self, batch: list, seed: int) -> tuple[list, list[float]]:
+        """Many ranks: generate and score this rank's contiguous share of the round's prompts (whole groups), then
+        gather every rank's groups in prompt order, so each rank holds the round's full results.
+
+        Every answer draws from its own stream, seeded by (round seed, the prompt's index in the round, the answer's
+        index; `quarl.rollout.seeding`), never by the rank or by the other prompts of the call: the same global
+        batch gives the same rollouts on any number of ranks. (One process without torchrun draws a round from one
+        generator instead, so its samples differ from these; both are reproducible.)
+        Returns (outputs [len(batch)], rewards flat over outputs' completions)."""
+        r = self.cfg.rollout
+        share = qdist.shard_range(len(batch), qdist.world_size(), qdist.rank())
+        outs = []
+        if len(share):
+            outs = self.engine.generate(
+                [self.task.render(batch[i]) for i in share], n=r.num_generations, max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None,
+                seeds=[group_seed(seed, i) for i in share],
+            )
+        flat = self.task.rewards([c.text for out in outs for c in out.completions],
+                                 [batch[i] for i, out in zip(share, outs) for _ in out.completions]) if outs else []
+        gathered = qdist.all_gather_objects((outs, [float(x) for x in flat]))
+        return [o for part in gathered for o in part[0]], [x for part in gathered for x in part[1]]
 
     def assemble(self, outputs, rewards) -> tuple[RolloutBatch, dict]:
         r, tr = self.cfg.rollout, self.cfg.train
@@ -450,14 +573,16 @@ class Trainer:
         mb = self.cfg.train.micro_batch_size
         was_training = model.training
         model.eval()  # π_prox is the policy itself: no (LoRA) dropout
-        for start in range(0, len(batch), mb):
-            rows = list(range(start, min(start + mb, len(batch))))
+        for rows, idle in self.micro_batches(torch.arange(len(batch)), mb):
+            rows = rows.tolist()
             sub = batch.select(rows)
             routing = self.expert_routing(sub)
             lp, ent = answer_logprobs(
                 model, sub.input_ids.to(self.device), sub.attention_mask.to(self.device),
                 self.cfg.rollout.temperature, sub.answer_width, with_entropy, sub.answer_lengths, routing=routing,
             )
+            if idle:  # a forward only to keep this rank's collectives in step with the others
+                continue
             if model is self.model:
                 self.count_routing(sub, routing)
             width = lp.shape[1]  # rows are left-padded: answers live in the last `width` columns
@@ -465,6 +590,9 @@ class Trainer:
             if with_entropy:
                 entropy[rows, -width:] = ent.float().cpu()
         model.train(was_training)
+        if self.distributed:  # every row was filled by exactly one rank and is 0 elsewhere: the sum is exact
+            out = qdist.sum_over_ranks(out, self.device)
+            entropy = qdist.sum_over_ranks(entropy, self.device) if with_entropy else None
         return out, entropy
 
     def expert_routing(self, sub: RolloutBatch) -> ExpertRouting | None:
@@ -492,6 +620,24 @@ class Trainer:
         """This step's moe/* metrics (empty for dense models), then the counts start over."""
         out = {key: wrong / total for key, (wrong, total) in self._routing_counts.items() if total}
         self._routing_counts = {}
+        return out
+
+    def micro_batches(self, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, bool]]:
+        """Micro-batches (row indices, idle) of `rows` for this process.
+
+        One process: consecutive chunks of `size`, none idle. Many ranks: this rank's contiguous share of `rows`
+        in chunks of `size`, then idle micro-batches (the first row again, whose results are thrown away) until
+        every rank has as many as the rank with the largest share: each forward and backward of a sharded model
+        runs collectives, so every rank must run the same number.
+        """
+        if not self.distributed:
+            return [(rows[i:i + size], False) for i in range(0, len(rows), size)]
+        world = qdist.world_size()
+        share = qdist.shard_range(len(rows), world, qdist.rank())
+        mine = rows[share.start:share.stop]
+        out = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
+        most = -(-len(qdist.shard_range(len(rows), world, 0)) // size)  # share 0 is the largest
+        out += [(rows[:1], True)] * (most - len(out))
         return out
 
     def proximal_from_update(self, batch_size: int) -> bool:
@@ -550,8 +696,7 @@ class Trainer:
                 mini_sums: dict[str, float] = {}
                 mini_weight = 0.0
                 bad = None  # why this minibatch gets no optimizer step
-                for u0 in range(0, len(mini_rows), tr.micro_batch_size):
-                    rows = mini_rows[u0 : u0 + tr.micro_batch_size]
+                for rows, idle in self.micro_batches(mini_rows, tr.micro_batch_size):
                     sub = batch.select(rows)
                     routing = self.expert_routing(sub)
                     with critic.reading(self.model) if critic is not None else nullcontext():
@@ -560,21 +705,25 @@ class Trainer:
                             self.cfg.rollout.temperature, sub.answer_width, with_entropy=collect_proximal,
                             answer_lengths=sub.answer_lengths, routing=routing,
                         )
-                    if collect_proximal:  # this forward is the proximal pass: its routing is the step's
+                    if collect_proximal and not idle:  # this forward is the proximal pass: its routing is the step's
                         self.count_routing(sub, routing)
                     width = logprobs.shape[1]  # the last `width` columns hold every answer token of these rows
                     dev = lambda t: None if t is None else t[rows, -width:].to(self.device)  # noqa: E731
                     prox = dev(proximal)
                     if collect_proximal:
                         prox = logprobs.detach()
-                        collected[rows, -width:] = prox.float().cpu()
-                        collected_entropy[rows, -width:] = ent.float().cpu()
+                        if not idle:
+                            collected[rows, -width:] = prox.float().cpu()
+                            collected_entropy[rows, -width:] = ent.float().cpu()
                     loss, metrics = policy_loss(
                         logprobs, prox, sub.behaviour_logprobs[:, -width:].to(self.device),
                         sub.answer_advantages(width).to(self.device), sub.answer_mask[:, -width:].to(self.device),
                         self.loss_cfg, reference_logprobs=dev(reference), num_sequences=len(mini_rows),
                         num_tokens=num_tokens,
                     )
+                    if idle:  # no share of the loss, but the same collectives as the other ranks
+                        (loss * 0.0).backward()
+                        continue
                     if critic is not None:  # the clipped value loss joins this backward (alone during warm-up)
                         value_loss, value_metrics = critic.loss(sub, width, num_tokens, self.device, actor_trains)
                         loss = (loss if actor_trains else loss.detach()) + value_loss
@@ -582,21 +731,33 @@ class Trainer:
                     loss_value = loss.item()
                     if bad is None and not math.isfinite(loss_value):
                         bad = f"non-finite loss ({loss_value})"
-                    if bad is None:
-                        loss.backward()
+                    if bad is None or self.distributed:  # a sharded backward is a collective: every rank runs it
+                        # FSDP averages gradients over ranks; this rank's loss is a share of the minibatch's sum
+                        (loss * qdist.world_size() if self.distributed else loss).backward()
                     mini_loss += loss_value  # micro-batch losses are shares of the minibatch loss
                     w = float(sub.answer_mask.sum())
                     mini_weight += w
                     for k, v in metrics.items():
                         mini_sums[k] = mini_sums.get(k, 0.0) + float(v) * w
                 grad_norm = float("nan")
-                if bad is None:
-                    grad_norm = float(self.optimizer.clip_grad_norm_(tr.max_grad_norm))
+                if bad is None or self.distributed:
+                    grad_norm = self.optimizer.clip_grad_norm_(tr.max_grad_norm)
+                    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                     critic_norm = 0.0 if critic is None else float(critic.optimizer.clip_grad_norm_(tr.max_grad_norm))
-                    if not math.isfinite(grad_norm):
+                    if bad is None and not math.isfinite(grad_norm):
                         bad = f"non-finite gradient norm ({grad_norm})"
-                    elif not math.isfinite(critic_norm):
+                    elif bad is None and not math.isfinite(critic_norm):
                         bad = f"non-finite critic gradient norm ({critic_norm})"
+                if self.distributed:
+                    # one rank's bad loss skips the step on every rank; losses and metrics are sums of shares
+                    if qdist.any_rank(bad is not None, self.device) and bad is None:
+                        bad = "non-finite loss on another rank"
+                    keys = sorted(set().union(*qdist.all_gather_objects(sorted(mini_sums))))
+                    totals = qdist.sum_over_ranks(torch.tensor(
+                        [mini_loss, mini_weight] + [mini_sums.get(k, 0.0) for k in keys], dtype=torch.float64),
+                        self.device).tolist()
+                    mini_loss, mini_weight = totals[0], totals[1]
+                    mini_sums = dict(zip(keys, totals[2:]))
                 if bad is not None:
                     for optimizer in optimizers:  # nothing of this minibatch reaches the weights
                         optimizer.zero_grad(set_to_none=True)
@@ -624,20 +785,26 @@ class Trainer:
         out["train/skipped_updates"] = len(skipped)
         out["_nonfinite"] = skipped
         if collect_proximal:
+            if self.distributed:  # each row was filled by one rank and is 0 on the others: the sums are exact
+                collected = qdist.sum_over_ranks(collected, self.device)
+                collected_entropy = qdist.sum_over_ranks(collected_entropy, self.device)
             out["_proximal"], out["_entropy"] = collected, collected_entropy
         return out
 
     def nonfinite_weights(self) -> list[str]:
         """Names of trainable parameters (or their float32 masters) holding NaN/Inf."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        tensors = [p.detach() for _, p in named]
+        tensors = [local_part(p.detach()) for _, p in named]  # many ranks: each checks its shards ...
         names = [n for n, _ in named]
         by_id = {id(p): n for n, p in named}
         for p, master in zip(self.optimizer.params, self.optimizer.masters):
             if master is not p:
                 tensors.append(master.detach())
                 names.append(f"{by_id.get(id(p), '?')} (float32 master)")
-        bad = [n for n, ok in zip(names, _finite_flags(tensors)) if not ok]
+        flags = _finite_flags(tensors)
+        if self.distributed:  # ... and every rank learns of any rank's bad shard
+            flags = [bool(v) for v in qdist.all_reduce_min([float(f) for f in flags], self.device)]
+        bad = [n for n, ok in zip(names, flags) if not ok]
         return bad + (self.critic.nonfinite_weights() if self.critic is not None else [])
 
     def check_weights_finite(self, step: int, doing: str = "after the optimizer step") -> None:
@@ -759,9 +926,12 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """Held-out scores of the current weights in rollout precision, without AQN noise, after `step` steps; the
         completions and per-problem scores go to RUN_DIR/eval_samples.jsonl ("eval": "eval" or "eval_full")."""
-        refresh_rollout_weights(self.model)
+        if self.distributed:
+            self.rollout_sync()
+        else:
+            refresh_rollout_weights(self.model)
         if self.cfg.aqn.sigma_start > 0:
-            set_aqn_noise(self.model, 0.0)
+            set_aqn_noise(self.rollout_model, 0.0)
         e = self.cfg.eval
         kwargs = dict(n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                       seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None,
@@ -771,12 +941,14 @@ class Trainer:
                           records=records, **kwargs)
         out = {f"eval/{k}": v for k, v in result.items()}
         rows = [{"eval": "eval", **r} for r in records]
-        if e.full_precision and self.cfg.precision.flow != "bf16":
+        # many ranks: the rollout copy keeps only the quantized weights, so there is no full-precision twin to score
+        if e.full_precision and self.cfg.precision.flow != "bf16" and not self.distributed:
             from quarl.rollout.engine import RolloutEngine
 
             records = []
-            with full_precision(self.model):
-                engine = RolloutEngine(self.model, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size)
+            with full_precision(self.rollout_model):
+                engine = RolloutEngine(self.rollout_model, self.tokenizer,
+                                       max_batch_size=self.cfg.rollout.max_batch_size)
                 full = evaluate(engine, self.task, self.task.eval_examples, records=records,
                                 desc=f"held-out eval, quantization off (step {step})", **kwargs)
             out.update({f"eval_full/{k}": v for k, v in full.items() if k != "num_examples"})
@@ -805,6 +977,13 @@ class Trainer:
         """
         try:
             return self._train()
+        except Exception as e:
+            if self.distributed and qdist.collective_failure(e):
+                raise RunStopped(
+                    f"rank {qdist.rank()} of {qdist.world_size()}: another rank stopped while this one waited for it "
+                    f"({str(e).splitlines()[0][:200]}); the job stopped; checkpoints already written are intact: "
+                    f"resume with resume={self.run_dir}") from e
+            raise
         finally:
             self.close()
 
@@ -819,10 +998,10 @@ class Trainer:
             self.log.log(0, summary["before"])
             print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
             self.warn_if_rollout_format_too_lossy(summary["before"])
-        interrupt = GracefulInterrupt()
+        interrupt = GracefulInterrupt(echo_s=2.0 if self.distributed else 0.0)
         bar = tqdm(
             total=cfg.train.steps, initial=self.start_step, desc="quarl train", unit="step",
-            disable=not cfg.output.progress, dynamic_ncols=True,
+            disable=not cfg.output.progress or not self.is_main, dynamic_ncols=True,
         )
         step = self.start_step
         last: dict = {}
@@ -836,18 +1015,22 @@ class Trainer:
                         last.update(self.evaluate(step))
                     self.log.log(step, last)
                     self._count_skipped(step, last)
-                    self.alarms.check(step, last)
+                    if self.is_main:
+                        self.alarms.check(step, last)
                     bar.update(1)
                     bar.set_postfix(
                         reward=f"{last.get('reward/mean', float('nan')):.3f}",
                         kl=f"{last.get('mismatch/kl', float('nan')):.1e}",
                         s=f"{last.get('time/step_s', 0):.1f}",
                     )
+                    if self.distributed:  # a signal to any rank stops every rank after the same step
+                        interrupt.requested = qdist.any_rank(interrupt.requested, self.device)
                     if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or interrupt.requested:
                         self.checkpoint(step)
                     if interrupt.requested:
-                        print(f"[quarl] stopped after step {step}; resume with: quarl train {self.run_dir}/config.yaml "
-                              f"resume={self.run_dir}")
+                        if self.is_main:
+                            print(f"[quarl] stopped after step {step}; resume with: quarl train "
+                                  f"{self.run_dir}/config.yaml resume={self.run_dir}")
                         summary["interrupted"] = True
                         summary["signal"] = interrupt.signum
                         break
@@ -860,10 +1043,38 @@ class Trainer:
         if not summary.get("interrupted") and cfg.output.export_hf:
             from quarl.export import export_run
 
-            export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
+            if self.distributed:
+                self.export_distributed()
+            else:
+                export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
         summary["last"] = last
         summary["step"] = step
         return summary
+
+    def export_distributed(self) -> None:
+        """Many ranks: gather the trained weights whole into rank 0's CPU memory (parameter by parameter), load them
+        into a CPU copy of the model as configured, and export it from rank 0 (RUN_DIR/export, as on one process).
+        The rollout copy cannot serve: its quantized linears keep codes only."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from quarl.export import export_run
+        from quarl.model.loading import load_model
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+        if self.is_main:
+            cfg = self.cfg
+            torch.manual_seed(cfg.train.seed)  # a random-init model (tiny-random-*) comes back the same
+            model, _ = load_model(cfg.model.name, device="cpu", dtype=torch.float32, gguf_file=cfg.model.gguf_file,
+                                  revision=cfg.model.revision)
+            if cfg.uaq.scale != 1.0:
+                apply_uaq(model, cfg.uaq.scale)
+            apply_precision(model, cfg.precision)
+            unexpected = model.load_state_dict(full, strict=False).unexpected_keys
+            if unexpected:
+                raise RuntimeError(f"the gathered weights hold {unexpected[:3]}, which the reloaded model lacks")
+            export_run(model, self.tokenizer, cfg, self.run_dir / "export")
+        qdist.barrier()
 
     def _count_skipped(self, step: int, metrics: dict) -> None:
         """Consecutive steps with a skipped update or a NaN/Inf reward (a reward function that keeps returning them
@@ -884,6 +1095,13 @@ class Trainer:
         from tqdm import tqdm
 
         self.check_weights_finite(step, doing="at the checkpoint")
+        if self.distributed:
+            path = save_sharded_checkpoint(
+                self.run_dir, step, self.model, self.optimizer.optimizer, keep=self.cfg.output.keep_checkpoints,
+                nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
+            if self.is_main:
+                tqdm.write(f"[quarl] step {step}: checkpoint saved to {path}")
+            return
         critic = {"critic": self.critic.state_dict()} if self.critic is not None else {}
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, keep=self.cfg.output.keep_checkpoints,
                                nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak, **critic)

@@ -23,6 +23,7 @@ from quarl.model.moe import ExpertRouting
 from quarl.model.tokenizer import encode_prompt, eos_token_ids
 from quarl.rollout.kv_cache import KVCache
 from quarl.rollout.sampling import SamplingParams, sample_tokens
+from quarl.rollout.seeding import answer_seed, counter_uniform
 
 
 @dataclass
@@ -65,6 +66,26 @@ class _Sequence:
         self.routing: list[torch.Tensor] = []  # int16 [tokens, num_moe_layers, k] pieces, in feeding order
 
 
+def _answer_seeds(seeds, num_prompts: int, n: int) -> torch.Tensor | None:
+    """int64 [num_prompts * n] per-answer seeds (prompt-major) from one seed per prompt, or None."""
+    if seeds is None:
+        return None
+    seeds = [int(x) for x in seeds]
+    if len(seeds) != num_prompts or any(x < 0 for x in seeds):
+        raise ValueError(f"seeds must give one non-negative integer per prompt ({num_prompts}), got {len(seeds)}")
+    return torch.tensor([answer_seed(x, j) for x in seeds for j in range(n)], dtype=torch.int64)
+
+
+def _sample_seeded(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, draw: int):
+    """Inverse-CDF draws from each row's own stream (`quarl.rollout.seeding`): (tokens long [B], logprobs [B])."""
+    from quarl.rollout.fast_step import sample_next
+
+    noise = None
+    if not params.greedy:
+        noise = counter_uniform(seeds, torch.full_like(seeds, draw), 1)
+    return sample_next(logits, params, noise)
+
+
 class RolloutEngine:
     """Generates groups of completions with a `QuarlForCausalLM` (see the module docstring)."""
 
@@ -85,7 +106,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None,
-                 seed: int | None = None, progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
+                 seed: int | None = None, progress: Callable[[int], None] | None = None, *,
+                 seeds: Sequence[int] | None = None) -> list[RequestOutput]:
         """Sample n completions for every prompt.
 
         Args:
@@ -98,6 +120,8 @@ class RolloutEngine:
             seed: seeds the engine's own torch.Generator (same seed + same inputs = same outputs); None draws
                 the seed from torch's global RNG, so torch.manual_seed also makes runs repeatable.
             progress: called after each decode step with the number of tokens generated in that step.
+            seeds: one seed per prompt instead of `seed`: answer j of prompt i then draws from its own stream
+                (`quarl.rollout.seeding`, inverse-CDF sampling), the same whichever prompts share the call.
         Returns:
             one RequestOutput per prompt, in input order.
         """
@@ -109,6 +133,7 @@ class RolloutEngine:
         device = self.model.device
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        answer_seeds = _answer_seeds(seeds, len(prompt_ids), n)  # [P * n] (prompt-major) or None
 
         outputs = [RequestOutput(p if isinstance(p, str) else None, ids) for p, ids in zip(prompts, prompt_ids)]
         per_chunk = max(1, self.max_batch_size // n)
@@ -117,7 +142,9 @@ class RolloutEngine:
             with torch.no_grad():
                 for c0 in range(0, len(prompt_ids), per_chunk):
                     chunk = prompt_ids[c0:c0 + per_chunk]
-                    seqs = self._generate_chunk(chunk, n, max_new_tokens, params, stop, eos, gen, progress)
+                    chunk_seeds = None if answer_seeds is None else answer_seeds[c0 * n:(c0 + len(chunk)) * n]
+                    seqs = self._generate_chunk(chunk, n, max_new_tokens, params, stop, eos, gen, progress,
+                                                chunk_seeds)
                     for i in range(len(chunk)):
                         outputs[c0 + i].completions = [
                             Completion(s.token_ids, s.text, s.logprobs, s.finish_reason,
@@ -178,8 +205,10 @@ class RolloutEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _generate_chunk(self, chunk: list[list[int]], n: int, max_new_tokens: int, params: SamplingParams,
-                        stop: list[str], eos: set[int], gen: torch.Generator, progress) -> list[_Sequence]:
-        """Prefill `chunk` once, then decode n samples per prompt. Returns P*n finished sequences (prompt-major)."""
+                        stop: list[str], eos: set[int], gen: torch.Generator, progress,
+                        answer_seeds: torch.Tensor | None = None) -> list[_Sequence]:
+        """Prefill `chunk` once, then decode n samples per prompt. Returns P*n finished sequences (prompt-major).
+        answer_seeds: int64 [P*n], each answer's own stream (see `generate`'s seeds), else `gen` draws all."""
         model, device = self.model, self.model.device
         P, L = len(chunk), max(len(ids) for ids in chunk)
         input_ids = torch.zeros(P, L, dtype=torch.long)
@@ -204,7 +233,10 @@ class RolloutEngine:
         # A stop string of c characters spans at most 4c byte-level tokens; a few more absorb a split character.
         window = 4 * max((len(s) for s in stop), default=0) + 4
         for step in range(max_new_tokens):
-            tokens, logprobs = sample_tokens(logits, params, gen)
+            if answer_seeds is None:
+                tokens, logprobs = sample_tokens(logits, params, gen)
+            else:
+                tokens, logprobs = _sample_seeded(logits, params, answer_seeds[active].to(device), step)
             keep_rows = []
             for row, (g, tok, lp) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
                 s = seqs[g]

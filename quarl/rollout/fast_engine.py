@@ -39,12 +39,13 @@ from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.fallbacks import report_fallback
 from quarl.model.moe import ExpertRouting
 from quarl.model.tokenizer import eos_token_ids
-from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _Sequence
+from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _answer_seeds, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
 from quarl.rollout.fast_cache import PrefillCacheWriter, SlotKVCache
 from quarl.rollout.fast_step import DecodeState, decode_step
 from quarl.rollout.fused_decode import FusedDecoder, fused_decode_supported
 from quarl.rollout.sampling import SamplingParams
+from quarl.rollout.seeding import counter_uniform
 
 KV_BUCKET = 256  # column granularity of the torch attention path's static bound (one graph per bound)
 
@@ -154,8 +155,10 @@ class FastRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None,
                  seed: int | None = None, progress: Callable[[int], None] | None = None, *,
-                 ignore_eos: bool = False) -> list[RequestOutput]:
-        """Sample n completions for every prompt; arguments and results as `RolloutEngine.generate`.
+                 ignore_eos: bool = False, seeds: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Sample n completions for every prompt; arguments and results as `RolloutEngine.generate` (seeds: one per
+        prompt, each answer then draws from its own stream, `quarl.rollout.seeding`; the sampler's noise of slot s
+        at its token t is counter_uniform(seed of the answer in s, t)).
 
         Extra: ignore_eos=True decodes past EOS up to max_new_tokens (benchmarks; finish_reason "length").
         `progress` is called at each host sync with the number of tokens generated since the previous call.
@@ -176,6 +179,7 @@ class FastRolloutEngine(RolloutEngine):
         device = self.model.device
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        answer_seeds = _answer_seeds(seeds, len(prompt_ids), n)
 
         self.last_stats = {"graph_captures": 0, "capture_s": 0.0, "slot_moves": 0, "graph_drops": 0}
         self.model.set_rollout(True)
@@ -188,7 +192,8 @@ class FastRolloutEngine(RolloutEngine):
                 valid_eos = [e for e in eos if 0 <= e < st.eos_mask.numel()]
                 if valid_eos:
                     st.eos_mask[torch.tensor(valid_eos, device=device)] = True
-                outputs = _Run(self, prompt_ids, n, max_new_tokens, params, stop, set(eos), gen, progress).run()
+                outputs = _Run(self, prompt_ids, n, max_new_tokens, params, stop, set(eos), gen, progress,
+                               answer_seeds).run()
             self._fingerprint = self._model_fingerprint()
         finally:
             self.model.set_rollout(False)
@@ -282,10 +287,17 @@ class FastRolloutEngine(RolloutEngine):
                 return b
         return self.buckets[-1]
 
-    def step(self, batch: int, kv_len: int, params: SamplingParams, gen: torch.Generator) -> None:
-        """One decode step for slots 0..batch-1 (a graph replay when graphs are on)."""
+    def step(self, batch: int, kv_len: int, params: SamplingParams, gen: torch.Generator,
+             slot_seeds: torch.Tensor | None = None) -> None:
+        """One decode step for slots 0..batch-1 (a graph replay when graphs are on). slot_seeds: int64 [num_slots],
+        the answer seed of each slot (per-answer streams), else `gen` draws the noise."""
         if not params.greedy:
-            self.state.noise[:batch].uniform_(generator=gen)
+            st = self.state
+            if slot_seeds is None:
+                st.noise[:batch].uniform_(generator=gen)
+            else:  # draw t of an answer: its token index t is the slot's count of generated tokens
+                st.noise[:batch].copy_(counter_uniform(slot_seeds[:batch], st.num_generated[:batch],
+                                                       st.noise.shape[1]))
         if not self.use_cuda_graphs:
             decode_step(self.model, self.cache, self.state, self._attention, batch, kv_len, params, self._decoder)
             return
@@ -392,8 +404,12 @@ class FastRolloutEngine(RolloutEngine):
 class _Run:
     """The host side of one generate call: queue, slot table, syncs, harvest (see the module docstring)."""
 
-    def __init__(self, engine: FastRolloutEngine, prompt_ids, n, max_new, params, stop, eos, gen, progress):
+    def __init__(self, engine: FastRolloutEngine, prompt_ids, n, max_new, params, stop, eos, gen, progress,
+                 answer_seeds: torch.Tensor | None = None):
         self.e, self.prompt_ids, self.n, self.max_new = engine, prompt_ids, n, max_new
+        self.answer_seeds = answer_seeds  # int64 [P * n] (prompt-major) or None: one generator for all
+        self.slot_seeds = None if answer_seeds is None else torch.zeros(
+            engine.num_slots, dtype=torch.int64, device=engine.model.device)
         self.params, self.stop, self.eos, self.gen, self.progress = params, stop, eos, gen, progress
         self.queue = deque(range(len(prompt_ids)))
         S = engine.num_slots
@@ -423,7 +439,7 @@ class _Run:
             k = max(1, min(e.sync_every, max(self.steps_left[s] for s in used)))
             for _ in range(k):
                 kv_len = e.kv_bound(max(self.bound[s] for s in used) + 1)
-                e.step(batch, kv_len, self.params, self.gen)
+                e.step(batch, kv_len, self.params, self.gen, self.slot_seeds)
                 for s in used:
                     self.bound[s] += 1
                     self.steps_left[s] -= 1
@@ -463,6 +479,11 @@ class _Run:
                 self.reported[s] = 0
         if not picked:
             return
+        if self.slot_seeds is not None:
+            flat = [s for group in slots for s in group]
+            rows = [i * self.n + j for i in picked for j in range(self.n)]
+            self.slot_seeds[torch.tensor(flat, device=self.slot_seeds.device)] = \
+                self.answer_seeds[rows].to(self.slot_seeds.device)
         cuda = e.model.device.type == "cuda"
         if cuda:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -551,6 +572,9 @@ class _Run:
         columns = max(self.bound[s] for s in src) + 1
         e.move_slots(src, dst, min(columns, e.cache.capacity), self.max_new)
         e.last_stats["slot_moves"] = e.last_stats.get("slot_moves", 0) + len(src)
+        if self.slot_seeds is not None:
+            device = self.slot_seeds.device
+            self.slot_seeds[torch.tensor(dst, device=device)] = self.slot_seeds[torch.tensor(src, device=device)]
         for a, b in zip(src, dst):
             self.owner[b], self.owner[a] = self.owner[a], None
             for table in (self.bound, self.steps_left, self.checked, self.reported):

@@ -1,0 +1,60 @@
+"""The rollout copy of a sharded run and its layer-by-layer sync, in one process (no process group: the gathers are
+the tensors themselves): after any update the copy holds exactly the rollout weights one process would quantize,
+and its rollout forward gives the same logits, while its quantized linears hold no bf16/float32 weight."""
+
+import copy
+
+import pytest
+import torch
+
+from quarl.model.precision_apply import apply_precision, refresh_rollout_weights, rollout_mode
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.rl.sharding import ShardedRolloutSync, make_rollout_copy
+from tiny_models import make_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CASES = {
+    "split-int8": PrecisionConfig(flow="split", format="int8"),
+    "unified-fp8": PrecisionConfig(flow="unified", format="fp8"),
+    "split-nvfp4-lora": PrecisionConfig(flow="split", format="nvfp4", lora=LoraConfig(rank=4)),
+    "qlora-nvfp4": PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4)),
+    "bf16": PrecisionConfig(flow="bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_synced_rollout_copy_equals_the_single_process_rollout_weights(name, dtype):
+    torch.manual_seed(0)
+    trained = make_model("llama", hidden_size=96, intermediate_size=160)  # float32 masters, as when sharded
+    apply_precision(trained, CASES[name])
+    rollout = make_rollout_copy(trained, dtype)
+    sync = ShardedRolloutSync(trained, rollout)
+    quantized = [m for m in rollout.modules() if isinstance(m, QuantLinear) and m.rollout_format is not None]
+    assert all(m.weight is None for m in quantized)  # codes and scales only
+    for a, b in zip(rollout.modules(), trained.modules()):  # a frozen qlora base is shared, not copied
+        if isinstance(a, QuantLinear) and b.frozen_base:
+            assert a.qweight_data.data_ptr() == b.qweight_data.data_ptr()
+    assert all(p.dtype == torch.float32 for n, p in rollout.named_parameters() if "lora_" in n)
+    ids = torch.randint(0, trained.config.vocab_size, (3, 11))
+    for _ in range(2):  # two "optimizer steps": every trained tensor moves (LoRA B too, so adapters count)
+        with torch.no_grad():
+            for p in trained.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+        sync()
+        # one process: the model itself in the compute dtype, its rollout copy re-quantized in place
+        single = copy.deepcopy(trained)
+        single.to(dtype)
+        for m in single.modules():
+            if isinstance(m, QuantLinear) and m.lora_rank:
+                m.lora_A.data, m.lora_B.data = m.lora_A.data.float(), m.lora_B.data.float()
+        refresh_rollout_weights(single)
+        for (n, a), b in zip(rollout.named_modules(), single.modules()):
+            if isinstance(a, QuantLinear) and a.rollout_format is not None:
+                assert torch.equal(a.qweight_data, b.qweight_data), n
+                assert torch.equal(a.qweight_scale, b.qweight_scale), n
+        with torch.no_grad(), rollout_mode(rollout), rollout_mode(single):
+            torch.testing.assert_close(rollout(ids), single(ids), atol=0, rtol=0)
