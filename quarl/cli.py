@@ -15,15 +15,14 @@ stops at once with 130). Resuming a run directory runs the reward function named
 
 
 def _train(args) -> int:
+    from quarl.config import config_and_overrides
     from quarl.distributed import launch, launched_by_torchrun
     from quarl.rl.trainer import RunStopped, train_from_config
 
     config, overrides = args.config, list(args.overrides)
     if args.nproc is not None and not launched_by_torchrun():  # one process per GPU, through torchrun
         return launch(args.nproc, ["train", *([config] if config is not None else []), *overrides])
-    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
-        overrides.insert(0, config)  # `quarl train key=value ...` with the built-in defaults
-        config = None
+    config, overrides = config_and_overrides(config, overrides)  # `quarl train key=value ...`: built-in defaults
     try:
         summary = train_from_config(config, overrides)
     except RunStopped as e:
@@ -37,17 +36,14 @@ def _train(args) -> int:
 def _config(args) -> int:
     import yaml
 
-    from quarl.config import effective_config_dict, load_config
+    from quarl.config import config_and_overrides, effective_config_dict, load_config
 
     if args.reference:
         from quarl.config_reference import config_reference
 
         print(config_reference(), end="")
         return 0
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
-        overrides.insert(0, config)
-        config = None
+    config, overrides = config_and_overrides(args.config, args.overrides)
     # The values a run will use: keys left null (format, aggregation, epsilon_high, ...) are printed resolved.
     print(yaml.safe_dump(effective_config_dict(load_config(config, overrides)), sort_keys=False), end="")
     return 0

@@ -106,3 +106,12 @@ def test_eval_takes_the_fast_engines_sampler(tiny_dir, capsys):
     rc = main(["eval", "--model", str(tiny_dir), "--data", "arithmetic", "--limit", "2", "--device", "cpu",
                "--engine", "reference", "--sampler", "inverse-cdf"])
     assert rc == 2 and "--engine fast" in capsys.readouterr().err
+
+
+def test_an_override_in_the_config_place_is_an_override():
+    from quarl.config import config_and_overrides
+
+    assert config_and_overrides("train.steps=3", ["seed=1"]) == (None, ["train.steps=3", "seed=1"])
+    assert config_and_overrides("configs/demo.yaml", ["train.steps=3"]) == ("configs/demo.yaml", ["train.steps=3"])
+    assert config_and_overrides("a=b.yaml", []) == ("a=b.yaml", [])  # a YAML file whose name holds "="
+    assert config_and_overrides(None, []) == (None, [])
