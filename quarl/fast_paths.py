@@ -22,9 +22,9 @@ from dataclasses import dataclass
 class FastPaths:
     """Optional GPU fast paths: true = the fused or stacked path where it applies, false = the plain torch path."""
 
-    # training RoPE: one Triton pass each way, torch's roundings (7B: ~1 ms/layer/micro-batch); off: torch ops
+    # training RoPE: one Triton pass each way, torch's roundings; off: torch ops
     fused_rope: bool = True
-    # answer log-probs from model-dtype logits, one Triton pass (7B: ~50 ms/micro-batch); off: float32 log-softmax
+    # answer log-probs from model-dtype logits, one Triton pass; off: float32 log-softmax
     fused_logprobs: bool = True
     # FP8 training: q/k/v and gate/up quantize their shared input once (same codes); off: once per linear
     share_input_codes: bool = True
@@ -32,11 +32,11 @@ class FastPaths:
     fused_cublas_path: bool = True
     # per-GEMM FP8 training path: weight gradient on the FP8 tensor cores, bf16 output; off: bf16 GEMM of Q(g), Q(x)
     fp8_weight_grad_kernel: bool = False
-    # fused decode with LoRA: norm / SiLU·mul hand 8-bit codes to the base GEMMs (7B: -8%); off: bases read bf16
+    # fused decode with LoRA: norm / SiLU·mul hand 8-bit codes to the base GEMMs; off: bases read bf16
     lora_codes_handoff: bool = True
-    # fused decode: q/k/v's and gate/up's adapters as one stacked GEMM pair (7B: -4%); off: one pair per linear
+    # fused decode: q/k/v's and gate/up's adapters as one stacked GEMM pair; off: one pair per linear
     stack_rollout_lora: bool = True
-    # training LoRA: q/k/v's and gate/up's first adapter GEMMs stacked (-0.3%; bf16 gradients round differently)
+    # training LoRA: q/k/v's and gate/up's first adapter GEMMs stacked (bf16 gradients round differently)
     stack_lora: bool = False
     # MoE experts computing plain x @ W^T (bf16 training forward): one grouped GEMM per projection on Hopper
     # (torch grouped_mm, fp32 accumulation like the per-expert GEMMs); off: one GEMM per expert that owns tokens

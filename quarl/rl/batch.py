@@ -141,8 +141,8 @@ def build_batch(
 def _fused_logprobs_ok(model: torch.nn.Module, input_ids: torch.Tensor, enabled: bool) -> bool:
     """Whether `answer_logprobs` takes `quarl.kernels.token_logprobs`: `enabled` (`FastPaths.fused_logprobs`; the
     log-probs and entropy from the model-dtype logits by one Triton pass forward and one backward instead of a
-    float32 copy and log-softmax: with a 152k vocabulary, 16 x 1024 answer tokens, about 50 ms per micro-batch
-    less on an H200), a CUDA bf16/fp16 model and the kernel's first-use check passed."""
+    float32 copy and log-softmax of the [tokens, vocab] logits), a CUDA bf16/fp16 model and the kernel's first-use
+    check passed."""
     dtype = getattr(model, "dtype", None)
     return enabled and input_ids.is_cuda and dtype in (torch.bfloat16, torch.float16) \
         and kernels.training_kernel_ok("token_logprobs", input_ids.device, dtype)

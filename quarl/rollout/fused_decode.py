@@ -459,11 +459,10 @@ class FusedDecoder:
         # The q/k/v, o and down GEMMs, when they receive FP8 activation codes and `kernels.unit_scales_ok` (cuBLAS or
         # persistent TMA plans: rollout batches), run with unit per-tensor scales, and the kernel consuming each product
         # (rotary; residual add + norm) applies its per-token and per-channel scales (`unit_scale_matmul`): cuBLAS runs
-        # these shapes faster with per-tensor scales (7B at 512 rows: q/k/v 23.5 -> 14.5 us, o 13.6 -> 12.4, down 53.9
-        # -> 49.1). gate/up keeps its scales: it saves 5 us there, and SiLU·mul on scaled inputs costs 9 us more
-        # (bench/results/decode_elementwise.md). B2: 39,061 -> ~40,000 tok/s (bench/results/rollout.md). Each deferred
-        # product is rounded to bf16 once more before its scales, a perturbation of one bf16 rounding
-        # (tests/test_fused_decode_gpu.py checks exactly that).
+        # these shapes faster with per-tensor scales. gate/up keeps its scales: SiLU·mul on scaled inputs would cost
+        # more than the GEMM saves (bench/results/decode_elementwise.md). Each deferred product is rounded to bf16 once
+        # more before its scales, a perturbation of one bf16 rounding (tests/test_fused_decode_gpu.py checks exactly
+        # that).
         self.deferred_scales = DEFAULT_DEFERRED
         self._unit: torch.Tensor | None = None
 
