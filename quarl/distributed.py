@@ -131,7 +131,7 @@ def collective_failure(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        word in text for word in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
+        word in text for word in ("gloo", "NCCL", "Connection reset", "Connection closed"))
 
 
 def shard_range(total: int, parts: int, index: int) -> range:

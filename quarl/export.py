@@ -266,6 +266,11 @@ def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None, over
         raise FileNotFoundError(f"{run_dir}/config.yaml not found: is {run_dir} a quarl run directory?")
     cfg = load_config(run_dir / "config.yaml")
     if not checkpoint_files(run_dir / "checkpoints"):
+        if any((run_dir / "checkpoints").glob("step_*.dcp")):
+            raise FileNotFoundError(
+                f"{run_dir}/checkpoints holds only sharded checkpoints (a torchrun run), which `quarl export` does not "
+                "read: resume the run under torchrun with output.export_hf=true (`quarl train --nproc N CONFIG "
+                "resume=RUN_DIR output.export_hf=true`), which gathers the weights into RUN_DIR/export")
         raise FileNotFoundError(f"no checkpoint in {run_dir}/checkpoints to export")
     device = resolve_device(cfg.model.device)
     set_cpu_threads(device)

@@ -18,7 +18,7 @@ import torch
 
 from quarl.rl.sharded_checkpoint import sharded_checkpoints, verify_sharded
 
-pytestmark = pytest.mark.slow  # real torchrun launches: about 15 s each on two cores
+pytestmark = pytest.mark.slow  # real torchrun launches (several processes per test)
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARD = '''def digit_reward(completion, example):

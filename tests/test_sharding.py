@@ -58,3 +58,33 @@ def test_synced_rollout_copy_equals_the_single_process_rollout_weights(name, dty
                 assert torch.equal(a.qweight_scale, b.qweight_scale), n
         with torch.no_grad(), rollout_mode(rollout), rollout_mode(single):
             torch.testing.assert_close(rollout(ids), single(ids), atol=0, rtol=0)
+
+
+def test_a_bf16_rollout_copy_takes_aqn_noise_in_float32():
+    from quarl.model.layers import RMSNorm
+    from quarl.rl.aqn import set_aqn_noise
+
+    torch.manual_seed(0)
+    trained = make_model("llama", hidden_size=96, intermediate_size=160)
+    apply_precision(trained, PrecisionConfig(flow="split", format="int8"))
+    rollout = make_rollout_copy(trained, torch.bfloat16)
+    norms = [m for m in rollout.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.weight.dtype == torch.bfloat16 and m.rollout_noise.dtype == torch.float32 for m in norms)
+    set_aqn_noise(rollout, 1e-3, generator=torch.Generator().manual_seed(1))
+    noise = torch.cat([m.rollout_noise for m in norms])
+    assert noise.dtype == torch.float32 and 0.5e-3 < noise.std().item() < 2e-3  # drawn, not rounded away
+
+
+def test_a_plain_resume_or_export_of_a_torchrun_run_says_what_to_do(tmp_path):
+    import yaml
+
+    from quarl.config import config_to_dict, load_config
+    from quarl.export import export_from_run
+    from quarl.rl.checkpoint import load_latest_intact
+
+    (tmp_path / "checkpoints" / "step_000002.dcp").mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(load_config(None, ["model.device=cpu"]))))
+    with pytest.raises(FileNotFoundError, match="only sharded checkpoints.*--nproc"):
+        load_latest_intact(tmp_path, make_model("llama"))
+    with pytest.raises(FileNotFoundError, match="only sharded checkpoints.*export_hf=true"):
+        export_from_run(tmp_path, verbose=False)

@@ -475,6 +475,9 @@ def load_latest_intact(run_dir: str | Path, model, optimizer=None) -> tuple[dict
     folder = Path(run_dir) / "checkpoints"
     candidates = _candidates(folder)
     if not candidates:
+        if folder.is_dir() and any(folder.glob("step_*.dcp")):
+            raise FileNotFoundError(f"{folder} holds only sharded checkpoints, written under torchrun: resume the run "
+                                    "under torchrun (`quarl train --nproc N CONFIG resume=RUN_DIR`, N >= 1)")
         raise FileNotFoundError(f"no checkpoint in {folder}")
     bad = []
     for path in candidates:

@@ -47,7 +47,7 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
 
     FSDP averages gradients over the ranks; each rank's loss is already normalised by the whole minibatch (tokens or
     sequences of all ranks), as in the single-process update, so the trainer multiplies it by the world size
-    (`loss_scale_for_ranks`) and the average is the single-process gradient. On a GPU the parameters are gathered in
+    and the average is the single-process gradient. On a GPU the parameters are gathered in
     `compute_dtype` for the forward and gradients reduced in float32; on the CPU everything stays float32.
     Frozen parameters (a LoRA base) are sharded like the others: FSDP gathers them for the forward and never
     reduces their (absent) gradients. A frozen quantized (qlora) base is a buffer, which FSDP leaves whole on
@@ -79,9 +79,16 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
         adapter = name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
         value = p.detach().to(torch.float32 if adapter else compute_dtype, copy=True)
         memo[id(p)] = nn.Parameter(value, requires_grad=False)
-    for b in model.buffers():
-        if b.is_floating_point():
-            memo[id(b)] = b.to(compute_dtype, copy=True)
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.frozen_base:  # a qlora base is shared below, never copied
+            for b in (m.qweight_data, m.qweight_scale, m.qweight_global_scale):
+                if b is not None:
+                    memo[id(b)] = b
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and id(b) not in memo:
+            # AQN noise stays float32 as RMSNorm keeps it (noise is added to the norm weight in float32)
+            dtype = torch.float32 if name.rsplit(".", 1)[-1] == "rollout_noise" else compute_dtype
+            memo[id(b)] = b.to(dtype, copy=True)
     rollout = copy.deepcopy(model, memo).requires_grad_(False)
     for m, source in zip(rollout.modules(), model.modules()):
         if isinstance(m, QuantLinear) and source.frozen_base:  # a qlora base never changes: share its codes

@@ -617,7 +617,14 @@ class Trainer:
             counts[1] += decisions
 
     def routing_metrics(self) -> dict:
-        """This step's moe/* metrics (empty for dense models), then the counts start over."""
+        """This step's moe/* metrics (empty for dense models), then the counts start over. On many ranks the
+        counts of every rank's micro-batches are summed first."""
+        if self.distributed and getattr(self.model, "is_moe", False):
+            keys = ("moe/routing_mismatch", "moe/routing_mismatch_used")  # the same order on every rank
+            counts = torch.tensor([v for k in keys for v in self._routing_counts.get(k, [0.0, 0])],
+                                  dtype=torch.float64)
+            summed = qdist.sum_over_ranks(counts, self.device).tolist()
+            self._routing_counts = {k: summed[2 * i:2 * i + 2] for i, k in enumerate(keys)}
         out = {key: wrong / total for key, (wrong, total) in self._routing_counts.items() if total}
         self._routing_counts = {}
         return out
@@ -838,7 +845,8 @@ class Trainer:
                 outcome = "update skipped" if total == 1 else f"{n_skipped} of {total} updates skipped"
             else:
                 outcome = "trained on the other groups"
-            print(f"[quarl] step {step + 1}: {self.nonfinite_cause}; {outcome}", file=sys.stderr, flush=True)
+            if self.is_main:
+                print(f"[quarl] step {step + 1}: {self.nonfinite_cause}; {outcome}", file=sys.stderr, flush=True)
         metrics["train/nonfinite_total"] = self.nonfinite_total
 
     def _report_fallbacks(self, metrics: dict) -> None:
@@ -935,7 +943,7 @@ class Trainer:
         e = self.cfg.eval
         kwargs = dict(n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                       seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None,
-                      progress=self.cfg.output.progress)
+                      progress=self.cfg.output.progress and self.is_main)
         records: list[dict] = []
         result = evaluate(self.engine, self.task, self.task.eval_examples, desc=f"held-out eval (step {step})",
                           records=records, **kwargs)
@@ -996,8 +1004,9 @@ class Trainer:
         if cfg.eval.before and self.start_step == 0 and self.task.eval_examples:
             summary["before"] = self.evaluate(0)
             self.log.log(0, summary["before"])
-            print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
-            self.warn_if_rollout_format_too_lossy(summary["before"])
+            if self.is_main:
+                print(f"[quarl] held-out before training: {_fmt(summary['before'])}")
+                self.warn_if_rollout_format_too_lossy(summary["before"])
         interrupt = GracefulInterrupt(echo_s=2.0 if self.distributed else 0.0)
         bar = tqdm(
             total=cfg.train.steps, initial=self.start_step, desc="quarl train", unit="step",
@@ -1039,7 +1048,8 @@ class Trainer:
         if not summary.get("interrupted") and cfg.eval.after and self.task.eval_examples:
             summary["after"] = self.evaluate(step)
             self.log.log(step, summary["after"])
-            print(f"[quarl] held-out after training: {_fmt(summary['after'])}")
+            if self.is_main:
+                print(f"[quarl] held-out after training: {_fmt(summary['after'])}")
         if not summary.get("interrupted") and cfg.output.export_hf:
             from quarl.export import export_run
 
