@@ -307,6 +307,10 @@ def check_critic(cfg: "RunConfig") -> None:
                           "no critic runs; set loss.advantage_estimator=gae for PPO with a critic", UserWarning,
                           stacklevel=3)
         return
+    if cfg.train.dynamic_sampling and cfg.rollout.num_generations < 2:
+        raise ConfigError("train.dynamic_sampling drops groups whose rewards are all equal, which every one-answer "
+                          "group is: with rollout.num_generations=1 nothing would train; set "
+                          "train.dynamic_sampling=false (or num_generations >= 2)")
     if critic.warmup_steps >= cfg.train.steps:
         raise ConfigError(f"critic.warmup_steps={critic.warmup_steps} >= train.steps={cfg.train.steps}: the actor "
                           "would never train; lower critic.warmup_steps (e.g. a tenth of train.steps)")

@@ -74,14 +74,15 @@ def available_cpus() -> int:
 
 
 def set_cpu_threads(device: torch.device) -> int | None:
-    """On a CPU run, size torch's thread pool to the cores available to this process (`available_cpus`): more
-    threads than cores makes every matmul wait on descheduled threads. OMP_NUM_THREADS, when set, is the user's
+    """On a CPU run, lower torch's thread pool to the cores available to this process (`available_cpus`) where it
+    is larger: more threads than cores makes every matmul wait on descheduled threads. OMP_NUM_THREADS, when set, is the user's
     choice and is left alone, as are GPU runs. Returns the thread count in use, or None when it was left alone."""
     import os
 
     if torch.device(device).type != "cpu" or os.environ.get("OMP_NUM_THREADS", "").strip():
         return None
-    threads = available_cpus()
+    # never raised: torch's default is the physical cores, and the affinity mask also counts hyperthreads
+    threads = min(available_cpus(), torch.get_num_threads())
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

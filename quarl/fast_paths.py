@@ -38,8 +38,7 @@ class FastPaths:
     stack_rollout_lora: bool = True
     # training LoRA: q/k/v's and gate/up's first adapter GEMMs stacked (bf16 gradients round differently)
     stack_lora: bool = False
-    # MoE experts computing plain x @ W^T (bf16 training forward): one grouped GEMM per projection on Hopper
-    # (torch grouped_mm, fp32 accumulation like the per-expert GEMMs); off: one GEMM per expert that owns tokens
+    # unquantized MoE experts on Hopper: one grouped GEMM (torch grouped_mm) per projection; off: one per expert
     grouped_experts: bool = True
 
 

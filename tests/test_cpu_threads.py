@@ -29,7 +29,10 @@ def test_threads_follow_the_cores_this_process_may_use(monkeypatch, restore_thre
     cores(monkeypatch, 1)
     torch.set_num_threads(2)
     assert set_cpu_threads(torch.device("cpu")) == 1 and torch.get_num_threads() == 1
+    torch.set_num_threads(4)
     cores(monkeypatch, 2)
+    assert set_cpu_threads("cpu") == 2 and torch.get_num_threads() == 2
+    cores(monkeypatch, 8)  # more logical CPUs (hyperthreads) than torch's threads: never raised
     assert set_cpu_threads("cpu") == 2 and torch.get_num_threads() == 2
 
 

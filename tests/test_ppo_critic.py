@@ -305,3 +305,22 @@ def test_a_critic_under_torchrun_is_refused_before_any_process_group(monkeypatch
     with pytest.raises(ValueError, match="runs on one process"):
         Trainer(cfg)
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_shared_moe_critic_sees_the_experts_its_update_will_use(tmp_path, replay):
+    """V_old and the update's V come from the same weights at a batch's only optimizer step, so no value can
+    leave even a tiny clip band: with router replay V_old must replay the rollout's experts as the update does."""
+    from quarl.cli import main
+
+    run = tmp_path / f"replay-{replay}"
+    rc = main(["train", "model.name=tiny-random-qwen3-moe", "model.device=cpu", "precision.flow=split",
+               "precision.format=int8", "data.train=arithmetic", "data.num_train=20", "data.num_eval=2",
+               "reward.function=tests.test_ppo_critic:varied_reward", "rollout.prompts_per_step=2",
+               "rollout.num_generations=2", "rollout.max_new_tokens=6", "train.steps=3", "train.lr=1e-3",
+               "train.micro_batch_size=2", "eval.before=false", "eval.after=false", "output.tensorboard=false",
+               "output.progress=false", f"output.dir={run}", "critic.placement=shared", "critic.value_clip=1e-6",
+               f"rollout.router_replay={str(replay).lower()}", *GAE])
+    assert rc == 0
+    records = read_metrics(run)
+    assert len(records) == 3 and all(r["critic/vf_clipfrac"] == 0 for r in records)

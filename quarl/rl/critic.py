@@ -216,23 +216,27 @@ class Critic:
         hidden state at position t. hidden [B, T, H] -> [B, width] in the head's dtype (float32, or float64)."""
         return self.head(hidden[:, -(width + 1):-1])
 
-    def _trunk_hidden(self, sub, device: torch.device) -> Tensor:
-        """The trunk's final hidden states [B, T, H] of a micro-batch (with grad when grad is enabled)."""
+    def _trunk_hidden(self, sub, device: torch.device, routing=None) -> Tensor:
+        """The trunk's final hidden states [B, T, H] of a micro-batch (with grad when grad is enabled). routing: the
+        `ExpertRouting` the actor's forward over the same rows uses (a shared MoE trunk replays the rollout's
+        experts, so V_old must see the experts V will see), else None."""
         from quarl.model.layers import DecodeStart
 
         input_ids = sub.input_ids.to(device)
         # where decoding began, for attention layers that mimic an FP8 KV cache (the shared trunk in the unified flow)
         start = DecodeStart.of(input_ids.shape[1] - 1 - sub.answer_lengths, input_ids.device)
-        return self.trunk.hidden_states(input_ids, attention_mask=sub.attention_mask.to(device), decode_start=start)
+        return self.trunk.hidden_states(input_ids, attention_mask=sub.attention_mask.to(device), decode_start=start,
+                                        routing=routing)
 
     @torch.no_grad()
-    def prepare(self, batch, micro_batch_size: int, device: torch.device):
+    def prepare(self, batch, micro_batch_size: int, device: torch.device, routing_of=None):
         """V_old, GAE advantages and returns of a RolloutBatch, before the update.
 
         Returns (batch with advantages [B, T-1] (whitened over the counted tokens), returns [B, T-1] and values
         [B, T-1] = V_old (each 0 outside answer_mask), on the CPU in the head's dtype (float32, float64 for a
         float64 trunk); metrics "critic/value_mean", "critic/returns_mean", "critic/explained_variance" over the
-        counted tokens).
+        counted tokens). routing_of: sub-batch -> the `ExpertRouting` of the actor's training forward over it
+        (`Trainer.expert_routing`), used by a shared trunk; None for dense models or a separate critic.
         """
         mask = batch.answer_mask.bool()
         values = torch.zeros(mask.shape, dtype=self.head.proj.weight.dtype)  # float32 (float64 for a float64 trunk)
@@ -242,7 +246,8 @@ class Critic:
             rows = list(range(start, min(start + micro_batch_size, len(batch))))
             sub = batch.select(rows)
             width = min(sub.answer_width, sub.input_ids.shape[1] - 1)  # rows end in the last column
-            values[rows, -width:] = self._values(self._trunk_hidden(sub, device), width).cpu()
+            routing = routing_of(sub) if routing_of is not None and self.shared else None
+            values[rows, -width:] = self._values(self._trunk_hidden(sub, device, routing), width).cpu()
         self.trunk.train(was_training)
         values = torch.where(mask, values, torch.zeros_like(values))
         # GAE over the answer columns only: the prompt columns to their left hold no counted token

@@ -899,7 +899,8 @@ class Trainer:
             metrics.update(error_metrics)
         if self.critic is not None:  # V_old over the answers (no grad, like π_prox), then GAE advantages and returns
             t0 = time.perf_counter()
-            batch, critic_metrics = self.critic.prepare(batch, self.cfg.train.micro_batch_size, self.device)
+            batch, critic_metrics = self.critic.prepare(batch, self.cfg.train.micro_batch_size, self.device,
+                                                        routing_of=self.expert_routing)
             metrics.update(critic_metrics)
             metrics["time/critic_s"] = time.perf_counter() - t0
 
