@@ -44,7 +44,7 @@ def test_settings_and_bad_formats():
         mismatch.parse_formats("int8,int4")
 
 
-def test_the_command_scores_each_format_against_an_independent_forward(tmp_path, monkeypatch):
+def test_the_command_scores_every_format_and_writes_its_entry(tmp_path, monkeypatch):
     rows = {}
     real_measure = mismatch.measure
 

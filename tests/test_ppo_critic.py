@@ -324,3 +324,9 @@ def test_a_shared_moe_critic_sees_the_experts_its_update_will_use(tmp_path, repl
     assert rc == 0
     records = read_metrics(run)
     assert len(records) == 3 and all(r["critic/vf_clipfrac"] == 0 for r in records)
+
+
+def test_dynamic_sampling_with_one_answer_per_prompt_is_refused():
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        load_config(None, ["loss.advantage_estimator=gae", "rollout.num_generations=1", "train.dynamic_sampling=true"])
+    load_config(None, ["loss.advantage_estimator=gae", "rollout.num_generations=1"])  # without it: fine

@@ -4,8 +4,9 @@ Which rollout format suits this model? The run config (its model, data and rollo
 prompts; the model in full precision samples one answer to each at the rollout temperature (reference engine);
 then, for every format and activation setting asked for, the same model's split-flow rollout copy scores the
 same tokens. Per answer token, the exact KL(mu || pi) = sum_v mu(v) (log mu(v) - log pi(v)) over the vocabulary,
-with mu the rollout model's and pi the full-precision model's next-token distribution at the rollout temperature:
-the quantity whose sampled estimate a training run logs as `mismatch/kl` at its first step. Also the share of
+with mu the rollout model's and pi the full-precision model's next-token distribution at the rollout temperature
+(top-p / top-k not applied): close to what a training run's first steps log as `mismatch/kl`, which estimates the
+same divergence from the rollout model's own samples. Also the share of
 answer tokens where both models' most likely next token agree.
 
 Large values mean a rollout policy far from the trained one (BRIEF §4): more truncated importance weights, slower
@@ -91,13 +92,11 @@ def answer_batch(prompt_ids: list[list[int]], answer_ids: list[list[int]], pad_i
 
 @torch.no_grad()
 def next_token_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, predicts: torch.Tensor,
-                        temperature: float, micro_batch: int = 16) -> torch.Tensor:
-    """log softmax(logits / temperature) at the `predicts` positions: float32 [N, vocab] (N = predicts.sum())."""
-    out = []
-    for i in range(0, ids.shape[0], micro_batch):
-        logits = model(ids[i:i + micro_batch], attention_mask=mask[i:i + micro_batch])
-        out.append(torch.log_softmax(logits[predicts[i:i + micro_batch]].float() / temperature, dim=-1))
-    return torch.cat(out)
+                        temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) at the `predicts` positions of one micro-batch: float32 [n, vocab]
+    (n = predicts.sum()); only those rows are cast to float32."""
+    logits = model(ids, attention_mask=mask)[predicts]
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def token_kl(rollout_logp: torch.Tensor, train_logp: torch.Tensor) -> torch.Tensor:
@@ -108,15 +107,16 @@ def token_kl(rollout_logp: torch.Tensor, train_logp: torch.Tensor) -> torch.Tens
     return (mu * diff).sum(-1)
 
 
-def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, log=print) -> dict:
+def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, log=print,
+            micro_batch: int = 8) -> dict:
     """Sample the answers in full precision, then score them with each (format, weight_only) rollout copy.
 
     Returns {"rows": [{format, weight_only, kl_mean, kl_p90, kl_max, top1_agree, seconds}], "tokens": N,
     "answers": B, "mean_answer_tokens": float, "dtype": the models' dtype}.
     """
-    from quarl.devices import resolve_device
+    from quarl.devices import resolve_device, set_cpu_threads
     from quarl.model.loading import load_model
-    from quarl.model.precision_apply import apply_precision, rollout_mode
+    from quarl.model.precision_apply import apply_precision, full_precision, rollout_mode
     from quarl.precision import PrecisionConfig
     from quarl.rollout.engine import RolloutEngine
     from quarl.tasks.task import load_task
@@ -124,6 +124,7 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
     if problems < 1:
         raise ValueError(f"--problems={problems} must be >= 1")
     device = resolve_device(cfg.model.device)
+    set_cpu_threads(device)
     dtype = cfg.precision.torch_dtype(device)
     task = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed)
     model, tokenizer = load_model(cfg.model.name, device=str(device), dtype=dtype, gguf_file=cfg.model.gguf_file,
@@ -142,15 +143,21 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
     kept = [(o.prompt_token_ids, o.completions[0].token_ids) for o in outputs if o.completions[0].token_ids]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask, predicts = answer_batch([p for p, _ in kept], [a for _, a in kept], pad, device)
-    train_logp = next_token_logprobs(model, ids, mask, predicts, r.temperature)
     rows = []
     for fmt, weight_only in pairs:
         t0 = time.perf_counter()
         apply_precision(model, PrecisionConfig(flow="split", format=fmt, weight_only=weight_only).validate())
-        with rollout_mode(model):
-            rollout_logp = next_token_logprobs(model, ids, mask, predicts, r.temperature)
-        kl = token_kl(rollout_logp, train_logp)
-        agree = (rollout_logp.argmax(-1) == train_logp.argmax(-1)).float().mean().item()
+        # per micro-batch, both policies over the same tokens: only [tokens] results are kept, never [tokens, vocab]
+        kls, agrees = [], []
+        for i in range(0, ids.shape[0], micro_batch):
+            part = (ids[i:i + micro_batch], mask[i:i + micro_batch], predicts[i:i + micro_batch], r.temperature)
+            with full_precision(model):
+                train_logp = next_token_logprobs(model, *part)
+            with rollout_mode(model):
+                rollout_logp = next_token_logprobs(model, *part)
+            kls.append(token_kl(rollout_logp, train_logp).cpu())
+            agrees.append((rollout_logp.argmax(-1) == train_logp.argmax(-1)).cpu())
+        kl, agree = torch.cat(kls), torch.cat(agrees).float().mean().item()
         row = dict(format=fmt, weight_only=weight_only, kl_mean=kl.mean().item(),
                    kl_p90=torch.quantile(kl, 0.9).item(), kl_max=kl.max().item(), top1_agree=agree,
                    seconds=time.perf_counter() - t0)
