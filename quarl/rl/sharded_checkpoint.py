@@ -85,7 +85,9 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, ke
     qdist.barrier()
     dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
     qdist.barrier()  # every rank's files are written
-    names = sorted(p.name for p in tmp.iterdir() if p.is_file())[qdist.rank()::qdist.world_size()]
+    # rank 0's listing for every rank: on a shared file system another rank's cached listing can miss a file
+    every = qdist.broadcast_object(sorted(p.name for p in tmp.iterdir() if p.is_file()) if qdist.is_main() else None)
+    names = every[qdist.rank()::qdist.world_size()]
     files = {}
     for part in qdist.all_gather_objects({name: file_sha256(tmp / name) for name in names}):  # hashed in parallel
         files.update(part)
@@ -93,9 +95,14 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model, optimizer, ke
         meta = {"step": int(step), "world_size": qdist.world_size(), "files": files,
                 **{k: int(v) for k, v in extra.items()}}
         atomic_write_bytes(tmp / META_NAME, json.dumps(meta, indent=1).encode())
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            shutil.rmtree(final)
+        previous = None
+        if final.exists():  # the same step saved again (a resumed run): moved aside first, deleted once replaced
+            previous = folder / f".{final.name}.old"
+            shutil.rmtree(previous, ignore_errors=True)
+            os.replace(final, previous)
         os.replace(tmp, final)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
         _fsync_dir(folder)
         if keep >= 1:
             for old in sharded_checkpoints(run_dir)[:-keep]:
