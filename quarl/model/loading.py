@@ -411,7 +411,7 @@ def load_model(name_or_path: str = SMOLLM2_NAME, *, device: torch.device | str =
     with _tensor_bar(progress, os.path.basename(path.rstrip("/"))) as bar:
         if kind == "gguf":
             model = load_gguf(path, device, dtype, bar=bar)
-            bar.set_description_str("reading the tokenizer from the GGUF file")  # ~10 s for SmolLM2 on a CPU
+            bar.set_description_str("reading the tokenizer from the GGUF file")  # a long silence otherwise
             tokenizer = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
         else:
             model = load_hf_directory(path, device, dtype, bar=bar)
