@@ -174,16 +174,16 @@ def answer_logprobs(
     # With its maximum read here once: attention layers that mimic an FP8 KV cache slice by it without a sync.
     decode_start = None if answer_lengths is None else DecodeStart.of(T - 1 - answer_lengths, input_ids.device)
     paths = fast_paths_of(model) if fast_paths is None else fast_paths
-    kwargs = {} if routing is None else {"routing": routing}  # models without MoE layers need not take it
     if _fused_logprobs_ok(model, input_ids, paths.fused_logprobs):
         from quarl.kernels.token_logprobs import token_logprobs
 
-        h = model.hidden_states(input_ids, attention_mask=attention_mask, decode_start=decode_start, **kwargs)
+        h = model.hidden_states(input_ids, attention_mask=attention_mask, decode_start=decode_start,
+                                routing=routing)
         logits = model.lm_head(h[:, -(width + 1):-1])  # [B, width, vocab] in the model dtype, no float32 copy
         t = temperature if temperature > 0 else 1.0
         return token_logprobs(logits, input_ids[:, -width:].to(logits.device), t, with_entropy)
     logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=width + 1,
-                   decode_start=decode_start, **kwargs)[:, :-1]  # float32 (float64 for a float64 model)
+                   decode_start=decode_start, routing=routing)[:, :-1]  # float32 (float64, float64 model)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, -width:].to(logits.device).unsqueeze(-1)

@@ -218,9 +218,8 @@ class RolloutEngine:
             mask[i, L - len(ids):] = 1
         cache = KVCache.for_model(model, P, L + max_new_tokens)
         routing = ExpertRouting(record=True) if self.record_routing else None
-        extra = {} if routing is None else {"routing": routing}
         logits = model(input_ids.to(device), attention_mask=mask.to(device), kv_cache=cache, logits_to_keep=1,
-                       **extra)[:, -1]
+                       routing=routing)[:, -1]
         cache.repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
 
@@ -260,7 +259,7 @@ class RolloutEngine:
                 tokens = tokens.index_select(0, idx)
                 active = [active[r] for r in keep_rows]
             routing = ExpertRouting(record=True) if self.record_routing else None
-            logits = model(tokens[:, None], kv_cache=cache, **({} if routing is None else {"routing": routing}))[:, -1]
+            logits = model(tokens[:, None], kv_cache=cache, routing=routing)[:, -1]
             if routing is not None:
                 fed = routing.stacked().to(device="cpu", dtype=torch.int16)  # [rows, 1, moe layers, k]
                 for row, g in enumerate(active):

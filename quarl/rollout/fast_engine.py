@@ -369,8 +369,7 @@ class FastRolloutEngine(RolloutEngine):
             writer = PrefillCacheWriter(self.cache, torch.tensor([s for _, s in rows], device=device),
                                         torch.tensor([row_of[i] for i, _ in rows], device=device))
             routing = ExpertRouting(record=True) if self.record_routing else None
-            model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer,
-                                **({} if routing is None else {"routing": routing}))
+            model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer, routing=routing)
             if routing is not None:  # each prompt's experts (right-padded rows) into each of its slots
                 used = routing.stacked().to(self.state.out_experts.dtype)
                 for i, s in rows:
