@@ -4,6 +4,7 @@ metrics, config and tables; output.report_to is read from the config with a clea
 import json
 import re
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_holds_metrics_config_and_samples(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)
@@ -130,9 +131,16 @@ def test_wandb_offline_run_holds_metrics_config_and_samples(tmp_path, monkeypatc
     log.samples(1, [{"prompt": "2 + 3", "completion": "five", "reward": 0.0}])
     log.log(2, {"reward/mean": 0.8125})
     log.close()
+    # finish() hands the records to W&B's service process, which writes the run file on its own schedule; its
+    # teardown (what a process exit runs) flushes it, and a loaded machine may still need a moment after that
+    wandb.teardown()
     offline = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
-    data = next(offline[0].glob("run-*.wandb")).read_bytes()
+    run_file = next(offline[0].glob("run-*.wandb"))
+    deadline = time.monotonic() + 30
+    while b"0.8125" not in run_file.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    data = run_file.read_bytes()
     assert b"reward/mean" in data and b"0.8125" in data and b'"lr":0.00123' in data
     table = next(offline[0].glob("files/media/table/samples_1_*.table.json"))
     assert json.loads(table.read_text()) == {"columns": ["prompt", "completion", "reward"],
