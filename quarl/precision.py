@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quarl.formats.registry import FORMATS
+
 FLOWS = ("bf16", "split", "unified", "qlora")
-QUANT_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
-WEIGHT_ONLY_FORMATS = ("nvfp4", "mxfp4")  # no FP4 tensor cores on Hopper: W4A16 (BRIEF §3)
+QUANT_FORMATS = tuple(FORMATS)
+# no FP4 tensor cores on Hopper: W4A16 (BRIEF §3)
+WEIGHT_ONLY_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.weight_only_default)
 DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
 KV_CACHE_FORMATS = ("auto", "fp8", "fp8-token")
 
@@ -76,9 +79,10 @@ class PrecisionConfig:
                 "precision.flow=qlora trains LoRA adapters on a frozen quantized base, but lora.rank is 0; "
                 "set lora.rank (e.g. 16 or 32) or choose flow=split/unified for full fine-tuning"
             )
-        if self.flow in ("unified", "qlora") and fmt == "fp8-tensor" and not self.resolved_weight_only:
+        if self.flow in ("unified", "qlora") and fmt is not None and FORMATS[fmt].per_tensor_scale \
+                and not self.resolved_weight_only:
             raise ValueError(
-                f"precision.format=fp8-tensor with precision.flow={self.flow} quantizes activations with one scale per "
+                f"precision.format={fmt} with precision.flow={self.flow} quantizes activations with one scale per "
                 "tensor, so a token's rounding depends on the rest of the batch: rollout (a few tokens per step) and "
                 "training (whole sequences) would compute different functions. Use precision.format=fp8 (per-token "
                 "scales) or fp8-block, or precision.weight_only=true"

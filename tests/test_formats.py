@@ -499,3 +499,29 @@ def test_scale_is_amax_times_float32_reciprocal(fmt, qmax):
     want = amax * torch.tensor(1.0 / qmax, dtype=torch.float32)
     want = torch.where(want > 0, want, 1.0)
     assert torch.equal(bits(quantize(x, fmt).scale), bits(want))
+
+
+def test_format_capabilities_come_from_the_spec_and_the_config_lists_derive_from_the_registry():
+    from quarl.formats.registry import FORMATS
+    from quarl.precision import QUANT_FORMATS, WEIGHT_ONLY_FORMATS, PrecisionConfig
+
+    assert QUANT_FORMATS == tuple(FORMATS) == ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
+    assert WEIGHT_ONLY_FORMATS == ("nvfp4", "mxfp4")
+    caps = {name: (s.needs_fp8_hardware, s.is_8bit, s.per_tensor_scale, s.tuning_family, s.packed)
+            for name, s in FORMATS.items()}
+    assert caps == {
+        "int8": (False, True, False, "int8", False),
+        "fp8": (True, True, False, "fp8", False),
+        "fp8-tensor": (True, True, True, "fp8", False),
+        "fp8-block": (True, True, False, "fp8-block", False),
+        "nvfp4": (True, False, False, "w4a16", True),  # E4M3 block scales
+        "mxfp4": (False, False, False, "w4a16", True),  # E8M0 scales: no FP8 decoding
+    }
+    # every format's codes fit its declared code dtype and packing
+    for name, spec in FORMATS.items():
+        q = quantize(torch.randn(3, 64), name)
+        assert q.data.dtype == spec.code_dtype and q.data.shape[-1] == spec.padded_k(64) // (2 if spec.packed else 1)
+    # the batch-dependence refusal follows the spec, not a spelled-out name
+    with pytest.raises(ValueError, match="one scale per tensor"):
+        PrecisionConfig(flow="unified", format="fp8-tensor").validate()
+    PrecisionConfig(flow="unified", format="fp8").validate()

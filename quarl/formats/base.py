@@ -31,6 +31,11 @@ class FormatSpec:
     code_dtype: dtype of `QuantizedTensor.data` (fp4 codes are packed two per torch.uint8).
     max_code: largest magnitude a code represents (127, 448 or 6).
     packed: True when two codes share one byte (fp4).
+    element: what a code is: "int8", "e4m3" (FP8) or "e2m1" (FP4).
+    scale_type: what a stored scale is: "float32", "e4m3" (nvfp4 block scales) or "e8m0" (mxfp4, power of two).
+
+    What a format can do follows from these fields (the properties below); code elsewhere asks the spec
+    (`get_format(fmt).needs_fp8_hardware`, ...) rather than listing format names.
     """
 
     name: str
@@ -40,6 +45,8 @@ class FormatSpec:
     code_dtype: torch.dtype
     max_code: float
     packed: bool
+    element: str
+    scale_type: str
     description: str
     # (x32 [..., Kp] float32, role) -> (data, scale, global_scale); x32 is finite and padded.
     quantize_fn: Callable = field(repr=False, compare=False)
@@ -55,6 +62,30 @@ class FormatSpec:
     def padded_k(self, k: int) -> int:
         m = self.pad_multiple
         return -(-k // m) * m
+
+    @property
+    def needs_fp8_hardware(self) -> bool:
+        """Its GPU kernels decode E4M3 values (codes or block scales), which Triton does from compute capability
+        8.9 (Ada, Hopper) on; older GPUs take the exact reference paths."""
+        return "e4m3" in (self.element, self.scale_type)
+
+    @property
+    def is_8bit(self) -> bool:
+        """8-bit codes: W8A8 GEMMs on tensor cores, and a one-pass activation fake-quantization kernel."""
+        return self.bits == 8
+
+    @property
+    def per_tensor_scale(self) -> bool:
+        """One scale for the whole tensor: an activation's rounding then depends on the rest of the batch."""
+        return self.block_size == 0
+
+    @property
+    def tuning_family(self) -> str:
+        """The kernel-tuning table this format's W8A8 / W4A16 GEMMs use (`quarl.kernels.tuning`): fp4 formats share
+        "w4a16", a per-tensor FP8 scale follows the rowwise "fp8" table, others have their own."""
+        if self.bits == 4:
+            return "w4a16"
+        return "fp8" if self.element == "e4m3" and self.per_tensor_scale else self.name
 
 
 @dataclass
