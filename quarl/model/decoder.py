@@ -201,6 +201,16 @@ class QuarlForCausalLM(nn.Module):
         elif positions.shape != input_ids.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
 
+        h = self._decoder_layers(input_ids, positions, attn_mask, kv_cache, start, decode_start, routing)
+        if kv_cache is not None:
+            kv_cache.commit(T)
+        return h
+
+    def _decoder_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor | None,
+                        kv_cache, start: int, decode_start, routing: ExpertRouting | None) -> torch.Tensor:
+        """The forward itself, shared by training, both rollout engines' prefill and the fast engine's decode
+        steps: embeddings, every decoder layer, the final norm. input_ids, positions long [B, T]; attn_mask bool
+        [B, 1, T, S] or None (causal). Returns [B, T, hidden] in the model dtype."""
         x = self.model.embed_tokens(input_ids)
         prepare_training_kernels(x.device, x.dtype, self.fast_paths)  # outside any checkpointed layer (see there)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
@@ -211,9 +221,23 @@ class QuarlForCausalLM(nn.Module):
                                use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start, routing)
-        if kv_cache is not None:
-            kv_cache.commit(T)
         return self.model.norm(x)
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, step_cache,
+                      routing: ExpertRouting | None = None) -> torch.Tensor:
+        """Next-token logits of one decode step: the same forward as `forward`, one token per row, with no host
+        synchronisation (so a CUDA graph can capture it).
+
+        Args:
+            tokens, positions: long [B], each row's token and its rotary position.
+            step_cache: a cache with `attend(layer_idx, q, k, v)` that stores the tokens' keys/values and attends
+                over the row's earlier ones (`quarl.rollout.fast_step.SlotDecode`).
+            routing: an `ExpertRouting` for MoE models (record and/or replay), or None.
+        Returns:
+            logits [B, vocab] in the model dtype.
+        """
+        h = self._decoder_layers(tokens[:, None], positions[:, None], None, step_cache, 0, None, routing)
+        return self.lm_head(h[:, 0])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache=None,

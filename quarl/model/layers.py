@@ -240,7 +240,10 @@ class Attention(nn.Module):
         """x [B, T, hidden]; attn_mask bool [B, 1, T, S] (True = may attend) or None = plain causal.
 
         With a kv_cache, the new keys/values are written at columns [cache_start, cache_start + T) and attention
-        runs over all S = cache_start + T columns. Returns [B, T, hidden].
+        runs over all S = cache_start + T columns. A cache with an `attend(layer_idx, q, k, v)` method (one
+        decode step of the fast engine, `quarl.rollout.fast_step.SlotDecode`) stores the keys/values and runs the
+        attention itself: q [B, Hq, T, D] and k, v [B, Hkv, T, D] after rotary, returning [B, Hq, T, D].
+        Returns [B, T, hidden].
         """
         B, T, _ = x.shape
         q, k, v = shared_input_linears((self.q_proj, self.k_proj, self.v_proj), x, self.fast_paths)
@@ -257,11 +260,13 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if not fused_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
-        if self.kv_quant is not None and decode_start is not None and kv_cache is None:
+        if kv_cache is not None and hasattr(kv_cache, "attend"):
+            out = kv_cache.attend(self.layer_idx, q, k, v)  # a decode step: the engine's cache and kernel
+        elif self.kv_quant is not None and decode_start is not None and kv_cache is None:
             out = self._fp8_kv_attention(q, k, v, attn_mask, decode_start)
         else:
+            if kv_cache is not None:
+                k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
             out = self._sdpa(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 

@@ -1,9 +1,9 @@
 """One decode step of the fast engine for all slots 0..B-1: forward one token each, sample, record.
 
 Everything here has static shapes and never synchronises with the host, so a step can be captured in a CUDA
-graph and replayed. The forward calls the decoder's own submodules (norms, QuantLinear projections, rotary
-tables, MLPs) in the order of `DecoderLayer.forward`, so rollout-mode quantization, LoRA and AQN noise act
-exactly as in the reference engine; only the KV-cache layout (slots) and the attention kernel differ.
+graph and replayed. The forward is the model's own (`QuarlForCausalLM.decode_logits`), so rollout-mode
+quantization, LoRA and AQN noise act exactly as in training and the reference engine; only the KV-cache layout
+(slots) and the attention kernel differ (`SlotDecode`).
 """
 
 from __future__ import annotations
@@ -13,48 +13,44 @@ from dataclasses import dataclass
 import torch
 
 from quarl import kernels
-from quarl.model.layers import apply_rope
 from quarl.model.moe import ExpertRouting
 from quarl.rollout.fast_attention import AttentionFn
 from quarl.rollout.fast_cache import SlotKVCache
 from quarl.rollout.sampling import SamplingParams, filtered_logprobs
 
 
+@dataclass
+class SlotDecode:
+    """The cache one decode step hands the model's forward (`QuarlForCausalLM.decode_logits`): each layer's
+    attention stores the step's keys/values in the slot cache and attends with the engine's decode kernel.
+
+    cache: the slot cache; slot b's token goes to column positions[b] (also its rotary position).
+    positions: long [B]. attention: a decode attention function (see quarl.rollout.fast_attention).
+    kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
+    """
+
+    cache: SlotKVCache
+    positions: torch.Tensor
+    attention: AttentionFn
+    kv_len: int
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (after rotary) -> attention output [B, Hq, 1, D]."""
+        cache = self.cache
+        cache.write_tokens(layer_idx, self.positions, k[:, :, 0], v[:, :, 0])
+        out = self.attention(q[:, :, 0], cache.keys[layer_idx], cache.values[layer_idx], self.positions + 1,
+                             self.kv_len, *cache.scales(layer_idx))
+        return out[:, :, None]
+
+
 def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor,
                   attention: AttentionFn, kv_len: int, routing: ExpertRouting | None = None) -> torch.Tensor:
-    """Next-token logits for slots 0..B-1, each fed one token; writes the tokens' keys/values into the cache.
-
-    Args:
-        model: a QuarlForCausalLM (already in rollout mode if wanted).
-        cache: the slot cache; slot b's token goes to column positions[b] (also its rotary position).
-        tokens, positions: long [B].
-        attention: decode attention function (see quarl.rollout.fast_attention).
-        kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
-        routing: an `ExpertRouting` that records the MoE layers' experts of these tokens (MoE models), or None.
-    Returns:
-        logits [B, vocab] in the model's dtype (the sampler widens them to float32 itself).
-    """
-    B = tokens.shape[0]
-    x = model.model.embed_tokens(tokens)  # [B, hidden]
-    cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)  # [B, 1, 1, D]
-    lengths = positions + 1
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        h = layer.input_layernorm(x)
-        # One token per row: [B, H, 1, D] is both the [B, T, H, D] view and its transpose.
-        q = attn.q_proj(h).view(B, Hq, 1, D)
-        k = attn.k_proj(h).view(B, Hkv, 1, D)
-        v = attn.v_proj(h).view(B, Hkv, D)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write_tokens(attn.layer_idx, positions, k[:, :, 0], v)
-        li = attn.layer_idx
-        out = attention(q[:, :, 0], cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li))
-        x = x + attn.o_proj(out.reshape(B, Hq * D))
-        x = x + layer.feed_forward(layer.post_attention_layernorm(x), routing)
-    return model.lm_head(model.model.norm(x))
+    """Next-token logits [B, vocab] (model dtype; the sampler widens them to float32) for slots 0..B-1, each fed
+    one token (long [B] tokens at long [B] positions): the model's own forward (`QuarlForCausalLM.decode_logits`)
+    over the slot cache (see `SlotDecode` for the arguments), so rollout-mode quantization, LoRA and AQN noise act
+    exactly as in training and the reference engine. routing: an `ExpertRouting` that records the MoE layers'
+    experts of these tokens (MoE models), or None."""
+    return model.decode_logits(tokens, positions, SlotDecode(cache, positions, attention, kv_len), routing)
 
 
 def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -270,7 +266,7 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     state.out_tokens[rows, col] = torch.where(active, new, state.out_tokens[rows, col])
     state.out_logprobs[rows, col] = torch.where(active, new_lp, state.out_logprobs[rows, col])
     if routing is not None:  # the experts of the tokens just fed, at their positions
-        used = routing.stacked().to(state.out_experts.dtype)  # [batch, moe layers, k]
+        used = routing.stacked()[:, 0].to(state.out_experts.dtype)  # [batch, moe layers, k]
         state.out_experts[rows, positions] = torch.where(active[:, None, None], used,
                                                          state.out_experts[rows, positions])
     step = active.long()

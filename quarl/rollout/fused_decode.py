@@ -1,6 +1,7 @@
 """The fast engine's decode forward with fused projections and fused elementwise kernels.
 
-The same math as `fast_step.decode_logits` (the module-by-module forward), computed with fewer, larger kernels
+The same math as the model's own decode forward (`QuarlForCausalLM.decode_logits`, which `fast_step.decode_logits`
+calls), computed with fewer, larger kernels
 (on a CPU the same values; on a GPU the stacked GEMMs may take another cuBLAS algorithm than the per-projection
 ones, which rounds bf16 outputs differently, and the norm's mean square sums in another order):
   - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
@@ -13,7 +14,8 @@ pass reads the activations again. The codes are those `quarl.formats` makes from
 GEMM computes what it would have computed from the bf16 activations.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
-`decode_logits` picks this forward when `fused_decode_supported(model)`.
+the fast engine picks this forward when `fused_decode_supported(model)`, and tests hold it equal to the model's
+(`both_decode_logits`).
 
 Two optional paths come from a `quarl.fast_paths.FastPaths` (the engine's, handed over by `FusedDecoder.prepare`):
 `lora_codes_handoff`: with LoRA adapters, the fused norm / SiLU·mul kernels still hand 8-bit codes to the base GEMM
