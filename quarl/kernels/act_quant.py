@@ -309,7 +309,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
     # a few rows: their blocks spread over programs (groups and a given scale need no whole-row amax; per-row
     # scales below SPLIT_AMAX_ROWS_BELOW rows walk the whole row in every program, so only while that walk is
     # unrolled: its reads grow with the square of the block count); many rows: a program per row walks its
-    # blocks (fewer, longer programs measured faster at 20480 rows)
+    # blocks (fewer, longer programs keep long batches faster)
     if amax_pass:
         split = n_blocks if M < SPLIT_AMAX_ROWS_BELOW and amax_blocks <= MAX_UNROLL else 1
     else:

@@ -116,7 +116,7 @@ def _merge_kernel(part_ptr, token_ptr, logprob_ptr, RANGES, BLOCK_R: tl.constexp
 
 
 def default_ranges(rows: int) -> int:
-    """Programs per row for `sample_rows`: enough rows x ranges (about 4096) to keep the H200's loads in flight,
+    """Programs per row for `sample_rows`: enough rows x ranges (about 4096) to keep a large GPU's loads in flight,
     at most 32 per row."""
     return max(1, min(32, 4096 // max(rows, 1)))
 

@@ -254,7 +254,7 @@ def _split_k(kp: int, bk: int, split_k: int) -> tuple[int, int]:
 def _w8a8_tma_swap(xin, xs, w, ws, bias, out, cfg: GemmConfig, w_int8: bool) -> None:
     """Launch `_w8a8_tma_swap_kernel` on xin codes [M, KP] (M <= cfg.bm) and w codes [N, KP] (int8, or
     float8_e4m3fn) into out [M, N], through fp32 partials and `splitk_reduce` when cfg.split_k > 1 (summing them
-    in the kernel's last program per tile measured no faster here either: bench/results/gemm.md)."""
+    in the kernel's last program per tile is no faster here either: bench/results/gemm.md)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = out.shape
@@ -366,7 +366,7 @@ def w8a8_matmul(
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # Split-K partials are summed by a second kernel: summing them in the GEMM's last program per tile (tickets,
-    # as fp4_decode does) measured no faster at M = 16 and 64 (bench/results/gemm.md).
+    # as fp4_decode does) is no faster at these M (bench/results/gemm.md).
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _w8a8_kernel[grid](
         xin, xs, w, ws, bias if bias is not None else out, target,

@@ -58,8 +58,7 @@ class FusedProjection:
     A = [A_1; A_2; ...] [R, K] and a block-diagonal B [sum N, R] (zeros off each part's block; R = the summed
     ranks), whose blocks become the parts' rollout adapter copies. `QuantLinear.set_rollout` rewrites those copies
     in place at each rollout start, so the stacked pair is current without re-stacking, and the adapters of the
-    whole group cost two GEMMs (x @ A^T, then y += (x A^T) @ B^T) instead of two per part (a 7B LoRA rank-32 FP8
-    rollout of 512 x 1024 tokens on an H200: 15.65 s against 16.34 s).
+    whole group cost two GEMMs (x @ A^T, then y += (x A^T) @ B^T) instead of two per part: fewer, larger launches.
 
     fast_paths: a `FastPaths` (`stack_rollout_lora`, `lora_codes_handoff`); its `FusedDecoder` sets it.
     """
