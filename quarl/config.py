@@ -133,6 +133,9 @@ class TrainSection:
     epochs: int = 1  # PPO epochs over each step's batch
     mini_batch_size: int | None = None  # sequences per optimizer step (None -> the whole batch)
     micro_batch_size: int = 8  # sequences per forward/backward (bounds memory)
+    # cut micro-batches from the rows sorted by length, so each forward pads to lengths like its own rather than
+    # to the longest answer of the batch (same loss and gradient up to summation order)
+    group_by_length: bool = True
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~30% more time
     # score π_prox in a forward of its own even where the update's forward gives it (1 step/batch, no dropout)
     recompute_proximal: bool = False

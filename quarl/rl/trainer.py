@@ -573,7 +573,7 @@ class Trainer:
         mb = self.cfg.train.micro_batch_size
         was_training = model.training
         model.eval()  # π_prox is the policy itself: no (LoRA) dropout
-        for rows, idle in self.micro_batches(torch.arange(len(batch)), mb):
+        for rows, idle in self.micro_batches(torch.arange(len(batch)), mb, batch.attention_mask):
             rows = rows.tolist()
             sub = batch.select(rows)
             routing = self.expert_routing(sub)
@@ -629,23 +629,35 @@ class Trainer:
         self._routing_counts = {}
         return out
 
-    def micro_batches(self, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, bool]]:
-        """Micro-batches (row indices, idle) of `rows` for this process.
+    def micro_batches(self, rows: torch.Tensor, size: int, attention_mask: torch.Tensor | None = None
+                      ) -> list[tuple[torch.Tensor, bool]]:
+        """Micro-batches (row indices long [<= size], idle) of `rows` (long [R]) for this process.
 
         One process: consecutive chunks of `size`, none idle. Many ranks: this rank's contiguous share of `rows`
         in chunks of `size`, then idle micro-batches (the first row again, whose results are thrown away) until
         every rank has as many as the rank with the largest share: each forward and backward of a sharded model
-        runs collectives, so every rank must run the same number.
+        runs collectives, so every rank must run the same number. With `train.group_by_length` and the batch's
+        attention_mask [B, T], the rows (this rank's share) are chunked longest first, so each micro-batch,
+        trimmed to its longest row (`RolloutBatch.select`), pads little.
         """
         if not self.distributed:
-            return [(rows[i:i + size], False) for i in range(0, len(rows), size)]
+            mine = self._longest_first(rows, attention_mask)
+            return [(mine[i:i + size], False) for i in range(0, len(mine), size)]
         world = qdist.world_size()
         share = qdist.shard_range(len(rows), world, qdist.rank())
-        mine = rows[share.start:share.stop]
+        mine = self._longest_first(rows[share.start:share.stop], attention_mask)
         out = [(mine[i:i + size], False) for i in range(0, len(mine), size)]
         most = -(-len(qdist.shard_range(len(rows), world, 0)) // size)  # share 0 is the largest
         out += [(rows[:1], True)] * (most - len(out))
         return out
+
+    def _longest_first(self, rows: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """rows ordered by their real tokens, longest first (ties keep their order); unchanged without
+        attention_mask or with train.group_by_length off."""
+        if attention_mask is None or not self.cfg.train.group_by_length or len(rows) < 2:
+            return rows
+        lengths = attention_mask[rows].sum(1)
+        return rows[torch.sort(lengths, descending=True, stable=True).indices]
 
     def proximal_from_update(self, batch_size: int) -> bool:
         """Whether π_prox can be read off the update's own forward instead of a separate scoring pass.
@@ -703,7 +715,7 @@ class Trainer:
                 mini_sums: dict[str, float] = {}
                 mini_weight = 0.0
                 bad = None  # why this minibatch gets no optimizer step
-                for rows, idle in self.micro_batches(mini_rows, tr.micro_batch_size):
+                for rows, idle in self.micro_batches(mini_rows, tr.micro_batch_size, batch.attention_mask):
                     sub = batch.select(rows)
                     routing = self.expert_routing(sub)
                     with critic.reading(self.model) if critic is not None else nullcontext():
