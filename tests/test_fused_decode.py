@@ -306,17 +306,20 @@ def test_fused_kernels_serve_bf16_without_fp8_support(monkeypatch):
     """On a GPU with the Triton kernels but no FP8 (Ampere) the fused kernels still serve bf16 rollouts, with a
     self-check that leaves out the FP8 codes; fp16 activations never take them."""
     from quarl import kernels
+    from quarl.kernels import availability, capabilities
 
     seen = []
-    monkeypatch.setattr(kernels, "_DECODE_FUSED_OK", {})
-    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
-    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: False)
-    monkeypatch.setattr(kernels, "_decode_fused_agrees", lambda device, dtype, fp8=True: seen.append(fp8) or True)
+    monkeypatch.setattr(capabilities, "CAPABILITIES", capabilities.CapabilityRegistry())
+    monkeypatch.setattr(availability, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(availability, "fp8_kernels_available", lambda device=None: False)
+    monkeypatch.setattr(capabilities, "_decode_fused_agrees",
+                        lambda device, dtype, fp8=True: seen.append(fp8) or True)
     assert kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
     assert seen == [False]
     assert not kernels.decode_fused_ok(torch.device("cpu"), torch.float16)
-    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: False)
-    monkeypatch.setattr(kernels, "_DECODE_FUSED_OK", {})
+    assert kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16) and seen == [False]  # probed once
+    monkeypatch.setattr(availability, "kernels_available", lambda device=None: False)
+    capabilities.CAPABILITIES.clear("decode_fused")
     assert not kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
 
 
@@ -470,17 +473,21 @@ def test_graphs_are_keyed_by_the_decoders_mode():
 
 def test_a_failing_scaled_check_only_turns_the_deferred_mode_off(monkeypatch):
     """The scaled-input variants have their own first-use check: its failure leaves the fused kernels on."""
+    import quarl.fallbacks
     from quarl import kernels
+    from quarl.kernels import availability, capabilities
 
-    monkeypatch.setattr(kernels, "_DECODE_FUSED_OK", {})
-    monkeypatch.setattr(kernels, "_DECODE_FUSED_SCALED_OK", {})
-    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
-    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: True)
-    monkeypatch.setattr(kernels, "_decode_fused_agrees", lambda device, dtype, fp8=True: True)
-    monkeypatch.setattr(kernels, "_scaled_decode_fused_agrees", lambda device, dtype: False)
+    monkeypatch.setattr(capabilities, "CAPABILITIES", capabilities.CapabilityRegistry())
+    monkeypatch.setattr(quarl.fallbacks, "_reported", {})  # reported once per process: start afresh
+    monkeypatch.setattr(availability, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(availability, "fp8_kernels_available", lambda device=None: True)
+    monkeypatch.setattr(capabilities, "_decode_fused_agrees", lambda device, dtype, fp8=True: True)
+    monkeypatch.setattr(capabilities, "_scaled_decode_fused_agrees", lambda device, dtype: False)
     with pytest.warns(UserWarning, match="scaled inputs"):
         assert not kernels.decode_fused_scaled_ok(torch.device("cpu"), torch.bfloat16)
     assert kernels.decode_fused_ok(torch.device("cpu"), torch.bfloat16)
+    assert capabilities.CAPABILITIES.results() == {("decode_fused", ("cpu", torch.bfloat16)): True,
+                                                   ("decode_fused_scaled", ("cpu", torch.bfloat16)): False}
 
 
 _ROPE_CHECK = textwrap.dedent("""

@@ -96,15 +96,17 @@ def test_nan_rows_give_a_valid_token_and_a_nan_logprob():
 
 
 def test_a_failing_kernel_leaves_the_torch_sampler_in_charge(monkeypatch):
+    import quarl.fallbacks
     import quarl.kernels.sampling as sampling_kernel
-    import quarl.rollout.fast_step as fast_step
+    from quarl.kernels import capabilities
 
-    monkeypatch.setattr(fast_step, "_SAMPLING_KERNEL_OK", {})
+    monkeypatch.setattr(capabilities, "CAPABILITIES", capabilities.CapabilityRegistry())
+    monkeypatch.setattr(quarl.fallbacks, "_reported", {})  # reported once per process: start afresh
     monkeypatch.setattr(sampling_kernel, "sample_rows", lambda logits, *a: (torch.zeros_like(logits[:, 0]).long(),
                                                                            torch.zeros_like(logits[:, 0])))
     logits = torch.randn(5, 700, device=DEV) * 4
     noise = torch.rand(5, 700, device=DEV)
-    with pytest.warns(UserWarning, match="sampling kernel disagrees"):
+    with pytest.warns(UserWarning, match="sampling kernel: disagrees"):
         tok, lp = sample_next(logits, SamplingParams(1.0), noise)
     ref_lp = filtered_logprobs(logits, SamplingParams(1.0))
     assert torch.equal(tok, gumbel_max(ref_lp, noise))

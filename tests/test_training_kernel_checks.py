@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import quarl.kernels as kernels
+from quarl.kernels import availability, capabilities
 from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
 _CHECK = INTERPRETER_PATCH + textwrap.dedent("""
@@ -37,8 +38,8 @@ def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):
     import quarl.fallbacks
     import quarl.kernels.silu_mul_train
 
-    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
-    monkeypatch.setattr(kernels, "_TRAINING_KERNEL_OK", {})
+    monkeypatch.setattr(availability, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(capabilities, "CAPABILITIES", capabilities.CapabilityRegistry())
     monkeypatch.setattr(quarl.fallbacks, "_reported", {})  # reported once per process: start afresh
     probes = []
 
@@ -51,8 +52,9 @@ def test_a_failing_probe_warns_and_keeps_torch(monkeypatch):
         assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
     assert not kernels.training_kernel_ok("silu_mul", torch.device("cpu"), torch.bfloat16)
     assert probes == [1]  # the verdict is cached: one probe per kernel, device and dtype
+    assert capabilities.CAPABILITIES.results() == {("training_kernel", ("silu_mul", "cpu", torch.bfloat16)): False}
 
 
 def test_training_kernels_are_not_used_off_the_gpu(monkeypatch):
-    monkeypatch.setattr(kernels, "_TRAINING_KERNEL_OK", {})
+    monkeypatch.setattr(capabilities, "CAPABILITIES", capabilities.CapabilityRegistry())
     assert not kernels.training_kernel_ok("rope", torch.device("cpu"), torch.bfloat16)

@@ -234,6 +234,7 @@ def test_nvfp4_has_no_kernel_before_ada(monkeypatch):
     import torch
 
     from quarl import kernels
+    from quarl.kernels import availability
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -241,7 +242,7 @@ def test_nvfp4_has_no_kernel_before_ada(monkeypatch):
         assert kernels.plan_for("nvfp4", True, m, 37888, 3584, prefer_kernel=True).kind == "bf16"
         assert kernels.plan_for("mxfp4", True, m, 37888, 3584, prefer_kernel=True).kind != "bf16"
     # the dense-weight kernel (E4M3 scales too) is skipped the same way: the caller dequantizes in torch
-    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(availability, "kernels_available", lambda device=None: True)
     on_gpu = SimpleNamespace(fmt="nvfp4", role="weight", data=SimpleNamespace(is_cuda=True, device="cuda:0"))
     assert kernels.try_dequantize(on_gpu, torch.bfloat16) is None
 

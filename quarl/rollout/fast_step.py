@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quarl import kernels
+from quarl.kernels import capabilities
 from quarl.model.moe import ExpertRouting
 from quarl.rollout.fast_attention import AttentionFn
 from quarl.rollout.fast_cache import SlotKVCache
@@ -132,30 +133,27 @@ def _sample_next_torch(logits: torch.Tensor, params: SamplingParams, noise: torc
     return new, logprobs.gather(1, new[:, None]).squeeze(1)
 
 
-_SAMPLING_KERNEL_OK: dict[tuple[str, torch.dtype], bool] = {}
-_CDF_KERNEL_OK: dict[tuple[str, torch.dtype], bool] = {}
+def _sampler_ok(name: str, device: torch.device, dtype: torch.dtype, what: str, check) -> bool:
+    """Whether the sampling kernel `name` may serve logits of `dtype` on `device`, decided on first use and kept
+    in the capability registry (`quarl.kernels.capabilities.CAPABILITIES`, key (device, dtype)): kernels
+    available and check(logits, uniforms) true on seeded random logits [64, 3001] of `dtype` and uniforms
+    [64, 3001] (`kernels.kernel_passes_check`: a compile error or a difference warns and keeps the torch sampler
+    for the process). The check synchronises once; the first call is an eager step (the engine warms up before it
+    captures a graph)."""
 
+    def probe() -> bool:
+        gen = torch.Generator(device=device).manual_seed(0)
+        logits = (torch.randn(64, 3001, device=device, generator=gen) * 3).to(dtype)
+        uniforms = torch.rand(64, 3001, device=device, generator=gen)
+        return check(logits, uniforms)
 
-def _checked_once(cache: dict, device: torch.device, dtype: torch.dtype, what: str, check) -> bool:
-    """cache[(device, dtype)], computed on first use: kernels available and check(logits, uniforms) true on seeded
-    random logits [64, 3001] of `dtype` and uniforms [64, 3001] (`kernels.kernel_passes_check`: a compile error
-    or a difference warns and keeps the torch sampler for the process). The check synchronises once; the first
-    call is an eager step (the engine warms up before it captures a graph)."""
-    key = (str(device), dtype)
-    if key not in cache:
-        ok = kernels.kernels_available(device)
-        if ok:
-            gen = torch.Generator(device=device).manual_seed(0)
-            logits = (torch.randn(64, 3001, device=device, generator=gen) * 3).to(dtype)
-            uniforms = torch.rand(64, 3001, device=device, generator=gen)
-            ok = kernels.kernel_passes_check(what, lambda: check(logits, uniforms))
-        cache[key] = ok
-    return cache[key]
+    return capabilities.CAPABILITIES.check(name, (str(device), dtype), probe,
+                                           requires=lambda: kernels.kernels_available(device), what=what)
 
 
 def _sampling_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the sampling kernel may serve logits of `dtype` on `device`: on its first use there, the same draws
-    and log-probs as `_sample_next_torch` (greedy and at temperature 0.7; `_checked_once`)."""
+    and log-probs as `_sample_next_torch` (greedy and at temperature 0.7; `_sampler_ok`)."""
 
     def same_draws(logits: torch.Tensor, noise: torch.Tensor) -> bool:
         from quarl.kernels.sampling import sample_rows
@@ -168,7 +166,7 @@ def _sampling_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
                 return False
         return True
 
-    return _checked_once(_SAMPLING_KERNEL_OK, device, dtype, "the sampling kernel", same_draws)
+    return _sampler_ok("sampling", device, dtype, "the sampling kernel", same_draws)
 
 
 def _cdf_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
@@ -184,7 +182,7 @@ def _cdf_kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
         return bool(inverse_cdf_consistent(ref_lp, u[:, 0], tok).all()) and bool(
             ((lp - ref_lp.gather(1, tok[:, None])[:, 0]).abs() < 1e-4).all())
 
-    return _checked_once(_CDF_KERNEL_OK, device, dtype, "the inverse-CDF sampling kernel", consistent_draws)
+    return _sampler_ok("sampling_cdf", device, dtype, "the inverse-CDF sampling kernel", consistent_draws)
 
 
 @dataclass
