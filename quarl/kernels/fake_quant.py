@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from quarl.formats.registry import FORMATS
 from quarl.kernels import availability
 
-# Formats whose activation rounding has a one-pass kernel (the 8-bit ones; fp4 activations are W4A4, no kernel).
-_ACT_FAKE_QUANT_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block")
+
+def _kernels_run(fmt: str, device: torch.device) -> bool:
+    """Whether the Triton kernels can handle `fmt`'s values on `device` (FP8 values need compute capability 8.9)."""
+    spec = FORMATS[fmt]
+    return (availability.fp8_kernels_available if spec.needs_fp8_hardware else availability.kernels_available)(device)
 
 
 def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -21,9 +25,10 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     (the reference then scales its whole group by 1, the kernel by the other values' amax); int8 has no NaN code,
     and both lose it.
     """
-    available = availability.fp8_kernels_available if fmt.startswith("fp8") else availability.kernels_available
-    if (x.is_cuda and fmt in _ACT_FAKE_QUANT_FORMATS and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.dim() >= 1 and x.shape[-1] > 0 and available(x.device)):
+    # the one-pass kernel covers the 8-bit formats (fp4 activations would be W4A4: no kernel)
+    spec = FORMATS.get(fmt)
+    if (x.is_cuda and spec is not None and spec.is_8bit and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.dim() >= 1 and x.shape[-1] > 0 and _kernels_run(fmt, x.device)):
         from quarl.kernels.act_quant import fake_quantize_activation as kernel
 
         x2d = x.detach().reshape(-1, x.shape[-1])
@@ -90,8 +95,7 @@ def try_quantize_weight(w: torch.Tensor, fmt: str):
         return None
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.shape[0] == 0:
         return None
-    available = availability.fp8_kernels_available if fmt == "fp8" else availability.kernels_available
-    if not available(w.device):
+    if not _kernels_run(fmt, w.device):
         return None
     from quarl.formats import QuantizedTensor
     from quarl.kernels.act_quant import quantize_activation

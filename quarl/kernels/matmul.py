@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from quarl.formats.registry import FORMATS
 from quarl.kernels import availability, plans
-
-_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
 
 
 def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
@@ -16,11 +15,12 @@ def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
     Triton kernel: the same values as `qweight.dequantize(dtype)` (code * block scale * global scale in fp32,
     rounded once), without the reference's int64 lookup and fp32 temporaries. None where it does not apply
     (other formats, CPU tensors, no Triton): the caller then uses `qweight.dequantize`."""
-    if getattr(qweight, "fmt", None) not in ("nvfp4", "mxfp4") or qweight.role != "weight":
+    spec = FORMATS.get(getattr(qweight, "fmt", None))
+    if spec is None or spec.bits != 4 or qweight.role != "weight":
         return None
     if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not qweight.data.is_cuda:
         return None
-    available = (availability.fp8_kernels_available if qweight.fmt == "nvfp4"  # E4M3 block scales
+    available = (availability.fp8_kernels_available if spec.needs_fp8_hardware  # nvfp4: E4M3 block scales
                  else availability.kernels_available)
     if not available(qweight.data.device):
         return None
@@ -56,7 +56,7 @@ def _quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.T
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         return None
     fmt = getattr(qweight, "fmt", None)
-    if fmt not in _FORMATS or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+    if fmt not in FORMATS or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
         return None
     if qweight.role != "weight" or len(qweight.shape) != 2:
         raise ValueError(
