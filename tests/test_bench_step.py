@@ -125,8 +125,8 @@ def test_inconsistent_config_fails_before_running():
 def test_eos_is_ignored_even_when_the_model_wants_to_stop(monkeypatch):
     import quarl.bench.step as step_module
 
-    def eager_to_stop(size, device, seed, precision=None):
-        model = make_model(size, device, seed, precision)
+    def eager_to_stop(size, device, seed, precision=None, mean_answer_len=None):
+        model = make_model(size, device, seed, precision, mean_answer_len)
         eos = 257  # the tiny tokenizer's </s>, the tiny config's EOS
         # +30 on the EOS logit: with EOS live every answer would end at its first token.
         model.lm_head.register_forward_hook(lambda mod, inp, out: out + 30.0 * (torch.arange(out.shape[-1]) == eos))
@@ -205,3 +205,27 @@ def test_optional_paths_become_fast_paths_overrides_by_name():
     with pytest.raises(ValueError, match="name the same path"):
         path_settings("rope", "rope")
     assert path_settings("", "") == {}
+
+
+def test_long_tail_answers_end_unevenly_and_the_summary_gives_the_rollout_bound():
+    from quarl.bench.step import eos_ids_for_mean_length, rollout_bound
+
+    eos = eos_ids_for_mean_length(256, 6, seed=1)
+    assert len(eos) == round(256 / 6) and len(set(eos)) == len(eos) and 0 not in eos and max(eos) < 256
+    assert eos == eos_ids_for_mean_length(256, 6, seed=1) != eos_ids_for_mean_length(256, 6, seed=2)
+    with pytest.raises(ValueError, match="--mean-answer-len must be >= 1"):
+        eos_ids_for_mean_length(256, 0, seed=1)
+    # Amdahl: rollout half the step and twice as fast -> 1 / (0.25 + 0.5)
+    assert rollout_bound(0.5, 2.0) == pytest.approx(4 / 3, rel=1e-12) and rollout_bound(0.0, 9.0) == 1.0
+
+    rows, table, summary = bench_step(parse("--settings", "bf16,split:int8", "--no-save", "--answer-lengths",
+                                            "long-tail", "--mean-answer-len", "6", "--prompts", "4"))
+    for r in rows:
+        assert "error" not in r, r
+        assert r["expected_tokens"] is None and r["tokens"] < 4 * 4 * 24  # answers stop before the cap
+        assert 1 <= r["answer_len_mean"] < 24 and r["tokens"] == pytest.approx(16 * r["answer_len_mean"], abs=1)
+    assert "tokens on average" in table
+    bf16, split = rows
+    share, speedup = bf16["rollout_pct"] / 100, bf16["rollout_s"] / split["rollout_s"]
+    assert f"rollout is {bf16['rollout_pct']:.1f}% of the step" in summary
+    assert f"allows {rollout_bound(share, speedup):.2f}x" in summary

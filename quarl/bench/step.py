@@ -7,8 +7,12 @@ For each setting (precision flow, format and optionally its KV cache, e.g. `bf16
 
 - prompts are `--prompt-len` random token ids, fed to the engine as token-id lists (no tokenizer);
 - the reward is uniform in [0, 1) from a seeded generator, so every group has non-zero advantages;
-- EOS is ignored by giving the model config no EOS ids (the trainer's engine call has no ignore_eos switch),
-  so every answer is exactly `--max-new-tokens` long; completions carry ids only (no detokenization).
+- `--answer-lengths fixed` (default): EOS is ignored by giving the model config no EOS ids (the trainer's engine
+  call has no ignore_eos switch), so every answer is exactly `--max-new-tokens` long;
+  `--answer-lengths long-tail` (the reasoning-RL workload, where answers end unevenly): a seeded random set of
+  about vocab / `--mean-answer-len` token ids are EOS, so on a random-weight model, whose next-token
+  distribution is close to uniform, each answer stops after a geometric number of tokens (mean about
+  `--mean-answer-len`, a long tail cut at `--max-new-tokens`); completions carry ids only (no detokenization).
 
 `--warmup` steps (CUDA-graph capture, Triton compilation) are followed by `--steps` timed steps. The reported
 step is the median timed step (by wall time, CUDA-synchronized around it) with the trainer's own phase timers:
@@ -35,6 +39,7 @@ from quarl.bench import add_output_arguments, append_entry, bench_command, bench
 from quarl.bench.rollout import KV_CACHES, MODEL_SIZES, build_model
 
 MODEL_SIZE_CHOICES = (*MODEL_SIZES, "tiny")
+ANSWER_LENGTHS = ("fixed", "long-tail")
 DEFAULT_SETTINGS = "bf16,split:fp8,unified:fp8-block"
 DEFAULT_RESULTS = os.path.join("bench", "results", "step.md")
 PHASES = ("sync", "rollout", "prox", "update", "other")
@@ -100,6 +105,11 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (group size)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--answer-lengths", default="fixed", choices=ANSWER_LENGTHS,
+                        help="fixed: every answer --max-new-tokens long; long-tail: answers end unevenly (mean "
+                             "--mean-answer-len, cut at --max-new-tokens), as in reasoning RL")
+    parser.add_argument("--mean-answer-len", type=int, default=None,
+                        help="long-tail: mean answer length in tokens (default a quarter of --max-new-tokens)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per setting (graph capture, compile)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per setting (median step reported)")
     parser.add_argument("--time-budget", type=float, default=None,
@@ -170,8 +180,9 @@ class TokenIdTokenizer:
         self.pad_token_id = pad_token_id
 
 
-def make_model(size: str, device, seed: int, precision=None):
-    """A random-weight QuarlForCausalLM of `size` on `device`, trainable, whose config has no EOS ids.
+def make_model(size: str, device, seed: int, precision=None, mean_answer_len: int | None = None):
+    """A random-weight QuarlForCausalLM of `size` on `device`, trainable, whose config has no EOS ids, or with
+    mean_answer_len, `eos_ids_for_mean_length`'s EOS ids.
 
     precision: with a qlora PrecisionConfig the frozen base is quantized while the model is built (the bf16
     model never exists whole); the trainer's apply_precision then only adds the adapters."""
@@ -186,8 +197,29 @@ def make_model(size: str, device, seed: int, precision=None):
     else:
         model = build_model(size, str(device), seed, precision=precision)
     # No EOS ids: both engines then decode every answer to max_new_tokens (the benchmark's "EOS ignored").
-    model.config.eos_token_ids = []
+    model.config.eos_token_ids = [] if mean_answer_len is None else \
+        eos_ids_for_mean_length(model.config.vocab_size, mean_answer_len, seed)
     return model.requires_grad_(True)
+
+
+def eos_ids_for_mean_length(vocab_size: int, mean_len: int, seed: int) -> list[int]:
+    """round(vocab_size / mean_len) distinct token ids (at least 1, never id 0, the padding id), chosen by a
+    seeded generator: sampling near-uniformly over the vocabulary, an answer then stops at each token with
+    probability about 1 / mean_len, so lengths are geometric with mean about mean_len."""
+    import torch
+
+    if mean_len < 1:
+        raise ValueError(f"--mean-answer-len must be >= 1, got {mean_len}")
+    count = min(vocab_size - 1, max(1, round(vocab_size / mean_len)))
+    g = torch.Generator().manual_seed(seed + 1)
+    return (torch.randperm(vocab_size - 1, generator=g)[:count] + 1).sort().values.tolist()
+
+
+def mean_answer_len(args) -> int | None:
+    """The long-tail workload's mean answer length (None for fixed lengths)."""
+    if getattr(args, "answer_lengths", "fixed") != "long-tail":
+        return None
+    return args.mean_answer_len if args.mean_answer_len is not None else max(1, args.max_new_tokens // 4)
 
 
 def synthetic_task(num_examples: int, prompt_len: int, vocab_size: int, seed: int):
@@ -251,7 +283,8 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
     with tempfile.TemporaryDirectory(prefix="quarl-bench-step-") as run_dir:
         cfg = run_config(args, setting, run_dir, device)
         model = make_model(args.model_size, device, args.seed,
-                           precision=cfg.precision if cfg.precision.flow == "qlora" else None)
+                           precision=cfg.precision if cfg.precision.flow == "qlora" else None,
+                           mean_answer_len=mean_answer_len(args))
         trainer = Trainer(cfg, model=model, tokenizer=TokenIdTokenizer())
         trainer.engine.tokenizer = None  # the engine's token-id mode: completions carry ids, no text is decoded
         trainer.task = synthetic_task(args.prompts * (args.warmup + args.steps), args.prompt_len,
@@ -306,7 +339,8 @@ def phase_row(setting: Setting, timed: list[tuple[float, dict]], args, peak_gib:
     tokens = round(metrics["rollout/tokens_per_s"] * metrics["time/rollout_s"])
     row = dict(setting=setting.name, flow=setting.flow, format=setting.format, step_s=wall,
                all_step_s=[t[0] for t in timed], steps_timed=len(timed), steps_asked=args.steps, tokens=tokens,
-               expected_tokens=args.prompts * args.samples * args.max_new_tokens,
+               expected_tokens=args.prompts * args.samples * args.max_new_tokens if mean_answer_len(args) is None
+               else None, answer_len_mean=float(metrics.get("rollout/answer_len_mean", float("nan"))),
                rollout_tok_s=tokens / seconds["rollout"], step_tok_s=tokens / wall, peak_gib=peak_gib)
     for p in PHASES:
         row[f"{p}_s"] = seconds[p]
@@ -392,8 +426,10 @@ def format_row(r: dict) -> str:
     peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
     vs = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
     notes = []
-    if r["tokens"] != r["expected_tokens"]:
+    if r["expected_tokens"] is not None and r["tokens"] != r["expected_tokens"]:
         notes.append(f"{r['tokens']} of {r['expected_tokens']} tokens")
+    if r["expected_tokens"] is None:
+        notes.append(f"answers {r['answer_len_mean']:.0f} tokens on average")
     if r["steps_timed"] < r["steps_asked"]:
         notes.append(f"{r['steps_timed']} of {r['steps_asked']} timed steps (time budget)")
     roof = "-" if r.get("rollout_roofline_pct") is None else f"{r['rollout_roofline_pct']:.0f}%"
@@ -401,12 +437,22 @@ def format_row(r: dict) -> str:
             f"{r['step_tok_s']:,.0f} | {peak} | {vs} | {'; '.join(notes)} |")
 
 
+def rollout_bound(share: float, rollout_speedup: float) -> float:
+    """The step speed-up a rollout speed-up allows when rollout is `share` (0..1) of the bf16 step and nothing
+    else gets faster (Amdahl): 1 / (share / rollout_speedup + 1 - share)."""
+    return 1.0 / (share / rollout_speedup + 1.0 - share)
+
+
 def summarize(rows: list[dict]) -> str:
-    """Target verdicts: sync share of every measured setting, speed-up of every low-precision setting."""
+    """Target verdicts: sync share of every measured setting, speed-up of every low-precision setting, and what
+    the rollout alone allows (`rollout_bound`: bf16's rollout share and the setting's rollout speed-up)."""
     ok = [r for r in rows if "step_s" in r]
     if not ok:
         return "- no setting completed"
     lines = [f"- targets: {TARGETS}"]
+    base = next((r for r in ok if r["flow"] == "bf16"), None)
+    if base is not None:
+        lines.append(f"- bf16: rollout is {base['rollout_pct']:.1f}% of the step")
     for r in ok:
         verdict = "MET" if r["sync_pct"] <= SYNC_TARGET_PCT else "missed"
         line = f"- {r['setting']}: sync {r['sync_s'] * 1e3:.1f} ms = {r['sync_pct']:.2f}% of the step ({verdict})"
@@ -414,6 +460,10 @@ def summarize(rows: list[dict]) -> str:
             if r.get("speedup"):
                 met = "MET" if r["speedup"] >= SPEEDUP_TARGET else "missed"
                 line += f"; step {r['speedup']:.2f}x bf16 ({met} {SPEEDUP_TARGET}x)"
+                rollout_speedup = base["rollout_s"] / r["rollout_s"]
+                bound = rollout_bound(base["rollout_pct"] / 100.0, rollout_speedup)
+                line += (f"; rollout {rollout_speedup:.2f}x bf16 allows {bound:.2f}x, the step reaches "
+                         f"{100.0 * r['speedup'] / bound:.0f}% of that bound")
             else:
                 line += "; no bf16 step measured to compare with"
         lines.append(line)
@@ -431,8 +481,10 @@ def run_bench_step(args) -> int:
         tuning = "full fine-tune" if args.lora_rank == 0 else f"LoRA rank {args.lora_rank}"
         facts = [
             f"workload: Qwen2.5-{args.model_size} architecture (random weights), {tuning}, {args.prompts} prompts x "
-            f"{args.samples} samples, {args.prompt_len} random prompt tokens, {args.max_new_tokens} new tokens "
-            f"(EOS ignored), KV cache {args.kv_cache} (unless a setting names its own), {args.warmup} warm-up + "
+            f"{args.samples} samples, {args.prompt_len} random prompt tokens, " + (
+                f"{args.max_new_tokens} new tokens (EOS ignored)" if mean_answer_len(args) is None else
+                f"long-tail answers (geometric, mean {mean_answer_len(args)}, cut at {args.max_new_tokens} tokens)")
+            + f", KV cache {args.kv_cache} (unless a setting names its own), {args.warmup} warm-up + "
             f"{args.steps} timed step(s) per setting (median step reported)",
             "phases: the trainer's timers; other = step - the four phases (rewards, advantages, batch, logging, "
             "optimizer tail)",
