@@ -572,3 +572,19 @@ def test_cuda_sync_kernels_give_the_reference_codes(fmt, n, k):
         assert torch.equal(qw.data.view(torch.uint8), ref.data.view(torch.uint8))
         assert torch.equal(qw.scale.float(), ref.scale.float().reshape(qw.scale.shape))
     assert layer.qweight_data.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_straight_through_forwards_the_value_exactly_and_passes_the_gradient_unchanged(dtype):
+    from quarl.formats import fake_quantize
+    from quarl.model.qlinear import _straight_through
+
+    source = torch.randn(5, 576, dtype=dtype, requires_grad=True)
+    value = fake_quantize(source.detach(), "fp8-block", "activation")
+    out = _straight_through(value, source)
+    assert torch.equal(out, value) and out.requires_grad and out.dtype == dtype
+    grad = torch.randn(5, 576, dtype=dtype)
+    (out * grad).sum().backward()
+    assert torch.equal(source.grad, grad)  # the identity, no rounding
+    with torch.no_grad():
+        assert not _straight_through(value, source).requires_grad

@@ -45,16 +45,31 @@ def _as_storage(t: torch.Tensor) -> torch.Tensor:
     return t if target is None else t.view(target)
 
 
-def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Forward value `value`, gradient of the identity wrt `source`.
+class _StraightThrough(torch.autograd.Function):
+    """Forward: `value` itself; backward: the incoming gradient goes to `source` unchanged (the identity)."""
 
-    Written value + (source - source.detach()) rather than source + (value - source).detach(): the latter rounds
-    (value - source) in the compute dtype (bf16) and would not reproduce `value` exactly, so the unified-flow
-    training forward would drift from the rollout forward.
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        # contiguous: GEMMs pick their kernel by layout, so a padded, sliced fake-quantized tensor would round
+        # differently from the rollout's; then an alias (no copy) that autograd can attach this node to
+        value = value.contiguous()
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
+
+
+def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Forward value `value` exactly, gradient of the identity wrt `source` (same shape and dtype).
+
+    An autograd node of its own rather than source + (value - source).detach(), which rounds (value - source) in
+    the compute dtype (bf16) and would not reproduce `value`, or value + (source - source.detach()), which costs two
+    elementwise passes in the forward and two in the backward over every quantized activation and weight.
     """
     if not (torch.is_grad_enabled() and source.requires_grad):
-        return value.detach()  # nothing to differentiate: skip the extra elementwise ops
-    return value.detach() + (source - source.detach())
+        return value.detach()  # nothing to differentiate
+    return _StraightThrough.apply(value.detach(), source)
 
 
 class _FrozenBaseLinear(torch.autograd.Function):
