@@ -1,12 +1,14 @@
 """One rank of a test run on many processes: `python -m torch.distributed.run --nproc_per_node N
 tests/distributed_worker.py RECORD.pt key=value ...` trains the tiny model with those overrides and, on rank 0,
-saves to RECORD.pt every rollout (token ids and behaviour log-probs per answer, by step), every step's metrics, and
-the trainable weights gathered whole (float32) as the first rollout found them ("start") and after every step."""
+saves to RECORD.pt every rollout (token ids and behaviour log-probs per answer, by step), every step's metrics, the
+trainable weights gathered whole (float32) as the first rollout found them ("start") and after every step, and the
+number of held-out problems rank 0 answered in each evaluation ("eval_problems")."""
 
 import sys
 
 import torch
 
+import quarl.rl.trainer as trainer_module
 from quarl.config import load_config
 from quarl.rl.sharding import full_value
 from quarl.rl.trainer import Trainer
@@ -14,7 +16,14 @@ from quarl.rl.trainer import Trainer
 
 def main(record_path: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(None, overrides))
-    record = {"rollouts": {}, "metrics": {}, "weights": {}, "start": None}
+    record = {"rollouts": {}, "metrics": {}, "weights": {}, "start": None, "eval_problems": []}
+    evaluate = trainer_module.evaluate
+
+    def counted_evaluate(engine, task, examples, **kwargs):
+        record["eval_problems"].append(len(examples))
+        return evaluate(engine, task, examples, **kwargs)
+
+    trainer_module.evaluate = counted_evaluate
 
     def weights():  # every rank takes part in the gathers
         return {n: full_value(p).float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}

@@ -40,6 +40,8 @@ def overrides(tmp: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
 # The unified flow: rollout and training forward both quantize (INT8 W8A8), so a rollout copy that follows the
 # trained weights gives behaviour log-probs equal to the training forward's, and the sync quantizes gathered shards.
 UNIFIED = ("precision.flow=unified", "precision.format=int8")
+# Held-out evals before training and after every step but the last, two sampled answers per problem (4 problems).
+EVAL = ("eval.before=true", "eval.after=false", "eval.every=1", "eval.n=2", "eval.temperature=0.7")
 
 
 def env() -> dict:
@@ -62,8 +64,8 @@ def runs(tmp_path_factory):
     rank for its third step."""
     tmp = tmp_path_factory.mktemp("dist")
     (tmp / "reward.py").write_text(REWARD)
-    one = torchrun(1, tmp / "one.pt", overrides(tmp, tmp / "one", 3, *UNIFIED))
-    two = torchrun(2, tmp / "two.pt", overrides(tmp, tmp / "two", 2, *UNIFIED, "output.export_hf=true"))
+    one = torchrun(1, tmp / "one.pt", overrides(tmp, tmp / "one", 3, *UNIFIED, *EVAL))
+    two = torchrun(2, tmp / "two.pt", overrides(tmp, tmp / "two", 2, *UNIFIED, *EVAL, "output.export_hf=true"))
     resumed = torchrun(1, tmp / "resumed.pt", overrides(tmp, tmp / "two", 3, *UNIFIED, f"resume={tmp / 'two'}"))
     return {"one": one, "two": two, "resumed": resumed, "tmp": tmp}
 
@@ -103,6 +105,17 @@ def test_two_ranks_equal_one_rank(runs):
         assert m1["mismatch/max_abs_logp_diff"] < 1e-5 and m2["mismatch/max_abs_logp_diff"] < 1e-5
 
 
+def test_ranks_share_the_held_out_eval_and_agree_with_one_rank(runs):
+    def eval_rows(run):
+        rows = [json.loads(line) for line in (runs["tmp"] / run / "eval_samples.jsonl").read_text().splitlines()]
+        return [(r["step"], r["id"], r["completions"], r["scores"]) for r in rows if r["eval"] == "eval"]
+
+    one, two = eval_rows("one"), eval_rows("two")
+    assert len(two) == 2 * 4 and len({c for _, _, cs, _ in two for c in cs}) > 1  # two evals, varied answers
+    assert one[:len(two)] == two  # the same sampled answers and scores, problem by problem
+    assert runs["two"]["eval_problems"] == [2, 2] and runs["one"]["eval_problems"][:2] == [4, 4]  # rank 0's share
+
+
 def test_the_export_holds_the_gathered_weights(runs):
     from safetensors.torch import load_file
 
@@ -117,9 +130,10 @@ def test_the_export_holds_the_gathered_weights(runs):
 def test_rank_zero_alone_writes_the_run_files(runs):
     run = runs["tmp"] / "two"
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]  # two ranks wrote steps 1-2, the resume step 3
+    # the eval before training, the two ranks' steps 1-2, the resume's step 3: one line each
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3]
     assert (run / "config.yaml").is_file()
-    assert "time/sync_s" in json.loads(lines[0])
+    assert "time/sync_s" in json.loads(lines[1])
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):

@@ -100,7 +100,8 @@ class _Engine:
     def __init__(self):
         self.calls = []
 
-    def generate(self, prompts, n, max_new_tokens, temperature, stop, seed, progress=None):
+    def generate(self, prompts, n, max_new_tokens, temperature, stop, progress=None, *, seeds):
+        assert len(seeds) == len(prompts)
         self.calls.append(len(prompts))
         if progress is not None:
             progress(len(prompts))

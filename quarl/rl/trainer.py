@@ -39,7 +39,7 @@ from quarl.rl.checkpoint import atomic_write_bytes, load_latest_intact, save_che
 from quarl.rl.critic import Critic
 from quarl.rl.sharded_checkpoint import load_latest_sharded, save_sharded_checkpoint
 from quarl.rl.error_tokens import guard_error_answers
-from quarl.rl.evaluate import evaluate
+from quarl.rl.evaluate import evaluate, metrics_of_records
 from quarl.rl.master_weights import MasterWeightAdamW
 from quarl.rl.mismatch import mismatch_metrics
 from quarl.rl.mismatch_alarms import MismatchAlarms
@@ -946,7 +946,9 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """Held-out scores of the current weights in rollout precision, without AQN noise, after `step` steps; the
-        completions and per-problem scores go to RUN_DIR/eval_samples.jsonl ("eval": "eval" or "eval_full")."""
+        completions and per-problem scores go to RUN_DIR/eval_samples.jsonl ("eval": "eval" or "eval_full").
+        On many ranks each rank answers its contiguous share of the problems and the records are gathered: the
+        same answers and scores as one rank (each problem samples from its own seeded stream)."""
         if self.distributed:
             self.rollout_sync()
         else:
@@ -957,9 +959,18 @@ class Trainer:
         kwargs = dict(n=e.n, temperature=e.temperature, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                       seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop) or None,
                       progress=self.cfg.output.progress and self.is_main)
+        examples, first = self.task.eval_examples, 0
+        if self.distributed:
+            share = qdist.shard_range(len(examples), qdist.world_size(), qdist.rank())
+            examples, first = examples[share.start:share.stop], share.start
         records: list[dict] = []
-        result = evaluate(self.engine, self.task, self.task.eval_examples, desc=f"held-out eval (step {step})",
-                          records=records, **kwargs)
+        result = None
+        if examples:  # a rank may have no share when there are fewer problems than ranks
+            result = evaluate(self.engine, self.task, examples, desc=f"held-out eval (step {step})",
+                              records=records, first_index=first, **kwargs)
+        if self.distributed:
+            records = [r for part in qdist.all_gather_objects(records) for r in part]
+            result = metrics_of_records(records, e.n)
         out = {f"eval/{k}": v for k, v in result.items()}
         rows = [{"eval": "eval", **r} for r in records]
         # many ranks: the rollout copy keeps only the quantized weights, so there is no full-precision twin to score
