@@ -534,15 +534,3 @@ def test_fake_quantize_weight_is_the_reference(fmt):
         ref = fake_quantize_unchecked(w, fmt, "weight")
         got = fake_quantize_weight(w, fmt)
         assert got.dtype == w.dtype and torch.equal(got, ref), f"{fmt} N={n} K={k}"
-
-
-def test_sweep_prints_plans_as_tuning_source():
-    """`quarl bench gemm --sweep` prints each best plan as `MEASURED` source: for every candidate it times, that
-    source evaluates back to the same plan."""
-    from quarl.bench.gemm import _plan_dict, _plan_literal, _sweep_candidates
-
-    plans = {p for fam in _sweep_candidates().values() for bucket in fam.values() for p in bucket}
-    assert len(plans) > 20
-    for p in plans:
-        literal = _plan_literal(_plan_dict(p))
-        assert eval(literal, {"P": Plan, "C": Cfg}) == p, literal
