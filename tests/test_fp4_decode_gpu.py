@@ -5,7 +5,7 @@ The kernels multiply exact operands (x's own values, code * block scale exact in
 accumulation and round once to x.dtype, so the tolerance is that rounding: 2^-8 (bf16) / 2^-11 (fp16) relative
 to the row's magnitude, plus 2^-14 for fp32 summation order.
 The config checks at the end need neither a GPU nor Triton; the input checks need Triton (skipped without it).
-The same kernels are checked in Triton's CPU interpreter by `TRITON_INTERPRET=1 python bench/fp4_decode_interpret.py`.
+The same kernels are checked in Triton's CPU interpreter by `TRITON_INTERPRET=1 python tests/fp4_decode_interpret.py`.
 """
 
 from __future__ import annotations

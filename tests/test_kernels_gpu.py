@@ -17,8 +17,9 @@ import torch
 
 from quarl.formats import quantize
 from quarl.kernels import plan_for, quantized_matmul, try_quantized_matmul
-from quarl.kernels.tuning import (FALLBACK_COST, FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, MEASURED, M_BUCKETS,
-                                  MIN_SPEEDUP, W8A16_PLANS, Cfg, Plan, check_fp4_decode_cfg, choose_plan)
+from quarl.kernels.tuning import (FP4_DECODE_FMA_MAX_M, FP4_DECODE_MAX_M, M_BUCKETS, MIN_SPEEDUP, TABLE_FAMILIES,
+                                  W8A16_PLANS, Cfg, Plan, TuningTables, check_fp4_decode_cfg, choose_plan,
+                                  current_tables, write_tuning_file)
 
 EXACT_TOL = 5e-3
 DEQ_TOL = 1.5e-2
@@ -426,18 +427,20 @@ def test_cpu_tensors_get_no_kernel():
     assert try_quantized_matmul(torch.randn(2, 64), qw, False) is None
 
 
-@pytest.mark.parametrize("family", sorted(MEASURED) + ["w8a16"])
-def test_tuning_tables_are_consistent(family):
-    """Every measured shape has every bucket; tile shapes respect the kernels' constraints; the policy follows
-    the measured speed-ups."""
+@pytest.mark.parametrize("family", sorted(TABLE_FAMILIES) + ["w8a16"])
+def test_tuning_tables_are_consistent(family, monkeypatch):
+    """In the shipped tables every shape has every bucket; tile shapes respect the kernels' constraints; the policy
+    follows the tabled speed-ups."""
+    monkeypatch.delenv("QUARL_TUNING_FILE", raising=False)
+    measured, fallback = current_tables().measured, current_tables().fallback_cost
     if family == "w8a16":
         plans = [(W8A16_PLANS[b], None) for b in M_BUCKETS]
     else:
-        assert len(MEASURED[family]) >= 4
-        for shape, table in MEASURED[family].items():
+        assert len(measured[family]) >= 4
+        for shape, table in measured[family].items():
             assert sorted(table) == sorted(M_BUCKETS), f"{family} {shape}: buckets {sorted(table)}"
-        plans = [e for table in MEASURED[family].values() for e in table.values()]
-        for table in MEASURED[family].values():
+        plans = [e for table in measured[family].values() for e in table.values()]
+        for table in measured[family].values():
             for bucket, (p, _) in table.items():
                 if p.kind == "fp4_decode":  # the bucket's largest M must fit the kernel path the plan selects
                     assert bucket <= (FP4_DECODE_FMA_MAX_M if p.cfg.bm == 1 else FP4_DECODE_MAX_M), (bucket, p)
@@ -474,25 +477,25 @@ def test_tuning_tables_are_consistent(family):
         if c.swap_ab:
             assert p.kind == "w8a8"
     assert choose_plan("nvfp4", False, 1, 64, 64).kind == "bf16"  # no W4A4
-    if family in FALLBACK_COST:  # the W8A8 families: the fallback's cost at every measured shape and bucket
-        assert sorted(FALLBACK_COST[family]) == sorted(MEASURED[family]), family
-        for shape, costs in FALLBACK_COST[family].items():
+    if family in fallback:  # the W8A8 families: the fallback's cost at every measured shape and bucket
+        assert sorted(fallback[family]) == sorted(measured[family]), family
+        for shape, costs in fallback[family].items():
             assert sorted(costs) == sorted(M_BUCKETS) and all(1.0 <= c < 3.0 for c in costs.values()), (shape, costs)
-    if family in MEASURED:
-        for (n, k), table in MEASURED[family].items():
+    if family in measured:
+        for (n, k), table in measured[family].items():
             for b, (plan, speedup) in table.items():
-                cost = FALLBACK_COST.get(family, {}).get((n, k), {}).get(b, 1.0)
+                cost = fallback.get(family, {}).get((n, k), {}).get(b, 1.0)
                 expected = plan if speedup * cost >= MIN_SPEEDUP else Plan("bf16")
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k) == expected
                 assert choose_plan(family if family != "w4a16" else "nvfp4", family == "w4a16", b, n, k,
                                    prefer_kernel=True) == plan
 
 
-def test_dispatch_weighs_kernels_against_the_w8a8_fallback(monkeypatch):
+def test_dispatch_weighs_kernels_against_the_w8a8_fallback(monkeypatch, tmp_path):
     """A W8A8 kernel slower than bare bf16 is still chosen where it beats the path without a kernel (fake
-    quantization + bf16 GEMM, `FALLBACK_COST`) by MIN_SPEEDUP; the cost comes from the nearest measured shape and
-    the M bucket; weight-only formats have no such pass; fp8-tensor uses fp8's costs; prefer_kernel always gets
-    the kernel."""
+    quantization + bf16 GEMM, the tables' `fallback_cost`) by MIN_SPEEDUP; the cost comes from the nearest tabled
+    shape and the M bucket; weight-only formats have no such pass; fp8-tensor uses fp8's costs; prefer_kernel
+    always gets the kernel. (The tables come from a QUARL_TUNING_FILE.)"""
     import random
 
     from quarl.kernels import tuning
@@ -501,13 +504,15 @@ def test_dispatch_weighs_kernels_against_the_w8a8_fallback(monkeypatch):
     speedup = random.uniform(0.85, 0.99)
     need = tuning.MIN_SPEEDUP / speedup  # the fallback cost from which the kernel wins
     small, big = (1024, 1024), (16384, 16384)
-    monkeypatch.setattr(tuning, "MEASURED", {
-        "fp8": {s: {b: (plan, speedup) for b in tuning.M_BUCKETS} for s in (small, big)},
-        "w4a16": {small: {b: (Plan("fp4", Cfg(16, 64, 256)), speedup) for b in tuning.M_BUCKETS}}})
+    measured = {"fp8": {s: {b: (plan, speedup) for b in tuning.M_BUCKETS} for s in (small, big)},
+                "w4a16": {small: {b: (Plan("fp4", Cfg(16, 64, 256)), speedup) for b in tuning.M_BUCKETS}}}
     costs_small = {b: need * 1.01 for b in tuning.M_BUCKETS}
     costs_small[16] = need * 0.99
-    monkeypatch.setattr(tuning, "FALLBACK_COST", {"fp8": {small: costs_small,
-                                                          big: {b: need * 0.99 for b in tuning.M_BUCKETS}}})
+    fallback = {"fp8": {small: costs_small, big: {b: need * 0.99 for b in tuning.M_BUCKETS}}}
+    path = tmp_path / "tables.json"
+    write_tuning_file(path, TuningTables(measured, fallback, {"device": "test", "capability": [9, 0], "torch": "-",
+                                                              "triton": "-", "command": "-"}))
+    monkeypatch.setenv("QUARL_TUNING_FILE", str(path))
     assert tuning.choose_plan("fp8", False, 1, *small) == plan
     assert tuning.choose_plan("fp8-tensor", False, 200, 1000, 1100) == plan  # nearest: small, bucket 256
     assert tuning.choose_plan("fp8", False, 200, 15000, 16000) == Plan("bf16")  # nearest: big, cheap fallback
@@ -529,15 +534,3 @@ def test_fake_quantize_weight_is_the_reference(fmt):
         ref = fake_quantize_unchecked(w, fmt, "weight")
         got = fake_quantize_weight(w, fmt)
         assert got.dtype == w.dtype and torch.equal(got, ref), f"{fmt} N={n} K={k}"
-
-
-def test_sweep_prints_plans_as_tuning_source():
-    """`quarl bench gemm --sweep` prints each best plan as `MEASURED` source: for every candidate it times, that
-    source evaluates back to the same plan."""
-    from quarl.bench.gemm import _plan_dict, _plan_literal, _sweep_candidates
-
-    plans = {p for fam in _sweep_candidates().values() for bucket in fam.values() for p in bucket}
-    assert len(plans) > 20
-    for p in plans:
-        literal = _plan_literal(_plan_dict(p))
-        assert eval(literal, {"P": Plan, "C": Cfg}) == p, literal

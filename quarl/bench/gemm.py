@@ -14,11 +14,16 @@ bytes = weight codes + scales + x + out.
 
 For the W8A8 formats it also times the path a quantized layer runs where the dispatch picks bf16 (activations
 fake-quantized, then the bf16 GEMM on the dequantized weight; a table after the main one): the dispatch keeps a
-kernel that is not faster than bare bf16 but is faster than that path (`quarl.kernels.tuning.FALLBACK_COST`).
+kernel that is not faster than bare bf16 but is faster than that path (the tuning tables' `fallback_cost`).
 
-`--sweep` times every candidate plan of `SWEEP_CANDIDATES` and prints the best per shape and M (used to fill
-`quarl.kernels.tuning`). Kernels are compiled, and checked against the float32 reference, first in parallel
-worker processes (Triton's on-disk cache then serves the timing process).
+`--sweep` times every candidate plan of `_sweep_candidates` (M defaults to every tuning bucket) and prints the
+best per shape and M; `--write-tuning PATH` writes those winners and the fallback costs as this GPU's tuning file
+(`quarl.kernels.tuning`: ship it as quarl/kernels/tuning_tables/<gpu-slug>.json, or name it by
+$QUARL_TUNING_FILE). Kernels are compiled, and checked against the float32 reference, first in parallel worker
+processes (Triton's on-disk cache then serves the timing process).
+
+`--sustained` and `--training` are runs of their own (`quarl.bench.gemm_modes`): the prefill GEMMs held for
+seconds under the board's power cap, and one linear layer's forward + backward in the training modes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from dataclasses import asdict
 from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+# Also accepted by --shapes (not in the default list): the Qwen2.5-1.5B linears.
+ALL_SHAPES = {**SHAPES, "qkv-1.5b": (2048, 1536), "o-1.5b": (1536, 1536), "gate_up-1.5b": (17920, 1536),
+              "down-1.5b": (1536, 8960)}
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
 DEFAULT_FORMATS = ("bf16", "int8", "fp8", "fp8-block", "nvfp4")
 ALL_FORMATS = ("bf16", "int8", "fp8", "fp8-tensor", "fp8-block", "nvfp4", "mxfp4")
@@ -43,10 +51,45 @@ DEFAULT_RESULTS = os.path.join("bench", "results", "gemm.md")
 # formats whose layers, without a kernel, fake-quantize their activations before the bf16 GEMM
 FALLBACK_FORMATS = ("int8", "fp8", "fp8-tensor", "fp8-block")
 _L2_BYTES = 60 * 2**20  # H100/H200; weights rotate over >= 3x this
+# A plan further than this from the float32 reference (relative norm) never enters a tuning file: a correct
+# kernel's error is its bf16 output rounding, about 2e-3.
+TUNING_MAX_ERR = 2e-2
+# format -> the tuning family its sweep fills (8-bit formats as W8A8: W8A16 plans are set by hand)
+SWEPT_FAMILIES = {"nvfp4": "w4a16", "int8": "int8", "fp8": "fp8", "fp8-block": "fp8-block"}
+
+
+def _fp4_decode_candidates(C) -> dict:
+    """M bucket -> the `quarl.kernels.fp4_decode` configs `--sweep` times for nvfp4. bm=1: the CUDA-core FMA path
+    (M <= 8); bm=16: the tensor-core swap-AB path."""
+    return {
+        # split_k > 1 lets the small-N shapes (qkv, o, down) fill the SMs; wider FMA tiles share each K step's x
+        # among more weight rows; two warps put more programs in flight per SM
+        1: [C(1, 8, 512), C(1, 16, 512), C(1, 8, 1024), C(1, 4, 1024), C(1, 16, 256, warps=2),
+            C(1, 8, 512, split_k=4), C(1, 16, 512, split_k=2), C(1, 32, 512, split_k=4, warps=8),
+            C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=7, stages=4), C(16, 64, 128, split_k=14, stages=4),
+            C(16, 128, 128, split_k=4), C(16, 64, 128, stages=4),
+            C(1, 16, 1024), C(1, 32, 512, split_k=2), C(1, 32, 1024, split_k=2), C(1, 64, 512, split_k=4, warps=8),
+            C(1, 32, 1024, split_k=4, warps=8),
+            C(1, 8, 256, warps=2), C(1, 8, 512, warps=2), C(1, 4, 512, warps=2), C(1, 16, 256, split_k=2, warps=2),
+            C(1, 8, 1024, warps=2), C(1, 4, 1024, warps=2), C(1, 8, 512, split_k=2, warps=2),
+            C(1, 32, 128, warps=2)],
+        # bm=16: split_k so that the small-N shapes reach a few hundred programs (K = 3584 is 28 steps of 128:
+        # splits 4, 7, 14 are even); deeper pipelines keep more code bytes in flight per SM
+        16: [C(16, 64, 128), C(16, 64, 128, stages=4), C(16, 64, 128, split_k=7), C(16, 64, 128, split_k=7, stages=4),
+             C(16, 64, 128, native=True), C(16, 64, 128, stages=4, native=True),
+             C(16, 64, 128, split_k=7, native=True), C(16, 64, 128, split_k=7, stages=4, native=True),
+             C(16, 64, 128, split_k=8), C(16, 64, 128, split_k=8, native=True)],
+        64: [C(16, 64, 128), C(16, 64, 128, split_k=4), C(16, 64, 128, split_k=7), C(16, 64, 128, native=True),
+             C(16, 64, 128, split_k=2, native=True), C(16, 64, 128, split_k=4, native=True),
+             C(16, 64, 128, split_k=7, native=True), C(16, 64, 128, split_k=8, native=True),
+             C(16, 128, 128, native=True), C(16, 128, 128, split_k=2, native=True),
+             C(16, 128, 128, split_k=4, native=True), C(16, 256, 128, warps=8, native=True),
+             C(16, 128, 128, split_k=4, warps=8, native=True)],
+    }
 
 
 def _sweep_candidates():
-    """family -> {M bucket -> [Plan]}: what `--sweep` times (nvfp4 stands for w4a16)."""
+    """format -> {M bucket -> [Plan]}: what `--sweep` times (nvfp4 fills the w4a16 table)."""
     from quarl.kernels.tuning import Cfg, Plan
 
     def fp4(*cfgs):
@@ -71,6 +114,8 @@ def _sweep_candidates():
     w4[4096] = w4[1024]
     g = [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (8, 256, 2, 4), (16, 256, 8, 3)]
     w4[1] = [Plan("gemv", Cfg(1, bn, bk, warps=wp, stages=st)) for bn, bk, wp, st in g] + w4[1][:2]
+    for m, cfgs in _fp4_decode_candidates(Cfg).items():
+        w4[m] = w4[m] + [Plan("fp4_decode", c) for c in cfgs]
     nat = dict(native=True)
     dec = (w8("prequant", Cfg(64, 64, 256, split_k=2, **nat), Cfg(64, 64, 256, split_k=4, **nat),
               Cfg(64, 32, 256, split_k=4, stages=4, **nat), Cfg(64, 64, 128, split_k=4, stages=4, **nat),
@@ -152,18 +197,57 @@ def _sweep_candidates():
 
 def add_bench_gemm_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench gemm`."""
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of row counts M")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(ALL_SHAPES)}")
+    parser.add_argument("--m", default=None,
+                        help=f"comma list of row counts M (default {','.join(map(str, M_VALUES))}; with --sweep "
+                             "every tuning bucket, with --sustained 1024,4096, with --training 4096)")
     parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help=f"comma list of {', '.join(ALL_FORMATS)}")
     parser.add_argument("--weight-only", action="store_true", help="8-bit formats as W8A16 (x not quantized)")
-    parser.add_argument("--repeats", type=int, default=7, help="graph replays per measurement (median taken)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="graph replays per measurement (median taken); with --training timed iterations")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes that compile and check the kernels before timing (0 = none)")
-    parser.add_argument("--sweep", action="store_true", help="time every candidate plan (tuning), not the dispatch")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true", help="time every candidate plan (tuning), not the dispatch")
+    mode.add_argument("--sustained", action="store_true",
+                      help="time each format's plan and bf16 held for seconds (power-capped clocks, sampled by "
+                           "nvidia-smi), plus each eager call's host time")
+    mode.add_argument("--training", action="store_true",
+                      help="forward + backward of one linear: bf16, unified (fake-quantized fp8-block) and "
+                           "fp8-backward (precision.quantized_backward); --m is the token count")
+    parser.add_argument("--write-tuning", default=None, metavar="PATH",
+                        help="with --sweep: write the fastest plans and the fallback costs as this GPU's tuning file "
+                             "(JSON; load it with QUARL_TUNING_FILE=PATH)")
+    parser.add_argument("--seconds", type=float, default=1.5, help="with --sustained: timed seconds per path")
     parser.add_argument("--codes-given", action="store_true",
                         help="also time each plan that takes activation codes with the codes made beforehand (the "
                              "GEMM alone, as when a fused norm hands its 8-bit codes over): an extra column")
     add_output_arguments(parser, DEFAULT_RESULTS, "also write every measurement to this JSON file")
+
+
+def default_m(args) -> str:
+    """The --m list a run uses when none is given: every tuning bucket for --sweep (what a tuning file holds)."""
+    if args.m is not None:
+        return args.m
+    from quarl.kernels.tuning import M_BUCKETS
+
+    if args.sweep:
+        return ",".join(map(str, M_BUCKETS))
+    if args.sustained:
+        return "1024,4096"
+    return "4096" if args.training else ",".join(map(str, M_VALUES))
+
+
+def check_args(args) -> None:
+    """Reject option combinations before any GPU work (ValueError, one line)."""
+    if args.write_tuning is not None:
+        if not args.sweep:
+            raise ValueError("--write-tuning writes what --sweep measured; add --sweep")
+        folder = os.path.dirname(os.path.abspath(args.write_tuning))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--write-tuning {args.write_tuning}: folder {folder} does not exist; create it first")
+    if args.sustained and args.seconds <= 0:
+        raise ValueError(f"--seconds {args.seconds} must be > 0")
 
 
 def _parse_list(text: str, allowed, what: str, cast=str) -> list:
@@ -353,12 +437,22 @@ def _weight_bytes(torch, qw_or_w) -> int:
 
 
 def run_bench_gemm(args) -> int:
-    """Run B1; print the table; append a dated entry to args.out unless args.no_save. Returns 0 (1 without CUDA)."""
+    """Run B1 (or --sweep / --sustained / --training); print the table; append a dated entry to args.out unless
+    args.no_save (never for --sweep). Returns 0 (1 without CUDA, or where --sustained found a wrong result)."""
     import torch
 
+    check_args(args)
+    shapes = _parse_list(args.shapes, ALL_SHAPES, "shapes")
+    ms = _parse_list(default_m(args), None, "M values", int)
+    formats = _parse_list(args.formats, ALL_FORMATS, "formats")
     if not torch.cuda.is_available():
         print("quarl bench gemm needs a CUDA GPU (none found)", file=sys.stderr)
         return 1
+    if args.sustained or args.training:
+        from quarl.bench import gemm_modes
+
+        run = gemm_modes.run_sustained if args.sustained else gemm_modes.run_training
+        return run(args, torch, shapes, ms, formats)
     import torch.nn.functional as F
 
     from quarl.formats import quantize
@@ -366,9 +460,6 @@ def run_bench_gemm(args) -> int:
     from quarl.kernels.dispatch import run_plan
     from quarl.kernels.tuning import m_bucket
 
-    shapes = _parse_list(args.shapes, SHAPES, "shapes")
-    ms = _parse_list(args.m, None, "M values", int)
-    formats = _parse_list(args.formats, ALL_FORMATS, "formats")
     quant_formats = [f for f in formats if f != "bf16"]
     weight_only = {f: (args.weight_only or f in ("nvfp4", "mxfp4")) for f in quant_formats}
     candidates = _sweep_candidates() if args.sweep else None
@@ -377,7 +468,7 @@ def run_bench_gemm(args) -> int:
     plans: dict[tuple[str, str, int], list] = {}
     for f in quant_formats:
         for s in shapes:
-            n, k = SHAPES[s]
+            n, k = ALL_SHAPES[s]
             for m in ms:
                 if candidates is not None and f in candidates:
                     plans[(f, s, m)] = list(candidates[f][m_bucket(m)])
@@ -392,7 +483,7 @@ def run_bench_gemm(args) -> int:
         for p in ps:
             j = jobs.setdefault((f, p), {"fmt": f, "plan": p, "weight_only": weight_only[f], "seed": args.seed,
                                          "problems": []})
-            j["problems"].append((*SHAPES[s], m))
+            j["problems"].append((*ALL_SHAPES[s], m))
     job_list = list(jobs.values())
     errors = {}
     for j, res in zip(job_list, _precompile(job_list, args.workers)):
@@ -406,7 +497,7 @@ def run_bench_gemm(args) -> int:
 
     rows = []
     for s in shapes:
-        n, k = SHAPES[s]
+        n, k = ALL_SHAPES[s]
         w_bf16, _ = _make_inputs(torch, n, k, 1, args.seed)
         qws = {f: quantize(w_bf16, f) for f in quant_formats}
         for m in ms:
@@ -477,10 +568,67 @@ def run_bench_gemm(args) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(bw=bw, rate=rate, rows=rows), fh, indent=1, default=str)
+    if args.write_tuning:
+        write_tuning(args, rows, device_provenance(torch, bench_command(args, "gemm")))
+        print(f"wrote the tuning tables to {args.write_tuning} (use them with QUARL_TUNING_FILE={args.write_tuning})")
     if not args.no_save and not args.sweep:
-        _append_results(args, bw, rate, table, summary)
-        print(f"appended to {args.out}")
+        append_results(args, [f"ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+                              f"{rate / 1e12:.0f} TFLOP/s (int8/fp8 roofline: 2x)"],
+                       table + ("\n\n" + summary if summary else ""))
     return 0
+
+
+def device_provenance(torch, command: str) -> dict:
+    """What a tuning file records about where it was measured: GPU name, compute capability, versions, command."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "triton": triton_version, "command": command}
+
+
+def _best_rows(rows: list[dict]) -> dict:
+    """(format, shape, M) -> the fastest row of a quantized format that ran and matched the float32 reference
+    (relative error at most TUNING_MAX_ERR)."""
+    best = {}
+    for r in rows:
+        ok = r["time_us"] == r["time_us"] and not isinstance(r["err"], str) and r["err"] <= TUNING_MAX_ERR
+        key = (r["fmt"], r["shape"], r["m"])
+        if r["fmt"] != "bf16" and ok and (key not in best or r["time_us"] < best[key]["time_us"]):
+            best[key] = r
+    return best
+
+
+def tuning_tables_from_rows(rows: list[dict], weight_only: bool, provenance: dict):
+    """`quarl.kernels.tuning.TuningTables` from a sweep's rows: per swept family, shape and M bucket the fastest
+    correct plan (`_best_rows`) and its speed-up over the bf16 row, and the W8A8 fallback's cost (at least 1: below
+    is noise, the extra pass costs time), both to 2 decimals. M values that are not buckets are left out."""
+    from quarl.kernels.tuning import FALLBACK_FAMILIES, M_BUCKETS, Cfg, Plan, TuningTables
+
+    bf16 = {(r["shape"], r["m"]): r["time_us"] for r in rows if r["fmt"] == "bf16"}
+    measured: dict = {}
+    for (f, s, m), r in _best_rows(rows).items():
+        fam = SWEPT_FAMILIES.get(f)
+        if fam is None or m not in M_BUCKETS or (weight_only and fam != "w4a16"):
+            continue
+        p = r["plan"]
+        plan = Plan(p["kind"], None if p["cfg"] is None else Cfg(**p["cfg"]), p["x_mode"])
+        measured.setdefault(fam, {}).setdefault(ALL_SHAPES[s], {})[m] = (plan, round(bf16[(s, m)] / r["time_us"], 2))
+    fallback: dict = {}
+    for (f, s, m), (_, cost) in _fallback_costs(rows).items():
+        if f in FALLBACK_FAMILIES and m in M_BUCKETS:
+            fallback.setdefault(f, {}).setdefault(ALL_SHAPES[s], {})[m] = round(max(1.0, cost), 2)
+    return TuningTables(measured, fallback, provenance)
+
+
+def write_tuning(args, rows: list[dict], provenance: dict) -> None:
+    """--write-tuning: the sweep's tables as a tuning file at args.write_tuning."""
+    from quarl.kernels.tuning import write_tuning_file
+
+    write_tuning_file(args.write_tuning, tuning_tables_from_rows(rows, args.weight_only, provenance))
 
 
 def takes_codes(plan, fmt: str, weight_only: bool) -> bool:
@@ -580,47 +728,27 @@ def _fallback_table(rows: list[dict]) -> str:
 
 
 def _sweep_summary(rows: list[dict]) -> str:
-    """Two lines per (format, shape, M): the fastest plan, its speed-up, and the runner-up; then that plan as a
-    `quarl.kernels.tuning.MEASURED` entry, to paste into the table."""
-    from quarl.kernels.tuning import m_bucket
-
+    """One line per (format, shape, M): the fastest correct plan (`_best_rows`: what --write-tuning writes), its
+    speed-up, and the runner-up."""
     groups: dict[tuple, list] = {}
     bf16 = {(r["shape"], r["m"]): r["time_us"] for r in rows if r["fmt"] == "bf16"}
     for r in rows:
         if r["fmt"] != "bf16":
             groups.setdefault((r["fmt"], r["shape"], r["m"]), []).append(r)
+    best = _best_rows(rows)
     out = ["best plans (format shape M: time us, vs bf16 | runner-up):"]
-    for (f, s, m), rs in groups.items():
-        ok = sorted((r for r in rs if r["time_us"] == r["time_us"]), key=lambda r: r["time_us"])
-        fails = sum(1 for r in rs if isinstance(r["err"], str) or r["time_us"] != r["time_us"])
-        if not ok:
-            out.append(f"{f} {s} {m}: all {len(rs)} failed")
+    for key, rs in groups.items():
+        f, s, m = key
+        fails = sum(1 for r in rs if r["time_us"] != r["time_us"])
+        if key not in best:
+            out.append(f"{f} {s} {m}: no plan ran and matched the reference ({len(rs)} tried)")
             continue
-        b = ok[0]
-        nxt = f" | {ok[1]['path']} {ok[1]['time_us']:.1f}" if len(ok) > 1 else ""
+        b = best[key]
+        others = sorted((r for r in rs if r is not b and r["time_us"] == r["time_us"]), key=lambda r: r["time_us"])
+        nxt = f" | {others[0]['path']} {others[0]['time_us']:.1f}" if others else ""
         out.append(f"{f} {s} {m}: {b['path']} {b['time_us']:.1f} ({bf16[(s, m)] / b['time_us']:.2f}x, "
                    f"err {_fmt_err(b['err'])}){nxt}" + (f" [{fails} failed]" if fails else ""))
-        out.append(f"    tuning.MEASURED[{json.dumps(f)}][{SHAPES[s]}][{m_bucket(m)}] = "
-                   f"({_plan_literal(b['plan'])}, {bf16[(s, m)] / b['time_us']:.2f})")
-    for (f, s, m), (_, cost) in _fallback_costs(rows).items():
-        if f != "fp8-tensor":  # (the table's fp8 rows serve it) below 1.0 is noise: the extra pass costs time
-            out.append(f"    tuning.FALLBACK_COST[{json.dumps(f)}][{SHAPES[s]}][{m_bucket(m)}] = {max(1.0, cost):.2f}")
     return "\n".join(out)
-
-
-def _plan_literal(plan: dict) -> str:
-    """A `_plan_dict` as the `P(...)` / `C(...)` source of `quarl.kernels.tuning.MEASURED` (defaults left out)."""
-    from quarl.kernels.tuning import Cfg
-
-    args = [json.dumps(plan["kind"])]  # double quotes, as the table is written
-    cfg = plan["cfg"]
-    if cfg is not None:
-        default = asdict(Cfg(cfg["bm"], cfg["bn"], cfg["bk"]))
-        extra = [f"{k}={v!r}" for k, v in cfg.items() if k not in ("bm", "bn", "bk") and v != default[k]]
-        args.append(f"C({', '.join([str(cfg['bm']), str(cfg['bn']), str(cfg['bk'])] + extra)})")
-    if plan["kind"] in ("w8a8", "gemv") and plan["x_mode"] != "fused":
-        args.append(json.dumps(plan["x_mode"]))
-    return f"P({', '.join(args)})"
 
 
 def _slower_case(row: dict, fallback: dict) -> str:
@@ -680,13 +808,12 @@ def _targets_summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _append_results(args, bw: float, rate: float, table: str, summary: str) -> None:
-    facts = [f"ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
-             f"{rate / 1e12:.0f} TFLOP/s (int8/fp8 roofline: 2x)"]
+def append_results(args, facts: list[str], body: str) -> None:
+    """Append a dated entry (the command, `facts`, `body`) to args.out and say so."""
     append_entry(args.out, "B1 — low-precision GEMM (`quarl bench gemm`)",
                  "Appended by `quarl bench gemm`; newest last. Times are CUDA-graph replay medians per call, "
-                 "activation quantization included.", bench_command(args, "gemm"), facts,
-                 table + ("\n\n" + summary if summary else ""))
+                 "activation quantization included.", bench_command(args, "gemm"), facts, body)
+    print(f"appended to {args.out}")
 
 
 def main(argv: list[str] | None = None) -> int:

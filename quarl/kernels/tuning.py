@@ -1,6 +1,6 @@
 """Which kernel and tile configuration each GEMM uses, by format family, weight shape and number of rows M.
 
-Plain data (no Triton import), so the choice can be inspected and tested on any machine.
+No Triton import, so the choice can be inspected and tested on any machine.
 
 A `Plan` names the path:
   "fp4"        fused W4A16 Triton GEMM (`quarl.kernels.fp4_gemm`);
@@ -21,24 +21,35 @@ A `Plan` names the path:
 Families: "w4a16" (nvfp4, mxfp4), "int8", "fp8" (rowwise), "fp8-tensor", "fp8-block" (W8A8), and "w8a16"
 (8-bit formats with weight_only=True).
 
-`MEASURED` holds, per family, weight shape (N, K) of Qwen2.5-7B and M bucket, the fastest quantized path and its
-speed-up over the bf16 GEMM (F.linear), chosen by `quarl bench gemm --sweep` on an H200 (activation
-quantization included; bench/results/gemm.md). Policy (`choose_plan`): the plan is "bf16" (no kernel)
-where the kernel is not MIN_SPEEDUP (1.05) times as fast as the path a layer runs without it, unless the caller
-asks for the kernel anyway (prefer_kernel=True: a layer that holds only the quantized weight has no bf16 path).
-Without a kernel, a layer with quantized activations still computes the quantized values: it fake-quantizes the
-activations (one more pass over them) and runs the bf16 GEMM on the dequantized weight. `FALLBACK_COST` holds
-that path's time over the bare bf16 GEMM's, per family, shape and M bucket as `MEASURED` (`quarl bench gemm`, its
-"W8A8 fallback" table); weight-only formats have no extra pass (cost 1). Other shapes use the
-measured shape with the closest weight size N*K; M is rounded up to the next bucket. fp8-tensor follows the fp8
-table (activation quantized beforehand: a per-tensor scale needs the whole tensor), w8a16 has hand-set plans (not
-swept).
+The tables (`TuningTables`) are data, one JSON file per GPU written by `quarl bench gemm --sweep --write-tuning
+PATH` (`write_tuning_file`; the file also names the GPU, its compute capability, the torch and Triton versions and
+the command that wrote it). Per family, weight shape (N, K) and M bucket, `measured` holds the fastest quantized
+plan and its speed-up over the bf16 GEMM (F.linear), activation quantization included; `fallback_cost` holds the
+time of the path a layer runs without a kernel over the bare bf16 GEMM's (see the policy); the shipped file covers
+the linears of Qwen2.5-7B. `current_tables` picks the file: quarl/kernels/tuning_tables/<gpu-slug>.json for the
+current CUDA device (`gpu_slug`, e.g. nvidia-h200.json), else the H200's (a GPU without a file of its own, or no
+GPU, uses the H200 tables); a file named by the environment variable QUARL_TUNING_FILE replaces the families it
+holds (the rest keep the shipped tables).
+
+Policy (`choose_plan`): the plan is "bf16" (no kernel) where the kernel is not MIN_SPEEDUP (1.05) times as fast as
+the path a layer runs without it, unless the caller asks for the kernel anyway (prefer_kernel=True: a layer that
+holds only the quantized weight has no bf16 path). Without a kernel, a layer with quantized activations still
+computes the quantized values: it fake-quantizes the activations (one more pass over them) and runs the bf16 GEMM
+on the dequantized weight; `fallback_cost` is that path's cost, and weight-only formats have no extra pass (cost
+1). Other shapes use the tabled shape with the closest weight size N*K; M is rounded up to the next bucket.
+fp8-tensor follows the fp8 table (activation quantized beforehand: a per-tensor scale needs the whole tensor);
+w8a16 has hand-set plans (`W8A16_PLANS`, not swept).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from dataclasses import dataclass, replace
+import os
+import re
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 M_BUCKETS = (1, 16, 64, 256, 512, 1024, 4096)
 
@@ -53,10 +64,10 @@ class Cfg:
     of the weight in prefill). native: W8A8: multiply the int8/fp8 codes on the int8/fp8 tensor cores (needs
     bm >= 64, or bn >= 64 with swap_ab); otherwise the codes are converted exactly to fp16 and multiplied there.
     fp4_decode's tensor-core path (bm = 16): x is permuted into the kernel's K order by one copy before the
-    launch and streams into the MMA's shared-memory operand as it is (K a multiple of 128; measured faster at 64
-    rows, slower at 16). swap_ab: W8A8 only, the product runs transposed (weight tile [bn, bk] as the MMA's
-    first operand, the few token rows as its narrow second one), so decode's 16-64 rows need not fill a 64-row
-    MMA side.
+    launch and streams into the MMA's shared-memory operand as it is (K a multiple of 128; the copy pays off only
+    at some shapes and M, which the tables pick). swap_ab: W8A8 only, the product runs transposed (weight tile
+    [bn, bk] as the MMA's first operand, the few token rows as its narrow second one), so decode's 16-64 rows need
+    not fill a 64-row MMA side.
     tma: W8A8 on prequantized rowwise / per-tensor codes, native, operands arriving by TMA (Hopper or newer;
     elsewhere the regular kernel runs the same tile): in prefill the persistent kernel (no split-K); with swap_ab
     the decode kernel (M <= bm, bn >= 64, split-K allowed).
@@ -139,200 +150,211 @@ def m_bucket(m: int) -> int:
     return M_BUCKETS[-1]
 
 
-C, P = Cfg, Plan
+# ---------------------------------------------------------------- the tables (data, one JSON file per GPU)
 
-# family -> (N, K) -> M bucket -> (fastest quantized plan, its measured speed-up over bf16).
-MEASURED = {
-    "w4a16": {
-        (4608, 3584): {  # qkv
-            1: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.25),
-            16: (P("fp4_decode", C(16, 64, 128, split_k=8)), 1.17),
-            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.59),
-            256: (P("deq_mm"), 0.55),
-            512: (P("deq_mm"), 0.68),
-            1024: (P("deq_mm"), 0.81),
-            4096: (P("deq_mm"), 0.94),
-        },
-        (3584, 3584): {  # o
-            1: (P("fp4_decode", C(1, 4, 1024, warps=2)), 1.50),
-            16: (P("fp4_decode", C(16, 64, 128, split_k=7)), 1.33),
-            64: (P("fp4_decode", C(16, 64, 128, split_k=4)), 0.68),
-            256: (P("deq_mm"), 0.57),
-            512: (P("deq_mm"), 0.67),
-            1024: (P("deq_mm"), 0.79),
-            4096: (P("deq_mm"), 0.90),
-        },
-        (37888, 3584): {  # gate_up
-            1: (P("fp4_decode", C(16, 64, 128, stages=4)), 2.02),
-            16: (P("fp4_decode", C(16, 64, 128)), 2.03),
-            64: (P("fp4_decode", C(16, 64, 128, native=True)), 1.23),
-            256: (P("deq_mm"), 0.50),
-            512: (P("deq_mm"), 0.66),
-            1024: (P("deq_mm"), 0.74),
-            4096: (P("deq_mm"), 0.94),
-        },
-        (3584, 18944): {  # down
-            1: (P("fp4_decode", C(16, 64, 128, split_k=7, stages=4)), 1.71),
-            16: (P("fp4_decode", C(16, 64, 128, split_k=7, stages=4)), 1.75),
-            64: (P("fp4_decode", C(16, 128, 128, split_k=4, warps=8, native=True)), 1.03),
-            256: (P("deq_mm"), 0.53),
-            512: (P("deq_mm"), 0.68),
-            1024: (P("deq_mm"), 0.78),
-            4096: (P("deq_mm"), 0.90),
-        },
-    },
-    "int8": {
-        (4608, 3584): {  # qkv
-            # mean of the sweep and a B1 run: within noise of bf16
-            1: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.03),
-            # mean of the sweep and a B1 run: within noise of bf16
-            16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.02),
-            64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.11),
-            256: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.79),
-            512: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 0.93),
-            1024: (P("w8a8", C(128, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.86),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.22),
-        },
-        (3584, 3584): {  # o
-            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.13),
-            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.24),
-            64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 0.96),
-            256: (P("w8a8", C(64, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.81),
-            512: (P("w8a8", C(64, 128, 128, stages=4, native=True), "prequant"), 0.95),
-            # mean of four B1 runs: within run-to-run noise of bf16
-            1024: (P("w8a8", C(256, 128, 128, warps=8, native=True, tma=True), "prequant"), 1.03),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.22),
-        },
-        (37888, 3584): {  # gate_up
-            1: (P("w8a8", C(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.92),
-            16: (P("w8a8", C(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.93),
-            64: (P("w8a8", C(64, 64, 128, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.79),
-            256: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 1.24),
-            512: (P("w8a8", C(128, 128, 128, warps=8, native=True), "prequant"), 1.47),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.53),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.57),
-        },
-        (3584, 18944): {  # down
-            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.54),
-            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.51),
-            64: (P("w8a8", C(64, 64, 256, split_k=2, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.50),
-            256: (P("w8a8", C(64, 128, 128, split_k=2, stages=4, native=True), "prequant"), 1.08),
-            512: (P("w8a8", C(128, 128, 128, stages=4, native=True, tma=True), "prequant"), 1.06),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.22),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.29),
-        },
-    },
-    "fp8": {
-        (4608, 3584): {  # qkv
-            1: (P("gemv", C(1, 4, 512)), 1.19),
-            # mean of the sweep and a B1 run: within noise of bf16
-            16: (P("w8a8", C(16, 64, 256, split_k=2, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.04),
-            64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.18),
-            256: (P("scaled_mm"), 0.94),
-            512: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 0.94),
-            1024: (P("w8a8", C(128, 128, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.07),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.43),
-        },
-        (3584, 3584): {  # o
-            1: (P("gemv", C(1, 8, 1024)), 1.42),
-            16: (P("w8a8", C(16, 64, 128, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.25),
-            # mean of the sweep and a B1 run: within noise of bf16
-            64: (P("w8a8", C(64, 64, 256, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.04),
-            256: (P("w8a8", C(64, 128, 128, stages=4, native=True, tma=True), "prequant"), 0.87),
-            512: (P("scaled_mm"), 1.14),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.22),
-            4096: (P("scaled_mm"), 1.48),
-        },
-        (37888, 3584): {  # gate_up
-            1: (P("w8a8", C(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.93),
-            16: (P("w8a8", C(16, 64, 128, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.93),
-            64: (P("w8a8", C(64, 64, 128, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.82),
-            256: (P("scaled_mm"), 1.48),
-            512: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.67),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.77),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.82),
-        },
-        (3584, 18944): {  # down
-            1: (P("w8a8", C(16, 64, 256, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.59),
-            16: (P("w8a8", C(16, 64, 256, split_k=4, stages=4, native=True, swap_ab=True, tma=True), "prequant"), 1.55),
-            64: (P("w8a8", C(64, 64, 256, split_k=2, stages=6, native=True, swap_ab=True, tma=True), "prequant"), 1.55),
-            256: (P("scaled_mm"), 0.98),
-            512: (P("scaled_mm"), 1.38),
-            1024: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.49),
-            4096: (P("w8a8", C(128, 256, 128, warps=8, stages=4, native=True, tma=True), "prequant"), 1.56),
-        },
-    },
-    "fp8-block": {
-        (4608, 3584): {  # qkv
-            1: (P("gemv", C(1, 8, 512)), 1.04),
-            16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4, native=True, swap_ab=True), "prequant"), 0.87),
-            64: (P("scaled_mm"), 0.74),
-            256: (P("scaled_mm"), 0.91),
-            512: (P("scaled_mm"), 0.85),
-            1024: (P("scaled_mm"), 1.00),
-            4096: (P("scaled_mm"), 1.38),
-        },
-        (3584, 3584): {  # o
-            1: (P("gemv", C(1, 16, 512, warps=8)), 1.26),
-            16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4, native=True, swap_ab=True), "prequant"), 1.10),
-            64: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 0.69),
-            256: (P("scaled_mm"), 0.79),
-            512: (P("scaled_mm"), 1.11),
-            1024: (P("scaled_mm"), 1.15),
-            4096: (P("scaled_mm"), 1.40),
-        },
-        (37888, 3584): {  # gate_up
-            1: (P("gemv", C(1, 16, 256), "prequant"), 1.63),
-            16: (P("w8a8", C(16, 128, 128, split_k=4, stages=4, native=True, swap_ab=True), "prequant"), 1.53),
-            64: (P("scaled_mm"), 1.45),
-            256: (P("scaled_mm"), 1.48),
-            512: (P("scaled_mm"), 1.58),
-            1024: (P("scaled_mm"), 1.56),
-            4096: (P("scaled_mm"), 1.60),
-        },
-        (3584, 18944): {  # down
-            1: (P("gemv", C(1, 8, 1024), "prequant"), 1.46),
-            16: (P("scaled_mm"), 1.28),
-            64: (P("w8a8", C(64, 32, 128, split_k=4, stages=4, native=True), "prequant"), 1.01),
-            256: (P("scaled_mm"), 0.91),
-            512: (P("scaled_mm"), 1.35),
-            1024: (P("scaled_mm"), 1.31),
-            4096: (P("scaled_mm"), 1.50),
-        },
-    },
-}
+TABLE_FAMILIES = ("w4a16", "int8", "fp8", "fp8-block")  # families with a `measured` table
+FALLBACK_FAMILIES = ("int8", "fp8", "fp8-block")  # families whose layers fake-quantize activations without a kernel
+PLAN_KINDS = ("fp4", "deq_mm", "w8a8", "scaled_mm", "gemv", "fp4_decode")  # "bf16" is the policy's, not a table's
+X_MODES = ("raw", "fused", "prequant")
+PROVENANCE_KEYS = ("device", "capability", "torch", "triton", "command")
+TABLES_DIR = Path(__file__).with_name("tuning_tables")
+DEFAULT_GPU = "nvidia-h200"  # the tables of a GPU without a file of its own
+TUNING_FILE_ENV = "QUARL_TUNING_FILE"
 
-# A quantized plan runs only where it measured at least this much faster than bf16: the same kernel's speed-up
-# differs by a few percent between two GPUs of one model and between runs (bench/results/gemm.md), and a near-tie
-# is not worth the rounding of a quantized GEMM.
+
+@dataclass(frozen=True)
+class TuningTables:
+    """The tables of one GPU, as a tuning file holds them.
+
+    measured: family -> (N, K) -> M bucket -> (Plan, speed-up over the bf16 GEMM, a float).
+    fallback_cost: family -> (N, K) -> M bucket -> the fallback's time over the bf16 GEMM's (a float >= 1).
+    provenance: "device" (name), "capability" ([major, minor]), "torch" and "triton" (versions), "command" (what
+    wrote the tables).
+    """
+
+    measured: dict
+    fallback_cost: dict
+    provenance: dict
+
+
+def gpu_slug(device_name: str) -> str:
+    """The file name (without .json) of a GPU's shipped tables: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def _shape_key(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def tables_to_json(tables: TuningTables) -> dict:
+    """The JSON object of a tuning file (string keys "NxK" and "M"; plans as kind, x_mode and every Cfg field)."""
+    def plans(table):
+        return {_shape_key(s): {str(m): {"speedup": sp, "kind": p.kind, "x_mode": p.x_mode,
+                                         "cfg": None if p.cfg is None else asdict(p.cfg)}
+                                for m, (p, sp) in by_m.items()} for s, by_m in table.items()}
+
+    return {**{k: tables.provenance[k] for k in PROVENANCE_KEYS},
+            "measured": {fam: plans(t) for fam, t in tables.measured.items()},
+            "fallback_cost": {fam: {_shape_key(s): {str(m): c for m, c in by_m.items()} for s, by_m in t.items()}
+                              for fam, t in tables.fallback_cost.items()}}
+
+
+def _dump(obj, depth: int = 0) -> str:
+    """JSON text with one line per table entry (a dict holding only plain values, or a plan entry, stays whole)."""
+    if not isinstance(obj, dict) or not obj or depth >= 4 or not any(isinstance(v, dict) for v in obj.values()):
+        return json.dumps(obj)
+    pad = "  " * (depth + 1)
+    items = [f"{pad}{json.dumps(k)}: {_dump(v, depth + 1)}" for k, v in obj.items()]
+    return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+
+
+def write_tuning_file(path, tables: TuningTables) -> None:
+    """Write `tables` as a tuning file (JSON) at path; `read_tuning_file` gives back equal tables."""
+    text = _dump(tables_to_json(tables)) + "\n"
+    tables_from_json(json.loads(text))  # never write a file that would not load
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def _keys(obj, what: str, required, optional=()) -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    missing = [k for k in required if k not in obj]
+    unknown = [k for k in obj if k not in required and k not in optional]
+    if missing or unknown:
+        raise ValueError(f"{what} " + "; ".join(([f"lacks {missing}"] if missing else [])
+                                                + ([f"has unknown keys {unknown}"] if unknown else [])))
+    return obj
+
+
+def _number(v, what: str, least: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < least:
+        raise ValueError(f"{what} must be a number >= {least:g}, got {v!r}")
+    return float(v)
+
+
+def _table(obj, what: str, families, entry) -> dict:
+    """family -> (N, K) -> M bucket -> entry(value, name) from the JSON object of a table."""
+    out = {}
+    for fam, shapes in _keys(obj, what, (), families).items():
+        out[fam] = {}
+        if not isinstance(shapes, dict):
+            raise ValueError(f"{what}[{fam!r}] must be a JSON object, got {type(shapes).__name__}")
+        for s, by_m in shapes.items():
+            match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", s)
+            if not match:
+                raise ValueError(f"{what}[{fam!r}] key {s!r} is not a weight shape NxK (e.g. \"4608x3584\")")
+            name = f"{what}[{fam!r}][{s!r}]"
+            buckets = _keys(by_m, name, (), [str(b) for b in M_BUCKETS])
+            out[fam][(int(match[1]), int(match[2]))] = {int(m): entry(v, f"{name}[{m!r}]") for m, v in buckets.items()}
+    return out
+
+
+def _plan_entry(v, what: str) -> tuple[Plan, float]:
+    _keys(v, what, ("speedup", "kind", "x_mode", "cfg"))
+    if v["kind"] not in PLAN_KINDS:
+        raise ValueError(f"{what} kind {v['kind']!r} is not one of {', '.join(PLAN_KINDS)}")
+    if v["x_mode"] not in X_MODES:
+        raise ValueError(f"{what} x_mode {v['x_mode']!r} is not one of {', '.join(X_MODES)}")
+    needs_cfg = v["kind"] not in ("deq_mm", "scaled_mm")
+    if (v["cfg"] is None) == needs_cfg:
+        raise ValueError(f"{what} kind {v['kind']!r} " + ("needs a cfg" if needs_cfg else "takes no cfg (null)"))
+    cfg = None
+    if needs_cfg:
+        names = [f.name for f in fields(Cfg)]
+        _keys(v["cfg"], f"{what} cfg", names)
+        for f in fields(Cfg):
+            x, want = v["cfg"][f.name], bool if f.type in ("bool", bool) else int
+            if type(x) is not want or (want is int and x < 1):
+                raise ValueError(f"{what} cfg {f.name}={x!r} must be " + ("true or false" if want is bool else
+                                                                          "a positive integer"))
+        cfg = Cfg(**v["cfg"])
+        if v["kind"] == "fp4_decode":
+            try:
+                check_fp4_decode_cfg(cfg)
+            except ValueError as e:
+                raise ValueError(f"{what}: {e}") from None
+    return Plan(v["kind"], cfg, v["x_mode"]), _number(v["speedup"], f"{what} speedup", 0.0)
+
+
+def tables_from_json(obj) -> TuningTables:
+    """`TuningTables` from the JSON object of a tuning file; ValueError saying what is wrong where."""
+    _keys(obj, "the file", PROVENANCE_KEYS + ("measured", "fallback_cost"))
+    cap = obj["capability"]
+    if not (isinstance(cap, list) and len(cap) == 2 and all(type(c) is int for c in cap)):
+        raise ValueError(f"capability must be [major, minor], got {cap!r}")
+    bad = [k for k in PROVENANCE_KEYS if k != "capability" and not isinstance(obj[k], str)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} must be strings")
+    return TuningTables(
+        measured=_table(obj["measured"], "measured", TABLE_FAMILIES, _plan_entry),
+        fallback_cost=_table(obj["fallback_cost"], "fallback_cost", FALLBACK_FAMILIES,
+                             lambda v, what: _number(v, what, 1.0)),
+        provenance={k: obj[k] for k in PROVENANCE_KEYS})
+
+
+def read_tuning_file(path) -> TuningTables:
+    """The tables of a tuning file; a missing, unreadable or malformed file raises a one-line ValueError naming
+    the file and what is wrong."""
+    try:
+        with open(path) as fh:
+            return tables_from_json(json.load(fh))
+    except OSError as e:
+        problem = f"cannot be read ({e.strerror or e})"
+    except json.JSONDecodeError as e:
+        problem = f"is not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except ValueError as e:
+        problem = str(e)
+    raise ValueError(f"tuning file {path}: {problem} (`quarl bench gemm --sweep --write-tuning {path}` writes a "
+                     "valid one)") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name() -> str | None:
+    """The current CUDA device's name at the first call, None without one."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def shipped_tables_path(device_name: str | None) -> Path:
+    """The tuning file shipped for a GPU name: tuning_tables/<gpu_slug>.json, else the H200's."""
+    if device_name:
+        own = TABLES_DIR / f"{gpu_slug(device_name)}.json"
+        if own.is_file():
+            return own
+    return TABLES_DIR / f"{DEFAULT_GPU}.json"
+
+
+_loaded: dict = {}  # $QUARL_TUNING_FILE (or None) -> TuningTables
+
+
+def current_tables() -> TuningTables:
+    """The tables `choose_plan` uses: the shipped file of the current GPU (the H200's where it has none), with the
+    families of the file named by $QUARL_TUNING_FILE in place of the shipped ones. Read once per process."""
+    user = os.environ.get(TUNING_FILE_ENV) or None
+    tables = _loaded.get(user)
+    if tables is None:
+        tables = read_tuning_file(shipped_tables_path(_gpu_name()))
+        if user is not None:
+            try:
+                own = read_tuning_file(user)
+            except ValueError as e:
+                raise ValueError(f"{TUNING_FILE_ENV}: {e}; unset it to use the shipped tables") from None
+            tables = TuningTables({**tables.measured, **own.measured},
+                                  {**tables.fallback_cost, **own.fallback_cost}, own.provenance)
+        _loaded[user] = tables
+    return tables
+
+
+# A quantized plan runs only where its tabled speed-up reaches this: the same kernel's speed-up differs by a few
+# percent between two GPUs of one model and between runs, and a near-tie is not worth the rounding of a quantized
+# GEMM.
 MIN_SPEEDUP = 1.05
 
-# family -> (N, K) -> M bucket -> time of the W8A8 fallback (fake-quantized activations, then the bf16 GEMM on the
-# dequantized weight) over the bf16 GEMM's, from `quarl bench gemm --m 1,16,64,256,512,1024,4096` (its "W8A8
-# fallback" table, on an H200; bench/results/gemm.md), at least 1 (below is noise: the extra pass
-# costs time). fp8-tensor uses the fp8 rows.
-FALLBACK_COST = {
-    "int8": {
-        (4608, 3584): {1: 1.17, 16: 1.22, 64: 1.24, 256: 1.21, 512: 1.16, 1024: 1.13, 4096: 1.12},  # qkv
-        (3584, 3584): {1: 1.25, 16: 1.16, 64: 1.23, 256: 1.23, 512: 1.18, 1024: 1.20, 4096: 1.13},  # o
-        (37888, 3584): {1: 1.03, 16: 1.02, 64: 1.04, 256: 1.03, 512: 1.02, 1024: 1.02, 4096: 1.01},  # gate_up
-        (3584, 18944): {1: 1.07, 16: 1.10, 64: 1.17, 256: 1.23, 512: 1.20, 1024: 1.15, 4096: 1.13},  # down
-    },
-    "fp8": {
-        (4608, 3584): {1: 1.24, 16: 1.22, 64: 1.23, 256: 1.21, 512: 1.17, 1024: 1.13, 4096: 1.20},  # qkv
-        (3584, 3584): {1: 1.24, 16: 1.17, 64: 1.23, 256: 1.22, 512: 1.21, 1024: 1.19, 4096: 1.21},  # o
-        (37888, 3584): {1: 1.02, 16: 1.02, 64: 1.04, 256: 1.03, 512: 1.00, 1024: 1.02, 4096: 1.00},  # gate_up
-        (3584, 18944): {1: 1.13, 16: 1.14, 64: 1.20, 256: 1.21, 512: 1.22, 1024: 1.27, 4096: 1.22},  # down
-    },
-    "fp8-block": {
-        (4608, 3584): {1: 1.21, 16: 1.20, 64: 1.20, 256: 1.19, 512: 1.16, 1024: 1.13, 4096: 1.18},  # qkv
-        (3584, 3584): {1: 1.21, 16: 1.13, 64: 1.21, 256: 1.22, 512: 1.21, 1024: 1.20, 4096: 1.22},  # o
-        (37888, 3584): {1: 1.01, 16: 1.02, 64: 1.03, 256: 1.03, 512: 1.00, 1024: 1.02, 4096: 1.00},  # gate_up
-        (3584, 18944): {1: 1.05, 16: 1.06, 64: 1.10, 256: 1.14, 512: 1.12, 1024: 1.12, 4096: 1.19},  # down
-    },
-}
+C, P = Cfg, Plan
 
-# Weight-only 8-bit (W8A16): not part of B1, set by hand from the W8A8 results (same weight streams).
+# Weight-only 8-bit (W8A16), not swept: set by hand after the W8A8 plans, which stream the same weight bytes.
 W8A16_PLANS = {
     1: P("gemv", C(1, 8, 512), "raw"),
     16: P("w8a8", C(16, 64, 256, split_k=4, stages=4), "raw"),
@@ -354,15 +376,16 @@ def family(fmt: str, weight_only: bool) -> str | None:
 
 
 def _nearest_shape(table: dict, n: int, k: int) -> tuple[int, int]:
-    """The key (N, K) of a per-shape table: (n, k) itself, else the measured shape nearest in weight size N*K."""
+    """The key (N, K) of a per-shape table: (n, k) itself, else the tabled shape nearest in weight size N*K."""
     if (n, k) in table:
         return (n, k)
     return min(table, key=lambda s: abs(math.log(s[0] * s[1]) - math.log(max(n * k, 1))))
 
 
 def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | None:
-    """(plan, speed-up) measured for this family at the shape nearest to (n, k) in weight size, M bucket of m."""
-    table = MEASURED.get("fp8" if fam == "fp8-tensor" else fam)
+    """(plan, speed-up) of `current_tables` for this family at the shape nearest to (n, k) in weight size and the
+    M bucket of m; None where the table has no entry."""
+    table = current_tables().measured.get("fp8" if fam == "fp8-tensor" else fam)
     if not table:
         return None
     entry = table[_nearest_shape(table, n, k)].get(m_bucket(m))
@@ -375,9 +398,10 @@ def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | Non
 
 
 def fallback_cost(fam: str, n: int, k: int, m: int) -> float:
-    """Time of the path without a kernel over the bf16 GEMM's for this family, shape (nearest measured, as
-    `measured_entry`) and M bucket: `FALLBACK_COST` for the families with quantized activations, else 1."""
-    table = FALLBACK_COST.get("fp8" if fam == "fp8-tensor" else fam)
+    """Time of the path without a kernel over the bf16 GEMM's for this family, shape (nearest tabled, as
+    `measured_entry`) and M bucket: `current_tables().fallback_cost` for the families with quantized activations,
+    else 1."""
+    table = current_tables().fallback_cost.get("fp8" if fam == "fp8-tensor" else fam)
     if not table:
         return 1.0
     return table[_nearest_shape(table, n, k)].get(m_bucket(m), 1.0)
@@ -385,10 +409,10 @@ def fallback_cost(fam: str, n: int, k: int, m: int) -> float:
 
 def choose_plan(fmt: str, weight_only: bool, m: int, n: int, k: int, prefer_kernel: bool = False) -> Plan:
     """The plan for an [m, k] x [n, k]^T product in `fmt`: Plan("bf16") when no kernel applies or the fastest
-    measured is not MIN_SPEEDUP times as fast as the path without a kernel (the bf16 GEMM, after fake quantization
-    of the activations for the W8A8 families: `fallback_cost`).
+    tabled kernel (`measured_entry`) is not MIN_SPEEDUP times as fast as the path without a kernel (the bf16 GEMM,
+    after fake quantization of the activations for the W8A8 families: `fallback_cost`).
 
-    prefer_kernel: return the fastest quantized plan even where it measured below that.
+    prefer_kernel: return the fastest quantized plan even where its speed-up is below that.
     """
     fam = family(fmt, weight_only)
     if fam is None:

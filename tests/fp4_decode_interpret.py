@@ -1,11 +1,12 @@
-"""CPU check of `quarl.kernels.fp4_decode` in Triton's interpreter (no GPU): small shapes, both paths.
+"""CPU check of `quarl.kernels.fp4_decode` in Triton's interpreter (no GPU): small shapes, both paths. Run by
+tests/test_fp4_decode_interpreter.py, or by hand:
 
-    TRITON_INTERPRET=1 python bench/fp4_decode_interpret.py [--quick]
+    TRITON_INTERPRET=1 python tests/fp4_decode_interpret.py [--quick] [--candidates]
 
 Compares each result with the float64 reference x.double() @ dequantize(W).double().T (+ bias) as the max over
 rows of max_n |y - ref| / max_n |ref|. Tolerances: fp16 output 2^-10 (rounding is 2^-11 relative); bf16 output
 2^-7, because the interpreter converts float32 to bfloat16 by truncation (1 ulp = 2^-7), not round-to-nearest
-as the GPU does (2^-8, the bound the GPU tests and the sweep use). Also checks the tensor-core path's MXFP4
+as the GPU does (2^-8, the bound the GPU tests use). Also checks the tensor-core path's MXFP4
 scale range (exact for E8M0 exponents 26..152, a larger exponent makes its output column non-finite). Exits
 non-zero on any failure.
 """
@@ -113,7 +114,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="only a few cases")
     ap.add_argument("--candidates", action="store_true",
-                    help="also run every config of bench/fp4_decode_sweep.py on a small shape of its M")
+                    help="also run every fp4_decode config `quarl bench gemm --sweep` tries, on a small shape "
+                         "of its M bucket")
     ap.add_argument("--seed", type=int, default=None, help="input seed (default: a fresh one, printed)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -122,10 +124,9 @@ def main() -> int:
     bad = 0
     cases = [c for i, c in enumerate(CASES) if not args.quick or i in QUICK]
     if args.candidates:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from fp4_decode_sweep import CANDIDATES
+        from quarl.bench.gemm import _fp4_decode_candidates
 
-        for m, cfgs in CANDIDATES.items():
+        for m, cfgs in _fp4_decode_candidates(Cfg).items():
             # N: one full tile and a partial one; K: not a multiple of bk (partial K step, unpadded tail).
             # (x permuted beforehand, cfg.native, needs K a multiple of 128: those get K = 2 bk.)
             cases += [(m, c.bn + 3, 2 * c.bk + (0 if c.native and c.bm == 16 else 24), "nvfp4", c, torch.float16, False)
