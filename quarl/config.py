@@ -136,7 +136,7 @@ class TrainSection:
     # cut micro-batches from the rows sorted by length, so each forward pads to lengths like its own rather than
     # to the longest answer of the batch (same loss and gradient up to summation order)
     group_by_length: bool = True
-    gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~30% more time
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, one more forward
     # score π_prox in a forward of its own even where the update's forward gives it (1 step/batch, no dropout)
     recompute_proximal: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill

@@ -7,7 +7,7 @@ are timed as CUDA-graph replays (events around `reps` replays, mean per replay):
              fused decode its stacked GEMMs, on 8-bit codes made beforehand where the step hands codes over);
   attention  the decode attention of every layer over `context` + 1 columns;
   sampling   the refill of the step's uniform draws and its sampler (`fast_step.sample_next`) on [batch, vocab]
-             logits in the model dtype (before 2026-11-29 18:30 the refill counted in "other");
+             logits in the model dtype;
   other      step - (linears + attention + sampling): norms, rotary, cache writes, residuals, embeddings.
 Each part is also given its bandwidth floor: bytes it must read / the measured copy bandwidth; the linears
 also their compute floor, 2 * weights * batch / matrix rate.

@@ -33,7 +33,7 @@ SPLIT_ROWS_BELOW = 1024
 # per-row scales of rows longer than one block (up to MAX_UNROLL blocks), fewer rows than this (decode batches):
 # each row's blocks spread over programs too, every program walking the whole row for its amax (the walk's loads
 # all in flight, the repeats L2 hits) and quantizing its own block, instead of one program walking the row twice:
-# faster at 1-16 rows, equal at 64 (bench/results/gemm.md)
+# with few rows, one program per row would leave most of the GPU idle
 SPLIT_AMAX_ROWS_BELOW = 64
 # a program's blocks are unrolled (their loads issued together) up to this many
 MAX_UNROLL = 8

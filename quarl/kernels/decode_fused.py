@@ -356,8 +356,7 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 
 ROW_ON_CHIP_MAX = 32768  # longest row `_silu_mul_row_kernel` holds (32 warps: 32 values per thread)
-# Warps per row of `_silu_mul_row_kernel`: 32 is faster than 16 at a rollout batch of 7B rows (512 x 18944;
-# bench/results/decode_elementwise.md).
+# Warps per row of `_silu_mul_row_kernel`: long rows (a 7B model's 18944-wide MLP) need many loads in flight.
 SILU_ROW_WARPS = 32
 
 

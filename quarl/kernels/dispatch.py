@@ -37,7 +37,8 @@ def _scaled_mm(x: torch.Tensor, qweight, bias: torch.Tensor | None) -> torch.Ten
     m = x.shape[0]
     if fmt == "fp8-block":
         if m % 16:
-            # Measured working with M a multiple of 16 only: pad rows (zero codes, scale 1), drop them after.
+            # cuBLAS blockwise FP8 is used with M a multiple of 16 only: pad rows (zero codes, scale 1), drop them
+            # after.
             x = F.pad(x, (0, 0, 0, 16 - m % 16))
         qweight = pad_block_groups(qweight, 4)
     codes, sx = quantize_activation(x, fmt, qweight.data.shape[1], scales_column_major=fmt == "fp8-block")

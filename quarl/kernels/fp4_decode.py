@@ -24,8 +24,8 @@ are ALU-bound. Here:
   fragment, w = word of the thread's 4, nibble e = 4 h + 2 j1 + s of the word), and x is permuted the same way in
   registers before it is staged for the MMA (x is small: Mp x 128 per step). With cfg.native (and K a multiple
   of 128) x is instead permuted once, by one copy before the launch, and streams into the MMA's shared-memory
-  operand untouched: no staging through registers (Triton then issues the MMA in 8 waited pieces), which is
-  faster at 64 rows and slower at 16 (the tuning table picks it per shape and M).
+  operand untouched: no staging through registers (Triton then issues the MMA in 8 waited pieces); it pays
+  with more rows, so the tuning table picks it per shape and M.
   A pair (nibbles e, e + 4 of a word) becomes one 16x2 bit pattern in 2 shifts and 2 LOP3s (`_pairs16`) and is
   scaled by one packed multiply (`_scaled_pair`), which is exact: bf16 x takes the patterns as E2M1 x 2^-126 and
   the block scale folded with 2^118 (NVFP4's E4M3 value x 2^118; MXFP4's 2^(e-127) x 2^102 = 2^(e-25)); fp16 x

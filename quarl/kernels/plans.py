@@ -22,7 +22,7 @@ def _blockwise_cublas_ok(n: int, k: int) -> bool:
 
 # Shared memory a W8A8 tile's pipelined 8-bit operands (stages x (bm + bn) x bk bytes) may fill before Hopper:
 # sm_80 gives a block up to 163 KB, sm_86 / sm_89 99 KB; the rest is left to Triton's layout conversions. (Not
-# measured on such GPUs: a bound that keeps the H200-tuned tiles launchable there.)
+# tuned on such GPUs: a bound that keeps tiles tuned on Hopper launchable there.)
 PRE_HOPPER_STAGE_BYTES = 64 * 1024
 
 
@@ -49,7 +49,7 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
         plan = Plan("w8a8", Cfg(128, 128, 128, warps=8, stages=4, native=True), "prequant")
     if cap < (9, 0) and plan.kind == "w8a8" and plan.cfg is not None:
         # No wgmma / TMA before Hopper: the same tile on the fp16 tensor cores, with no more pipeline stages than
-        # fit PRE_HOPPER_STAGE_BYTES (the tables were measured on an H200, which gives a block 227 KB).
+        # fit PRE_HOPPER_STAGE_BYTES (Hopper, where the shipped tables were tuned, gives a block 227 KB).
         c = plan.cfg
         stages = max(1, min(c.stages, PRE_HOPPER_STAGE_BYTES // ((c.bm + c.bn) * c.bk)))
         plan = replace(plan, cfg=replace(c, native=False, tma=False, stages=stages))

@@ -150,8 +150,8 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor | None, temperature: f
             log-prob under softmax(logits)).
         ranges: programs per row, each over a range of columns, merged by a second small kernel (more loads in
             flight when a row's single program is latency-bound); 1 = one program per row. None: about 4096
-            programs in all, at most 32 per row (`default_ranges`; at B = 512 and a 152k vocabulary 8 ranges are
-            faster than one, bench/results/sampling.md).
+            programs in all, at most 32 per row (`default_ranges`: a large vocabulary keeps a single program per
+            row latency-bound).
         block, num_warps: columns per loop step and warps of each program.
     Returns:
         (tokens long [B], logprobs float32 [B]). A row holding a NaN gives the index of its first NaN score (a

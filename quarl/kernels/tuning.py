@@ -51,6 +51,8 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from quarl.formats.registry import FORMATS
+
 M_BUCKETS = (1, 16, 64, 256, 512, 1024, 4096)
 
 
@@ -368,11 +370,17 @@ W8A16_PLANS = {
 
 def family(fmt: str, weight_only: bool) -> str | None:
     """The plan family of a format + mode, or None where no kernel exists (fp4 activations: W4A4)."""
-    if fmt in ("nvfp4", "mxfp4"):
+    spec = FORMATS.get(fmt)
+    if spec is None:
+        return None
+    if spec.bits == 4:
         return "w4a16" if weight_only else None
-    if fmt in ("int8", "fp8", "fp8-tensor", "fp8-block"):
-        return "w8a16" if weight_only else fmt
-    return None
+    return "w8a16" if weight_only else fmt
+
+
+def _table_key(fam: str) -> str:
+    """The table a family reads: the format's `tuning_family` (fp8-tensor shares the rowwise "fp8" table)."""
+    return FORMATS[fam].tuning_family if fam in FORMATS else fam
 
 
 def _nearest_shape(table: dict, n: int, k: int) -> tuple[int, int]:
@@ -385,14 +393,15 @@ def _nearest_shape(table: dict, n: int, k: int) -> tuple[int, int]:
 def measured_entry(fam: str, n: int, k: int, m: int) -> tuple[Plan, float] | None:
     """(plan, speed-up) of `current_tables` for this family at the shape nearest to (n, k) in weight size and the
     M bucket of m; None where the table has no entry."""
-    table = current_tables().measured.get("fp8" if fam == "fp8-tensor" else fam)
+    table = current_tables().measured.get(_table_key(fam))
     if not table:
         return None
     entry = table[_nearest_shape(table, n, k)].get(m_bucket(m))
     if entry is None:
         return None
     plan, speedup = entry
-    if fam == "fp8-tensor" and plan.kind in ("w8a8", "gemv") and plan.x_mode == "fused":
+    if FORMATS.get(fam) is not None and FORMATS[fam].per_tensor_scale and plan.kind in ("w8a8", "gemv") \
+            and plan.x_mode == "fused":  # a per-tensor activation scale needs the whole tensor first
         plan = replace(plan, x_mode="prequant")
     return plan, speedup
 
@@ -401,7 +410,7 @@ def fallback_cost(fam: str, n: int, k: int, m: int) -> float:
     """Time of the path without a kernel over the bf16 GEMM's for this family, shape (nearest tabled, as
     `measured_entry`) and M bucket: `current_tables().fallback_cost` for the families with quantized activations,
     else 1."""
-    table = current_tables().fallback_cost.get("fp8" if fam == "fp8-tensor" else fam)
+    table = current_tables().fallback_cost.get(_table_key(fam))
     if not table:
         return 1.0
     return table[_nearest_shape(table, n, k)].get(m_bucket(m), 1.0)

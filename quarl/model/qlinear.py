@@ -473,7 +473,7 @@ class QuantLinear(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if not needs_grad:
             # A frozen base has no bf16 weight to fall back on (the fallback would dequantize the whole weight
-            # every call), so it takes the quantized kernel even where a bf16 GEMM measured faster.
+            # every call), so it takes the quantized kernel even where the tuning table prefers a bf16 GEMM.
             matmul = kernels.quantized_matmul if self.frozen_base else kernels.try_quantized_matmul
             y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
