@@ -61,6 +61,9 @@ class PrecisionConfig:
     kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
+    # unified W8A8 on a GPU: the training forward's GEMMs run the rollout's 8-bit kernels (the products the rollout
+    # computes); false: bf16 GEMMs of the fake-quantized values, which round each dequantized operand to bf16
+    kernel_forward: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> "PrecisionConfig":
@@ -121,7 +124,7 @@ class PrecisionConfig:
         """Keyword arguments for `QuantLinear.configure` (shared by every decoder linear).
 
         Returns dict(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout,
-        quantized_backward).
+        quantized_backward, kernel_forward).
         """
         self.validate()
         fmt = self.resolved_format
@@ -134,6 +137,7 @@ class PrecisionConfig:
             lora_alpha=self.lora.alpha if self.lora.alpha is not None else float(self.lora.rank),
             lora_dropout=self.lora.dropout,
             quantized_backward=self.quantized_backward,
+            kernel_forward=self.kernel_forward,
         )
 
     def torch_dtype(self, device: torch.device | str) -> torch.dtype:

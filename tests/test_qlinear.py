@@ -588,3 +588,62 @@ def test_straight_through_forwards_the_value_exactly_and_passes_the_gradient_unc
     assert torch.equal(source.grad, grad)  # the identity, no rounding
     with torch.no_grad():
         assert not _straight_through(value, source).requires_grad
+
+
+def _exact_kernel(calls):
+    """A stand-in for `kernels.quantized_matmul` on the CPU: Q(x) @ deq(qweight)^T + b computed exactly (float64),
+    rounded once to x's dtype, as an 8-bit GEMM with float32 accumulation nearly does."""
+    from quarl.formats import fake_quantize
+
+    def matmul(x, qweight, weight_only, bias=None):
+        calls.append(qweight)
+        xq = x if weight_only else fake_quantize(x, qweight.fmt, "activation")
+        y = xq.double() @ qweight.dequantize(torch.float64).T
+        return (y if bias is None else y + bias.double()).to(x.dtype)
+
+    return matmul
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
+def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_gradients(fmt, monkeypatch):
+    """kernel_forward: the training forward returns the kernel's product (not bf16 GEMMs of the rounded fake-quantized
+    operands), reads the rollout copy while it is current, and gets the fake-quantized path's gradients."""
+    from quarl import kernels
+    from quarl.formats import fake_quantize, quantize
+
+    calls = []
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel(calls))
+    torch.manual_seed(0)
+    layer = make_layer(k=576, n=200, dtype=torch.bfloat16, rollout_format=fmt, train_format=fmt,
+                       kernel_forward=True)
+    x = torch.randn(2, 7, 576, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    reads_copy = lambda qt: qt.data.data_ptr() == layer.qweight_data.data_ptr()  # noqa: E731
+    assert len(calls) == 1 and reads_copy(calls[0])  # the rollout copy, current since configure
+    with torch.no_grad():
+        want = _exact_kernel([])(x.reshape(-1, 576), layer.qweight, False, layer.bias).reshape(2, 7, 200)
+        plain = F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt), layer.bias)
+    assert torch.equal(y, want) and not torch.equal(y, plain)  # the kernel's values, which bf16 GEMMs round otherwise
+    g = torch.randn_like(y)
+    y.backward(g)
+    # float64 reference of the straight-through gradients: d/dx = g @ Q(W), d/dW = g^T Q(x), d/db = sum g
+    g64 = g.double().reshape(-1, 200)
+    wq = fake_quantize(layer.weight.detach(), fmt).double()
+    xq = fake_quantize(x.detach(), fmt, "activation").double().reshape(-1, 576)
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.double().reshape(-1, 576), g64 @ wq, **tol)
+    torch.testing.assert_close(layer.weight.grad.double(), g64.T @ xq, **tol)
+    torch.testing.assert_close(layer.bias.grad.double(), g64.sum(0), **tol)
+    # an optimizer step in place makes the rollout copy stale: the forward quantizes the weight as it is now
+    with torch.no_grad():
+        layer.weight.mul_(1.5)
+    layer(x)
+    assert not reads_copy(calls[-1]) and torch.equal(calls[-1].data, quantize(layer.weight.detach(), fmt).data)
+    # off: no kernel, the fake-quantized path
+    layer.configure(rollout_format=fmt, train_format=fmt, kernel_forward=False)
+    count = len(calls)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt),
+                                              layer.bias))
+    assert len(calls) == count

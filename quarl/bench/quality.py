@@ -53,6 +53,11 @@ SETTINGS: dict[str, list[str]] = {
     "split-fp8-tis": ["precision.flow=split", "precision.format=fp8", FULL_LR],
     "split-fp8-block-tis": ["precision.flow=split", "precision.format=fp8-block", FULL_LR],
     "unified-fp8-block": ["precision.flow=unified", "precision.format=fp8-block", FULL_LR],
+    # the training forward on bf16 GEMMs of the fake-quantized values instead of the rollout's 8-bit kernels: each
+    # dequantized operand rounded to bf16, where the kernel multiplies the codes exactly
+    "unified-fp8-block-bf16-gemms": ["precision.flow=unified", "precision.format=fp8-block",
+                                     "precision.kernel_forward=false", FULL_LR],
+    "unified-int8": ["precision.flow=unified", "precision.format=int8", FULL_LR],
     # weight-only rollouts: on small models the per-token activation quantizer makes most of the mismatch
     # (bench/results/mismatch.md); without it the unified flow's two forwards differ only in rounding order
     "split-int8-w8a16-tis": ["precision.flow=split", "precision.format=int8", "precision.weight_only=true", FULL_LR],

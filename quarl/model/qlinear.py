@@ -97,6 +97,34 @@ class _FrozenBaseLinear(torch.autograd.Function):
         return grad_x, grad_bias, None
 
 
+class _KernelLinear(torch.autograd.Function):
+    """Attach the straight-through gradients of y = Q(x) @ Q(W)^T + b to a product y a kernel computed.
+
+    Forward returns y [M, N] itself; backward gives x [M, K] the gradient g @ Q(W) and W [N, K] the gradient
+    g^T @ Q(x) (Q(x), Q(W): the fake-quantized values in the compute dtype, recomputed here rather than kept from
+    the forward), and a bias its sum g.sum(0): exactly what autograd gives the fake-quantized path."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                fmt: str) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.fmt, ctx.has_bias = fmt, bias is not None
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_x = grad @ kernels.fake_quantize_weight(weight.detach().to(grad.dtype), ctx.fmt)
+        if ctx.needs_input_grad[2]:
+            xq = kernels.fake_quantize_activation(x.detach(), ctx.fmt)
+            grad_w = (grad.t() @ xq).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = grad.sum(0)
+        return None, grad_x, grad_w, grad_b, None
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with a master weight W [out_features, in_features]; quantized modes via `configure`.
 
@@ -166,6 +194,7 @@ class QuantLinear(nn.Module):
         lora_alpha: float | None = None,
         lora_dropout: float = 0.0,
         quantized_backward: bool = False,
+        kernel_forward: bool = False,
     ) -> None:
         """Set the precision behaviour (the keyword arguments of `PrecisionConfig.linear_settings()`).
 
@@ -174,7 +203,9 @@ class QuantLinear(nn.Module):
         master weight (qlora); needs rollout_format, and train_format must be None or the same format.
         lora_rank r >= 0, lora_alpha (None -> r), lora_dropout in [0, 1). quantized_backward: with
         train_format="fp8-block" (W8A8, not frozen), the training GEMMs including both gradient GEMMs take FP8-block
-        operands (`quarl.model.fp8_training`, Jet-RL).
+        operands (`quarl.model.fp8_training`, Jet-RL). kernel_forward: with train_format set, activations
+        quantized and a trainable base (the unified flow, W8A8), the training forward runs the rollout's 8-bit GEMM
+        kernel on a GPU (`_kernel_training_forward`), so both compute the same products.
         Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
         again replaces the previous configuration (LoRA adapters are re-initialised) — except after
         frozen_base dropped the master weight: then only the LoRA settings may change (the adapters are
@@ -182,7 +213,8 @@ class QuantLinear(nn.Module):
         """
         settings = dict(rollout_format=rollout_format, train_format=train_format, weight_only=bool(weight_only),
                         frozen_base=bool(frozen_base), lora_rank=lora_rank, lora_alpha=lora_alpha,
-                        lora_dropout=lora_dropout, quantized_backward=bool(quantized_backward))
+                        lora_dropout=lora_dropout, quantized_backward=bool(quantized_backward),
+                        kernel_forward=bool(kernel_forward))
         self._validate(settings)
         if self.weight is None:
             if settings == self._settings:
@@ -201,6 +233,7 @@ class QuantLinear(nn.Module):
         self.rollout_format, self.train_format = rollout_format, train_format
         self.weight_only, self.frozen_base = bool(weight_only), bool(frozen_base)
         self.quantized_backward = bool(quantized_backward)
+        self.kernel_forward = bool(kernel_forward)
         self._base_dtype = self.weight.dtype
         if rollout_format is not None:
             self._allocate_rollout_copy()
@@ -489,12 +522,42 @@ class QuantLinear(nn.Module):
         fmt = self.train_format
         if self.quantized_backward:
             return fp8_block_linear(x, self.weight, bias, self._frozen_fp8_codes(x.dtype), self.fast_paths)
+        if self.kernel_forward and not self.weight_only and not self.frozen_base:
+            y = self._kernel_training_forward(x, bias)
+            if y is not None:
+                return y
         if not self.weight_only:
             x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:
             return self._frozen_base_linear(x, bias)
         w = _straight_through(kernels.fake_quantize_weight(self.weight.detach(), fmt), self.weight)
         return F.linear(x, w, bias)
+
+    def _kernel_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The unified W8A8 training forward on the rollout's kernel: Q(x) @ Q(W)^T (+ b) [..., out] in x.dtype by
+        `kernels.quantized_matmul`, with the straight-through gradients of the fake-quantized path
+        (`_KernelLinear`); None where no kernel applies (CPU, no Triton): the caller then computes the same values
+        with bf16 GEMMs of the fake-quantized operands. Q(W) is the rollout copy while it holds the master weight
+        as it is (the step's sync made it), else the weight quantized now (after an optimizer step within the
+        step)."""
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.dtype != self.compute_dtype or not kernels.kernels_available(x2d.device):
+            return None  # (checked first: quantizing the weight below would be wasted work)
+        w = self.weight.detach()
+        if self.qweight_data is not None and self.rollout_format == self.train_format and \
+                self._rollout_copy_current() and self.qweight_data.device == w.device:
+            qweight = self.qweight
+        else:
+            qweight = kernels.try_quantize_weight(w.to(self.compute_dtype), self.train_format)
+            if qweight is None:
+                qweight = quantize_unchecked(w.to(self.compute_dtype), self.train_format, "weight")
+        with torch.no_grad():
+            y = kernels.quantized_matmul(x2d.detach(), qweight, False,
+                                         None if bias is None else bias.detach())
+        if y is None:
+            return None
+        y = _KernelLinear.apply(y, x2d, self.weight, bias, self.train_format)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _frozen_fp8_codes(self, dtype: torch.dtype) -> FrozenWeightCodes | None:
         """For quantized_backward with a weight that gets no gradient (frozen under LoRA): its FP8-block codes,
