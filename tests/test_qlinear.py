@@ -625,6 +625,10 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
         want = _exact_kernel([])(x.reshape(-1, 576), layer.qweight, False, layer.bias).reshape(2, 7, 200)
         plain = F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt), layer.bias)
     assert torch.equal(y, want) and not torch.equal(y, plain)  # the kernel's values, which bf16 GEMMs round otherwise
+    with torch.no_grad():  # the rollout forward takes the kernel too, so both compute one function
+        layer.set_rollout(True)
+        assert torch.equal(layer(x), y) and reads_copy(calls[-1])
+        layer.set_rollout(False)
     g = torch.randn_like(y)
     y.backward(g)
     # float64 reference of the straight-through gradients: d/dx = g @ Q(W), d/dW = g^T Q(x), d/db = sum g

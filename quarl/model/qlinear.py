@@ -157,6 +157,7 @@ class QuantLinear(nn.Module):
         self.weight_only = False
         self.frozen_base = False
         self.quantized_backward = False
+        self.kernel_forward = False
         self.lora_rank = 0
         self.lora_alpha = 0.0
         self.lora_dropout = 0.0
@@ -506,8 +507,12 @@ class QuantLinear(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if not needs_grad:
             # A frozen base has no bf16 weight to fall back on (the fallback would dequantize the whole weight
-            # every call), so it takes the quantized kernel even where the tuning table prefers a bf16 GEMM.
-            matmul = kernels.quantized_matmul if self.frozen_base else kernels.try_quantized_matmul
+            # every call), so it takes the quantized kernel even where the tuning table prefers a bf16 GEMM; so does
+            # a unified linear whose training forward runs the kernel (`kernel_forward`): the bf16 fallback rounds
+            # each dequantized operand to bf16, which the kernel never does, and rollout and training must compute
+            # the same products at every batch size.
+            exact = self.frozen_base or self._trains_on_kernel()
+            matmul = kernels.quantized_matmul if exact else kernels.try_quantized_matmul
             y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
             xq = x2d if self.weight_only else _straight_through(
@@ -522,7 +527,7 @@ class QuantLinear(nn.Module):
         fmt = self.train_format
         if self.quantized_backward:
             return fp8_block_linear(x, self.weight, bias, self._frozen_fp8_codes(x.dtype), self.fast_paths)
-        if self.kernel_forward and not self.weight_only and not self.frozen_base:
+        if self._trains_on_kernel():
             y = self._kernel_training_forward(x, bias)
             if y is not None:
                 return y
@@ -532,6 +537,11 @@ class QuantLinear(nn.Module):
             return self._frozen_base_linear(x, bias)
         w = _straight_through(kernels.fake_quantize_weight(self.weight.detach(), fmt), self.weight)
         return F.linear(x, w, bias)
+
+    def _trains_on_kernel(self) -> bool:
+        """Unified W8A8 with `kernel_forward`: rollout and training forwards both run the 8-bit kernels."""
+        return (self.kernel_forward and self.train_format is not None and self.train_format == self.rollout_format
+                and not self.weight_only and not self.frozen_base and not self.quantized_backward)
 
     def _kernel_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The unified W8A8 training forward on the rollout's kernel: Q(x) @ Q(W)^T (+ b) [..., out] in x.dtype by
