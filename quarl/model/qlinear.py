@@ -511,8 +511,7 @@ class QuantLinear(nn.Module):
             # a unified linear whose training forward runs the kernel (`kernel_forward`): the bf16 fallback rounds
             # each dequantized operand to bf16, which the kernel never does, and rollout and training must compute
             # the same products at every batch size.
-            exact = self.frozen_base or self._trains_on_kernel()
-            matmul = kernels.quantized_matmul if exact else kernels.try_quantized_matmul
+            matmul = kernels.quantized_matmul if self.rollout_needs_kernel() else kernels.try_quantized_matmul
             y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
             xq = x2d if self.weight_only else _straight_through(
@@ -537,6 +536,11 @@ class QuantLinear(nn.Module):
             return self._frozen_base_linear(x, bias)
         w = _straight_through(kernels.fake_quantize_weight(self.weight.detach(), fmt), self.weight)
         return F.linear(x, w, bias)
+
+    def rollout_needs_kernel(self) -> bool:
+        """Whether the rollout forward takes the quantized kernel even where the tuning table prefers a bf16 GEMM of
+        the dequantized weight: a frozen (qlora) base, and a unified linear that trains on the kernel."""
+        return self.frozen_base or self._trains_on_kernel()
 
     def _trains_on_kernel(self) -> bool:
         """Unified W8A8 with `kernel_forward`: rollout and training forwards both run the 8-bit kernels."""

@@ -213,12 +213,14 @@ class FusedProjection:
                 y = self._add_lora(y, x)
             return y
         p0 = self.parts[0]
-        # as QuantLinear._rollout_forward: a frozen (qlora) base takes the quantized kernel even where bf16 won
-        matmul = kernels.quantized_matmul if p0.frozen_base else kernels.try_quantized_matmul
+        # as QuantLinear._rollout_forward: a frozen (qlora) base, and a unified linear training on the kernel, take
+        # the quantized kernel even where bf16 won
+        matmul = kernels.quantized_matmul if p0.rollout_needs_kernel() else kernels.try_quantized_matmul
         y = matmul(x, qw, p0.weight_only, bias) if x.is_cuda else None
         if y is None:
             if "weight_dequant" not in self._fused:
-                if p0.frozen_base or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                if p0.rollout_needs_kernel() or (torch.cuda.is_available() and
+                                                 torch.cuda.is_current_stream_capturing()):
                     return torch.cat([p(x) for p in self.parts], dim=-1)
                 self._build_dequant_cache(dtype)  # no kernel serves the stacked shape: keep bf16 GEMM speed
             xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
