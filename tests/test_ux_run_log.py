@@ -121,8 +121,22 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     assert runs[2].init["id"] != first.init["id"]
 
 
+def _wandb_run_file(offline_dir: Path, expected: bytes) -> bytes:
+    """The bytes of an offline W&B run's transaction log once it holds `expected`. finish() hands the records to
+    W&B's service process, which writes the file on its own schedule: its teardown (what a process exit runs)
+    flushes it, and a loaded machine may still need a moment after that."""
+    import wandb
+
+    wandb.teardown()
+    run_file = next(offline_dir.glob("run-*.wandb"))
+    deadline = time.monotonic() + 30
+    while expected not in run_file.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return run_file.read_bytes()
+
+
 def test_wandb_offline_run_holds_metrics_config_and_samples(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)
@@ -131,16 +145,9 @@ def test_wandb_offline_run_holds_metrics_config_and_samples(tmp_path, monkeypatc
     log.samples(1, [{"prompt": "2 + 3", "completion": "five", "reward": 0.0}])
     log.log(2, {"reward/mean": 0.8125})
     log.close()
-    # finish() hands the records to W&B's service process, which writes the run file on its own schedule; its
-    # teardown (what a process exit runs) flushes it, and a loaded machine may still need a moment after that
-    wandb.teardown()
     offline = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
-    run_file = next(offline[0].glob("run-*.wandb"))
-    deadline = time.monotonic() + 30
-    while b"0.8125" not in run_file.read_bytes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    data = run_file.read_bytes()
+    data = _wandb_run_file(offline[0], b"0.8125")
     assert b"reward/mean" in data and b"0.8125" in data and b'"lr":0.00123' in data
     table = next(offline[0].glob("files/media/table/samples_1_*.table.json"))
     assert json.loads(table.read_text()) == {"columns": ["prompt", "completion", "reward"],
@@ -187,7 +194,7 @@ def test_a_run_reports_to_wandb_and_saves_its_evals(tmp_path, monkeypatch, capsy
     run = tmp_path / "run"
     assert not (run / "tb").exists()  # report_to=[wandb] alone: no TensorBoard
     offline, = (run / "wandb").glob("offline-run-*")
-    data = next(offline.glob("run-*.wandb")).read_bytes()
+    data = _wandb_run_file(offline, b"eval/accuracy")
     # metrics, and the effective config (the null precision.format resolved to split's int8)
     assert b"reward/mean" in data and b"eval/accuracy" in data and b'"format":"int8"' in data
     assert next(offline.glob("files/media/table/eval_samples_0_*.table.json"))
