@@ -47,7 +47,8 @@ def trl_names() -> str:
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """{field name: its source comment} for a dataclass (inline `# ...`, else a `# ...` line just above)."""
+    """{field name: its source comment} for a dataclass (inline `# ...`, else the `# ...` lines just above it,
+    joined)."""
     lines = inspect.getsource(cls).splitlines()
     comments = {}
     for i, line in enumerate(lines):
@@ -55,8 +56,13 @@ def field_comments(cls: type) -> dict[str, str]:
         if not m or m.group(1) not in {f.name for f in dataclasses.fields(cls)}:
             continue
         text = m.group(2)
-        if text is None and i > 0 and lines[i - 1].strip().startswith("#"):
-            text = lines[i - 1].strip().lstrip("#").strip()
+        if text is None:
+            above = []
+            j = i - 1
+            while j >= 0 and lines[j].strip().startswith("#"):
+                above.insert(0, lines[j].strip().lstrip("#").strip())
+                j -= 1
+            text = " ".join(above) or None
         comments[m.group(1)] = text or ""
     return comments
 

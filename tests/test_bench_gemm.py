@@ -195,7 +195,7 @@ def test_training_mode_times_the_three_modes_on_cpu():
     from quarl.bench.gemm_modes import training_times
 
     times = training_times(torch, 128, 256, 8, 2, "cpu")
-    assert sorted(times) == ["bf16", "fp8-backward", "unified"]
+    assert sorted(times) == ["bf16", "fp8-backward", "unified", "unified-bf16"]
     assert all(0 < t < 60e3 for t in times.values()), times
 
 

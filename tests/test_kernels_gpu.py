@@ -390,6 +390,29 @@ def test_quantized_matmul_always_runs_a_kernel(fmt):
         assert _rel_err(y, _reference(x, qw, weight_only, b)) < tol
 
 
+# SmolLM2-135M's linears (q/o, k/v, gate/up, down: hidden 576 is not a multiple of 128 and K = 576 has 4.5
+# fp8-block groups) and Qwen2.5-0.5B's (hidden 896).
+SMALL_MODEL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (896, 896), (128, 896), (4864, 896),
+                      (896, 4864)]
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block"])
+def test_quantized_matmul_on_small_model_shapes_at_every_batch_size(fmt):
+    """The unified flow's kernel forward (`precision.kernel_forward`) runs `quantized_matmul` on every linear of
+    small models at every M, decode steps to training batches, also where bf16 is faster: each plan must run and
+    match the reference, with and without a bias."""
+    for n, k in SMALL_MODEL_SHAPES:
+        for m in (1, 7, 16, 64, 128, 300, 640, 1024, 4096, 5000):
+            w, x, b = _inputs(m, n, k, bias=m % 2 == 0)
+            qw = quantize(w, fmt)
+            y = quantized_matmul(x, qw, False, b)
+            plan = plan_for(fmt, False, m, n, k, prefer_kernel=True)
+            assert y is not None and y.shape == (m, n) and y.dtype == torch.bfloat16, (fmt, n, k, m, plan)
+            err = _rel_err(y, _reference(x, qw, False, b))
+            assert err < EXACT_TOL, f"{fmt} [{m}, {k}] x [{n}, {k}] {plan}: rel err {err:.2e}"
+
+
 @gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8-block", "nvfp4"])
 def test_in_place_requantize_is_seen(fmt):

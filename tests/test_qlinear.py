@@ -613,6 +613,7 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
 
     calls = []
     monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: True)
     monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel(calls))
     torch.manual_seed(0)
     layer = make_layer(k=576, n=200, dtype=torch.bfloat16, rollout_format=fmt, train_format=fmt,
@@ -639,6 +640,16 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
     torch.testing.assert_close(x.grad.double().reshape(-1, 576), g64 @ wq, **tol)
     torch.testing.assert_close(layer.weight.grad.double(), g64.T @ xq, **tol)
     torch.testing.assert_close(layer.bias.grad.double(), g64.sum(0), **tol)
+    # and bit for bit those of the fake-quantized path (kernel_forward off) on the same weights and input
+    twin = copy.deepcopy(layer)
+    twin.configure(rollout_format=fmt, train_format=fmt, kernel_forward=False)
+    with torch.no_grad():
+        twin.weight.copy_(layer.weight)
+        twin.bias.copy_(layer.bias)
+    x2 = x.detach().clone().requires_grad_(True)
+    twin(x2).backward(g)
+    assert torch.equal(x2.grad, x.grad) and torch.equal(twin.weight.grad, layer.weight.grad)
+    assert torch.equal(twin.bias.grad, layer.bias.grad)
     # an optimizer step in place makes the rollout copy stale: the forward quantizes the weight as it is now
     with torch.no_grad():
         layer.weight.mul_(1.5)
@@ -651,3 +662,21 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
         assert torch.equal(layer(x), F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt),
                                               layer.bias))
     assert len(calls) == count
+
+
+def test_kernel_forward_skips_the_kernel_where_none_can_run(monkeypatch):
+    """float32 compute (or a GPU without the format's kernels): no weight quantization, no kernel call, the
+    fake-quantized path (which the rollout forward takes there too)."""
+    from quarl import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: False)
+    monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel(calls))
+    monkeypatch.setattr(kernels, "try_quantize_weight", lambda *a: calls.append("quantized") or None)
+    x = torch.randn(4, 300, requires_grad=True)
+    layer = make_layer(rollout_format="int8", train_format="int8", kernel_forward=True)  # float32
+    layer(x).sum().backward()
+    bf16 = make_layer(dtype=torch.bfloat16, rollout_format="fp8", train_format="fp8", kernel_forward=True)
+    bf16(x.detach().bfloat16())  # fp8 needs FP8 kernels, unavailable here
+    assert calls == []

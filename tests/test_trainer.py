@@ -284,9 +284,14 @@ def test_group_by_length_cuts_micro_batches_longest_first_and_trains_the_same(tm
     trained = {}
     for group in (True, False):
         cfg = make_cfg(tmp_path, f"train.group_by_length={str(group).lower()}", "train.steps=1", "data.max_operand=99",
+                       "train.recompute_proximal=true",
                        "rollout.max_new_tokens=8", name=f"group-{group}")
         trainer = make_trainer(cfg)
+        masks = []
+        cut = trainer.micro_batches
+        trainer.micro_batches = lambda rows, size, mask=None: masks.append(mask) or cut(rows, size, mask)
         trainer.train()
+        assert len(masks) >= 2 and all(m is not None for m in masks)  # scoring and the update both hand the mask
         trained[group] = read_metrics(tmp_path / f"group-{group}")[-1]
         lengths = torch.tensor([5, 9, 2, 9, 7, 3, 8])
         mask = (torch.arange(10)[None, :] >= 10 - lengths[:, None]).long()  # left-padded rows
@@ -298,7 +303,8 @@ def test_group_by_length_cuts_micro_batches_longest_first_and_trains_the_same(tm
             assert padded == 3 * 9 + 3 * 7 + 2
         else:
             assert [rows.tolist() for rows in chunks] == [[0, 1, 2], [3, 4, 5], [6]] and padded == 3 * 9 + 3 * 9 + 8
-    # the same rollouts, loss and gradient norm (AdamW's first step moves each weight by about ±lr whatever the
-    # gradient's size, so near-zero gradient entries summed in another order are not comparable weight by weight)
-    for key in ("reward/mean", "train/loss", "train/grad_norm", "mismatch/kl"):
-        assert trained[True][key] == pytest.approx(trained[False][key], rel=1e-5, abs=1e-7), key
+    # the same rollouts and gradient norm (AdamW's first step moves each weight by about ±lr whatever the gradient's
+    # size, so near-zero gradient entries summed in another order are not comparable weight by weight; the GRPO
+    # loss itself is a cancellation near 0, float32 noise in any order)
+    for key in ("reward/mean", "train/grad_norm", "mismatch/kl"):
+        assert trained[True][key] == pytest.approx(trained[False][key], rel=1e-5, abs=1e-10), key

@@ -158,3 +158,17 @@ def test_tuning_imports_and_chooses_without_triton():
     res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "gemv", res.stderr[-2000:]
+
+
+def test_a_bad_user_tuning_file_stops_a_run_before_the_model_loads(tmp_path, monkeypatch):
+    from quarl.config import load_config
+    from quarl.kernels import tuning
+    from quarl.rl.trainer import Trainer
+
+    bad = tmp_path / "mine.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(tuning.TUNING_FILE_ENV, str(bad))
+    monkeypatch.setattr(tuning, "_loaded", {})
+    cfg = load_config(None, ["model.name=/nonexistent/model", f"output.dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="QUARL_TUNING_FILE: .*mine.json"):
+        Trainer(cfg)

@@ -12,9 +12,10 @@ every call: at these sizes the GEMMs are compute-bound). Every plan's output is 
 reference (relative error at most 2e-2; the run exits 1 otherwise).
 
 --training: forward + backward (y = linear(x); y.backward(g), x [M, K] and g [M, N] bf16) of one linear layer in
-the three training modes of the unified flow, median of `--repeats` timed iterations after 3 untimed ones,
-operand quantization included: bf16 (F.linear on the bf16 master weight: the bf16 / split flows), unified (the
-straight-through forward on fake-quantized fp8-block x and W, bf16 GEMMs) and fp8-backward
+the training modes of the unified flow, median of `--repeats` timed iterations after 3 untimed ones, operand
+quantization included: bf16 (F.linear on the bf16 master weight: the bf16 / split flows), unified (the default,
+`precision.kernel_forward`: the forward on the 8-bit kernel, straight-through bf16 gradient GEMMs), unified-bf16
+(`precision.kernel_forward=false`: bf16 GEMMs of fake-quantized fp8-block x and W) and fp8-backward
 (`precision.quantized_backward`: `quarl.model.fp8_training`, all three GEMMs on FP8-block operands).
 """
 
@@ -153,7 +154,8 @@ def _median_ms(torch, fn, reps: int, device) -> float:
 
 
 def training_times(torch, n: int, k: int, m: int, repeats: int, device) -> dict[str, float]:
-    """{"bf16", "unified", "fp8-backward"} -> median ms of forward + backward of one [n, k] linear on m tokens
+    """{"bf16", "unified", "unified-bf16", "fp8-backward"} -> median ms of forward + backward of one [n, k] linear on
+    m tokens
     (bf16 x [m, k], output gradient [m, n]); runs on any device (a CPU takes the reference GEMMs)."""
     import torch.nn.functional as F
 
@@ -162,9 +164,11 @@ def training_times(torch, n: int, k: int, m: int, repeats: int, device) -> dict[
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     runs = {}
-    for mode, quantized_backward in (("unified", False), ("fp8-backward", True)):
+    for mode, kernel_forward, quantized_backward in (("unified", True, False), ("unified-bf16", False, False),
+                                                     ("fp8-backward", False, True)):
         layer = QuantLinear(k, n, device=device, dtype=torch.bfloat16)
-        layer.configure(rollout_format="fp8-block", train_format="fp8-block", quantized_backward=quantized_backward)
+        layer.configure(rollout_format="fp8-block", train_format="fp8-block", kernel_forward=kernel_forward,
+                        quantized_backward=quantized_backward)
         runs[mode] = layer
     w = runs["unified"].weight
     runs = {"bf16": lambda t: F.linear(t, w), **runs}
@@ -184,20 +188,23 @@ def run_training(args, torch, shapes: list[str], ms: list[int], formats: list[st
     from quarl.bench.gemm import ALL_SHAPES, append_results
 
     torch.manual_seed(args.seed)
-    lines = ["| shape (N x K) | M | bf16 (ms) | unified (ms) | fp8-backward (ms) | fp8-backward vs bf16 |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| shape (N x K) | M | bf16 (ms) | unified (ms) | unified-bf16 (ms) | fp8-backward (ms) | "
+             "unified vs bf16 | fp8-backward vs bf16 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for name in shapes:
         n, k = ALL_SHAPES[name]
         for m in ms:
             t = training_times(torch, n, k, m, args.repeats, "cuda")
             lines.append(f"| {name} ({n} x {k}) | {m} | {t['bf16']:.2f} | {t['unified']:.2f} | "
-                         f"{t['fp8-backward']:.2f} | {t['bf16'] / t['fp8-backward']:.2f}x |")
+                         f"{t['unified-bf16']:.2f} | {t['fp8-backward']:.2f} | {t['bf16'] / t['unified']:.2f}x | "
+                         f"{t['bf16'] / t['fp8-backward']:.2f}x |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     table = "\n".join(lines)
     if not args.no_save:
         append_results(args, [f"forward + backward of one linear, median of {args.repeats} iterations after 3 "
-                              "untimed ones; formats: fp8-block (unified: fake-quantized; fp8-backward: "
+                              "untimed ones; formats: fp8-block (unified: the forward on the 8-bit kernel; "
+                              "unified-bf16: fake-quantized, bf16 GEMMs; fp8-backward: "
                               "precision.quantized_backward)"], table)
     return 0

@@ -303,7 +303,9 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
             metrics = trainer.step(step)
             timed.append((_now(torch, device) - t0, metrics))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        roofline = None if ceilings is None else rollout_roofline(model, cfg, args, *ceilings)
+        # the roofline assumes every answer decodes --max-new-tokens at the full batch: not for long-tail answers
+        roofline = None if ceilings is None or mean_answer_len(args) is not None else \
+            rollout_roofline(model, cfg, args, *ceilings)
         trainer.log.close()
         del trainer, model
     row = phase_row(setting, timed, args, peak)
@@ -364,6 +366,12 @@ def bench_step(args) -> tuple[list[dict], str, str]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0 or args.lora_rank < 0:
         raise ValueError("--warmup and --lora-rank must be >= 0")
+    if args.mean_answer_len is not None:
+        if args.answer_lengths != "long-tail":
+            raise ValueError("--mean-answer-len sets the mean of --answer-lengths long-tail; add that option or drop "
+                             "--mean-answer-len")
+        if args.mean_answer_len < 1:
+            raise ValueError(f"--mean-answer-len must be >= 1, got {args.mean_answer_len}")
     settings = parse_settings(args.settings)
     path_settings(args.with_paths, args.without)  # unknown names fail here, before any run
     device = resolve_device(args.device)
@@ -404,11 +412,21 @@ def bench_step(args) -> tuple[list[dict], str, str]:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Set row["speedup"] = bf16 step time / the row's step time for every measured non-bf16 row."""
-    base = next((r["step_s"] for r in rows if r["flow"] == "bf16" and "step_s" in r), None)
+    """Set row["speedup"] for every measured non-bf16 row: bf16 step time / the row's step time, or with long-tail
+    answers (whose total differs from setting to setting, as each samples its own tokens) the row's step
+    throughput (tokens/s) / bf16's."""
+    base = next((r for r in rows if r["flow"] == "bf16" and "step_s" in r), None)
     for r in rows:
         if "step_s" in r:
-            r["speedup"] = base / r["step_s"] if base is not None and r["flow"] != "bf16" else None
+            r["speedup"] = None if base is None or r["flow"] == "bf16" else speed_ratio(base, r, "step")
+
+
+def speed_ratio(base: dict, row: dict, part: str) -> float:
+    """How much faster `row` ran `part` ("step" or "rollout") than `base`: by time for fixed-length answers, by
+    tokens per second when the settings' answers may total differently (long-tail)."""
+    if row["expected_tokens"] is None:
+        return row[f"{part}_tok_s"] / base[f"{part}_tok_s"]
+    return base[f"{part}_s"] / row[f"{part}_s"]
 
 
 # ---------------------------------------------------------------- report
@@ -460,7 +478,7 @@ def summarize(rows: list[dict]) -> str:
             if r.get("speedup"):
                 met = "MET" if r["speedup"] >= SPEEDUP_TARGET else "missed"
                 line += f"; step {r['speedup']:.2f}x bf16 ({met} {SPEEDUP_TARGET}x)"
-                rollout_speedup = base["rollout_s"] / r["rollout_s"]
+                rollout_speedup = speed_ratio(base, r, "rollout")
                 bound = rollout_bound(base["rollout_pct"] / 100.0, rollout_speedup)
                 line += (f"; rollout {rollout_speedup:.2f}x bf16 allows {bound:.2f}x, the step reaches "
                          f"{100.0 * r['speedup'] / bound:.0f}% of that bound")

@@ -1,7 +1,8 @@
 """GPU fast paths behind the reference formats. `try_quantized_matmul` returns None where no kernel applies.
 
 Importing this package never needs Triton or a GPU: the Triton kernels are imported on the first call that can
-use them. Kernel choice per format and M lives in `quarl.kernels.tuning` (a policy in code over per-GPU tables of data, `quarl/kernels/tuning_tables/`).
+use them. Kernel choice per format and M lives in `quarl.kernels.tuning`: a policy in code over per-GPU tables
+of data (`quarl/kernels/tuning_tables/`).
 
 The kernels read the canonical `QuantizedTensor` layouts directly (no transposed or re-packed copies), so an
 in-place re-quantization (`quantize(w, fmt, out=qt)`, the per-step sync) needs no cache invalidation.

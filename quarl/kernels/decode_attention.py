@@ -189,7 +189,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lengths: int32/int64 [B], 1 <= lengths[b] <= C (columns to attend over, the current token included).
         num_splits: column ranges per sequence (see `choose_num_splits`); kv_scale: FP8 dequantisation scale.
         block_n, num_warps, num_stages: the tile; the defaults are the sweep's choice for both cache dtypes at 128
-            and 512 sequences (`quarl bench` results in bench/results/decode_attention.md). num_warps None = 2 for
+            and 512 sequences (bench/results/decode_attention.md). num_warps None = 2 for
             an FP8 cache (the sweep's choice there), else 4.
         k_scales, v_scales: [S, Hkv, C] float32 (last dim contiguous) per-token scales of a token-scaled FP8
             cache (values = stored * scale; kv_scale must then be 1), or None.

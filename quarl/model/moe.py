@@ -58,7 +58,7 @@ class ExpertRouting:
 
     def stacked(self, which: str = "used") -> torch.Tensor:
         """The record as long [*tokens, num_moe_layers, k] ("used" or "own"; tokens = [B, T] in a full forward, [B]
-        in a decode step); needs record=True and a forward."""
+        in a decode step: [B, 1]); needs record=True and a forward."""
         table = self.used if which == "used" else self.own
         if not table:
             raise ValueError("no routing was recorded: pass ExpertRouting(record=True) to a forward of a MoE model")

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quarl import kernels
+from quarl.fallbacks import report_fallback
 from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS
 from quarl.formats import FORMATS, QuantizedTensor, get_format, quantize
 from quarl.formats.registry import quantize_unchecked
@@ -215,7 +216,10 @@ class QuantLinear(nn.Module):
         settings = dict(rollout_format=rollout_format, train_format=train_format, weight_only=bool(weight_only),
                         frozen_base=bool(frozen_base), lora_rank=lora_rank, lora_alpha=lora_alpha,
                         lora_dropout=lora_dropout, quantized_backward=bool(quantized_backward),
-                        kernel_forward=bool(kernel_forward))
+                        # only a trainable W8A8 base can train on the kernel: off elsewhere, so that settings
+                        # that differ in it alone are the same configuration
+                        kernel_forward=bool(kernel_forward) and train_format is not None and not weight_only
+                        and not frozen_base)
         self._validate(settings)
         if self.weight is None:
             if settings == self._settings:
@@ -234,7 +238,7 @@ class QuantLinear(nn.Module):
         self.rollout_format, self.train_format = rollout_format, train_format
         self.weight_only, self.frozen_base = bool(weight_only), bool(frozen_base)
         self.quantized_backward = bool(quantized_backward)
-        self.kernel_forward = bool(kernel_forward)
+        self.kernel_forward = settings["kernel_forward"]
         self._base_dtype = self.weight.dtype
         if rollout_format is not None:
             self._allocate_rollout_copy()
@@ -550,13 +554,21 @@ class QuantLinear(nn.Module):
     def _kernel_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The unified W8A8 training forward on the rollout's kernel: Q(x) @ Q(W)^T (+ b) [..., out] in x.dtype by
         `kernels.quantized_matmul`, with the straight-through gradients of the fake-quantized path
-        (`_KernelLinear`); None where no kernel applies (CPU, no Triton): the caller then computes the same values
-        with bf16 GEMMs of the fake-quantized operands. Q(W) is the rollout copy while it holds the master weight
-        as it is (the step's sync made it), else the weight quantized now (after an optimizer step within the
-        step)."""
+        (`_KernelLinear`); None where no kernel applies (CPU, no Triton, float32 compute, FP8 before compute
+        capability 8.9): the caller then takes bf16 GEMMs of the fake-quantized operands, as the rollout forward
+        does there. Q(W) is the rollout copy while it holds the master weight as it is (the step's sync made it),
+        else the weight quantized now (after an optimizer step within the step)."""
         x2d = x.reshape(-1, self.in_features)
-        if x2d.dtype != self.compute_dtype or not kernels.kernels_available(x2d.device):
-            return None  # (checked first: quantizing the weight below would be wasted work)
+        # checked before quantizing the weight, which would be wasted work without a kernel
+        needs_fp8 = get_format(self.train_format).needs_fp8_hardware
+        available = kernels.fp8_kernels_available if needs_fp8 else kernels.kernels_available
+        if x2d.dtype != self.compute_dtype or x2d.dtype not in (torch.bfloat16, torch.float16) or \
+                not available(x2d.device):
+            if x2d.is_cuda:
+                report_fallback("unified kernel forward", f"no {self.train_format} kernel for {x2d.dtype} on this "
+                                "GPU; rollout and training forwards both take bf16 GEMMs of the fake-quantized "
+                                "values")
+            return None
         w = self.weight.detach()
         if self.qweight_data is not None and self.rollout_format == self.train_format and \
                 self._rollout_copy_current() and self.qweight_data.device == w.device:
@@ -569,6 +581,9 @@ class QuantLinear(nn.Module):
             y = kernels.quantized_matmul(x2d.detach(), qweight, False,
                                          None if bias is None else bias.detach())
         if y is None:
+            report_fallback("unified kernel forward", f"no {self.train_format} kernel plan for a [{x2d.shape[0]}, "
+                            f"{self.in_features}] x [{self.out_features}, {self.in_features}] GEMM; rollout and "
+                            "training forwards both take bf16 GEMMs of the fake-quantized values there")
             return None
         y = _KernelLinear.apply(y, x2d, self.weight, bias, self.train_format)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -28,6 +28,7 @@ from quarl import distributed as qdist
 from quarl.config import RunConfig, config_to_dict, load_config
 from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
+from quarl.kernels.tuning import TUNING_FILE_ENV, current_tables
 from quarl.model.layers import Attention
 from quarl.model.moe import ExpertRouting, routing_mismatch
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
@@ -252,6 +253,8 @@ class Trainer:
 
         self.cfg = cfg
         RunLog.check_installed(cfg.output.report_to)  # a missing tracker fails before the model loads
+        if os.environ.get(TUNING_FILE_ENV):
+            current_tables()  # a bad user tuning file fails now, not at the first GEMM of the run
         # Under torchrun: one rank per process, the trained model sharded (FSDP2), a full rollout copy per rank
         # (quarl/rl/sharding.py, docs/DISTRIBUTED.md). Without it: one process, one model, as always.
         self.distributed = qdist.launched_by_torchrun()

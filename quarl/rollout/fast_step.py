@@ -35,12 +35,15 @@ class SlotDecode:
     attention: AttentionFn
     kv_len: int
 
+    def __post_init__(self):
+        self.lengths = self.positions + 1  # columns each row attends over, its own token included
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (after rotary) -> attention output [B, Hq, 1, D]."""
         cache = self.cache
         cache.write_tokens(layer_idx, self.positions, k[:, :, 0], v[:, :, 0])
-        out = self.attention(q[:, :, 0], cache.keys[layer_idx], cache.values[layer_idx], self.positions + 1,
-                             self.kv_len, *cache.scales(layer_idx))
+        out = self.attention(q[:, :, 0], cache.keys[layer_idx], cache.values[layer_idx], self.lengths, self.kv_len,
+                             *cache.scales(layer_idx))
         return out[:, :, None]
 
 
