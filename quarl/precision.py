@@ -62,8 +62,9 @@ class PrecisionConfig:
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
     # unified W8A8 on a GPU: rollout and training forwards both run the 8-bit kernels at every batch size (exact
-    # code products); false: training takes bf16 GEMMs of the fake-quantized values, and the rollout too wherever
-    # the tuning table prefers them, which round each dequantized operand to bf16
+    # code products, fp32 sums whose order may differ by plan); false: training takes bf16 GEMMs of the
+    # fake-quantized values, and the rollout too wherever the tuning table prefers them, which round each
+    # dequantized operand to bf16
     kernel_forward: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 

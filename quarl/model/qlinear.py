@@ -207,7 +207,8 @@ class QuantLinear(nn.Module):
         train_format="fp8-block" (W8A8, not frozen), the training GEMMs including both gradient GEMMs take FP8-block
         operands (`quarl.model.fp8_training`, Jet-RL). kernel_forward: with train_format set, activations
         quantized and a trainable base (the unified flow, W8A8), the training forward runs the rollout's 8-bit GEMM
-        kernel on a GPU (`_kernel_training_forward`), so both compute the same products.
+        kernel on a GPU (`_kernel_training_forward`), so both multiply the codes exactly (the fp32 sums may run in
+        another order for another batch size's plan).
         Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
         again replaces the previous configuration (LoRA adapters are re-initialised) — except after
         frozen_base dropped the master weight: then only the LoRA settings may change (the adapters are
@@ -513,8 +514,8 @@ class QuantLinear(nn.Module):
             # A frozen base has no bf16 weight to fall back on (the fallback would dequantize the whole weight
             # every call), so it takes the quantized kernel even where the tuning table prefers a bf16 GEMM; so does
             # a unified linear whose training forward runs the kernel (`kernel_forward`): the bf16 fallback rounds
-            # each dequantized operand to bf16, which the kernel never does, and rollout and training must compute
-            # the same products at every batch size.
+            # each dequantized operand to bf16, which the kernel never does, and rollout and training must multiply
+            # the same values at every batch size.
             matmul = kernels.quantized_matmul if self.rollout_needs_kernel() else kernels.try_quantized_matmul
             y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
