@@ -73,6 +73,13 @@ def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor
     return _StraightThrough.apply(value.detach(), source)
 
 
+def _quantize_weight(w: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """Q(w) for w [out, in]: one Triton pass on a GPU where `kernels.try_quantize_weight` has one (the same codes),
+    else the reference without its NaN/Inf scan (a device synchronisation per call)."""
+    fresh = kernels.try_quantize_weight(w, fmt)
+    return fresh if fresh is not None else quantize_unchecked(w, fmt, "weight")
+
+
 class _FrozenBaseLinear(torch.autograd.Function):
     """y = x @ deq(base)^T + b for a frozen quantized base, keeping no dequantized weight for backward.
 
@@ -217,10 +224,12 @@ class QuantLinear(nn.Module):
         settings = dict(rollout_format=rollout_format, train_format=train_format, weight_only=bool(weight_only),
                         frozen_base=bool(frozen_base), lora_rank=lora_rank, lora_alpha=lora_alpha,
                         lora_dropout=lora_dropout, quantized_backward=bool(quantized_backward),
-                        # only a trainable W8A8 base can train on the kernel: off elsewhere, so that settings
-                        # that differ in it alone are the same configuration
-                        kernel_forward=bool(kernel_forward) and train_format is not None and not weight_only
-                        and not frozen_base)
+                        # only a unified (train = rollout format), trainable W8A8 base without quantized_backward
+                        # trains on the kernel: off elsewhere, so that settings that differ in it alone are the
+                        # same configuration
+                        kernel_forward=bool(kernel_forward) and train_format is not None
+                        and train_format == rollout_format and not weight_only and not frozen_base
+                        and not quantized_backward)
         self._validate(settings)
         if self.weight is None:
             if settings == self._settings:
@@ -430,9 +439,7 @@ class QuantLinear(nn.Module):
         without its NaN/Inf scan: the scan costs a device synchronisation per linear, hundreds per sync, and a
         non-finite master weight is the optimizer's failure, not the quantizer's."""
         out = self.qweight
-        fresh = kernels.try_quantize_weight(w, self.rollout_format)
-        if fresh is None:
-            fresh = quantize_unchecked(w, self.rollout_format, "weight")
+        fresh = _quantize_weight(w, self.rollout_format)
         if fresh.data.dtype != out.data.dtype or fresh.scale.numel() != out.scale.numel():
             raise RuntimeError(f"{self.rollout_format} weight quantizer returned codes {fresh.data.dtype} and "
                                f"{fresh.scale.numel()} scales; the rollout copy holds {out.data.dtype} and "
@@ -531,7 +538,7 @@ class QuantLinear(nn.Module):
         fmt = self.train_format
         if self.quantized_backward:
             return fp8_block_linear(x, self.weight, bias, self._frozen_fp8_codes(x.dtype), self.fast_paths)
-        if self._trains_on_kernel():
+        if self.kernel_forward:
             y = self._kernel_training_forward(x, bias)
             if y is not None:
                 return y
@@ -544,13 +551,17 @@ class QuantLinear(nn.Module):
 
     def rollout_needs_kernel(self) -> bool:
         """Whether the rollout forward takes the quantized kernel even where the tuning table prefers a bf16 GEMM of
-        the dequantized weight: a frozen (qlora) base, and a unified linear that trains on the kernel."""
-        return self.frozen_base or self._trains_on_kernel()
+        the dequantized weight: a frozen (qlora) base, and a unified linear that trains on the kernel
+        (`kernel_forward`)."""
+        return self.frozen_base or self.kernel_forward
 
-    def _trains_on_kernel(self) -> bool:
-        """Unified W8A8 with `kernel_forward`: rollout and training forwards both run the 8-bit kernels."""
-        return (self.kernel_forward and self.train_format is not None and self.train_format == self.rollout_format
-                and not self.weight_only and not self.frozen_base and not self.quantized_backward)
+    def _current_rollout_copy(self, fmt: str) -> QuantizedTensor | None:
+        """The rollout copy when it holds the master weight as it is now, in `fmt`, on the weight's device (the
+        step's sync made it and no optimizer step followed); else None."""
+        if self.qweight_data is None or self.rollout_format != fmt or not self._rollout_copy_current() or \
+                self.qweight_data.device != self.weight.device:
+            return None
+        return self.qweight
 
     def _kernel_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The unified W8A8 training forward on the rollout's kernel: Q(x) @ Q(W)^T (+ b) [..., out] in x.dtype by
@@ -570,14 +581,9 @@ class QuantLinear(nn.Module):
                                 "GPU; rollout and training forwards both take bf16 GEMMs of the fake-quantized "
                                 "values")
             return None
-        w = self.weight.detach()
-        if self.qweight_data is not None and self.rollout_format == self.train_format and \
-                self._rollout_copy_current() and self.qweight_data.device == w.device:
-            qweight = self.qweight
-        else:
-            qweight = kernels.try_quantize_weight(w.to(self.compute_dtype), self.train_format)
-            if qweight is None:
-                qweight = quantize_unchecked(w.to(self.compute_dtype), self.train_format, "weight")
+        qweight = self._current_rollout_copy(self.train_format)
+        if qweight is None:
+            qweight = _quantize_weight(self.weight.detach().to(self.compute_dtype), self.train_format)
         with torch.no_grad():
             y = kernels.quantized_matmul(x2d.detach(), qweight, False,
                                          None if bias is None else bias.detach())
@@ -602,9 +608,9 @@ class QuantLinear(nn.Module):
             self._frozen_codes = self._frozen_codes_key = None  # e.g. unfrozen since: free the N*K bytes
             return None
         if not self._same_state(self._frozen_codes_key, w.data_ptr(), dtype):
-            rollout_current = (self.qweight_data is not None and self.rollout_format == fp8_training.FORMAT
-                               and self._rollout_copy_current() and self.qweight_data.device == w.device)
-            forward = self.qweight if rollout_current else fp8_training.quantized_weight(w, dtype)
+            forward = self._current_rollout_copy(fp8_training.FORMAT)
+            if forward is None:
+                forward = fp8_training.quantized_weight(w, dtype)
             self._frozen_codes = FrozenWeightCodes(forward, fp8_training.quantized_weight(w, dtype, transpose=True))
             self._frozen_codes_key = self._weight_state(w.data_ptr(), dtype)
         return self._frozen_codes

@@ -45,7 +45,7 @@ def evaluate(engine, task, examples, *, n: int = 1, temperature: float = 0.0, ma
         raise ValueError(f"evaluate: n must be >= 1, got {n}")
     if n > 1 and temperature == 0:
         raise ValueError("evaluate: n > 1 needs sampling (temperature > 0); greedy answers would all be equal")
-    records = [] if records is None else records
+    mine: list[dict] = []  # this call's records
     first = 0.0
     with tqdm(total=len(examples), desc=desc, unit="problem", disable=None if progress is None else not progress,
               dynamic_ncols=True, leave=False) as bar:
@@ -70,12 +70,14 @@ def evaluate(engine, task, examples, *, n: int = 1, temperature: float = 0.0, ma
             for ex, prompt, out in zip(chunk, prompts, outputs):
                 scores = [bool(task.correct(c.text, ex)) for c in out.completions]
                 first += scores[0]
-                records.append({"id": ex.id, "prompt": prompt, "gold": ex.gold,
-                                "completions": [c.text for c in out.completions],
-                                "scores": [float(s) for s in scores], "correct": scores[0]})
+                mine.append({"id": ex.id, "prompt": prompt, "gold": ex.gold,
+                             "completions": [c.text for c in out.completions],
+                             "scores": [float(s) for s in scores], "correct": scores[0]})
             bar.update(len(chunk))
             bar.set_postfix_str(f"accuracy {first / (start + len(chunk)):.3f}", refresh=False)
-    return metrics_of_records(records[len(records) - len(examples):], n)
+    if records is not None:
+        records.extend(mine)
+    return metrics_of_records(mine, n)
 
 
 def metrics_of_records(records: list[dict], n: int) -> dict[str, float]:
