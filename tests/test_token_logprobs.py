@@ -92,6 +92,10 @@ def test_cuda_answer_logprobs_with_the_kernel_equal_the_torch_path(monkeypatch):
     from quarl.model.tiny import tiny_config
     from quarl.rl import batch
 
+    from quarl import kernels
+
+    # the kernel's first-use self-check calls it too: run that check before counting calls
+    assert kernels.training_kernel_ok("token_logprobs", torch.device("cuda"), torch.bfloat16)
     calls = []
     real = kernel.token_logprobs
     monkeypatch.setattr(kernel, "token_logprobs", lambda *a, **kw: calls.append(1) or real(*a, **kw))

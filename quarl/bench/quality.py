@@ -145,6 +145,7 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
     while pending or running:
         while pending and len(running) < limit and not interrupted:
             setting, seed = pending.pop(0)
+            _failed_marker(args.runs_dir, setting, seed).unlink(missing_ok=True)
             log = open(os.path.join(args.runs_dir, f"{setting}-s{seed}.log"), "w")
             cmd = [sys.executable, "-m", "quarl", "train", *run_overrides(setting, seed, args)]
             running[(setting, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
@@ -152,14 +153,18 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
             if proc.poll() is not None:
                 log.close()
                 del running[key]
-                if proc.returncode != 0 and not interrupted and _out_of_memory_at_start(args.runs_dir, *key):
-                    # Too many runs for the GPU's memory: run this one again once fewer are running, and never
-                    # start more at once than were running when it failed.
+                if proc.returncode != 0 and not interrupted and _out_of_memory(args.runs_dir, *key):
+                    # Too many runs for the GPU's memory: run this one again from its start once fewer are
+                    # running (the trainer moves the partial run aside), and never start more at once than were
+                    # running when it failed.
                     limit = max(1, len(running))
                     pending.append(key)
-                    print(f"[quality] {key[0]} seed {key[1]}: out of GPU memory at start-up; queued again "
-                          f"(at most {limit} runs at once from now on)", flush=True)
+                    done = _steps_done(Path(args.runs_dir) / f"{key[0]}-s{key[1]}")
+                    print(f"[quality] {key[0]} seed {key[1]}: out of GPU memory after {done} steps; queued again "
+                          f"from step 0 (at most {limit} runs at once from now on)", flush=True)
                     continue
+                if proc.returncode != 0 and not interrupted:
+                    _failed_marker(args.runs_dir, *key).write_text(f"exit {proc.returncode}\n")
                 status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see its .log)"
                 print(f"[quality] {key[0]} seed {key[1]}: {status} after {time.time() - start:.0f} s", flush=True)
         if args.time_budget is not None and not interrupted and time.time() - start > args.time_budget:
@@ -177,11 +182,16 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
         time.sleep(1.0)
 
 
-def _out_of_memory_at_start(runs_dir: str, setting: str, seed: int) -> bool:
-    """Whether the run died of CUDA out-of-memory before finishing a step (so running it again loses nothing)."""
+def _out_of_memory(runs_dir: str, setting: str, seed: int) -> bool:
+    """Whether the run died of CUDA out-of-memory (its log names torch.OutOfMemoryError)."""
     log = Path(runs_dir) / f"{setting}-s{seed}.log"
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    return "OutOfMemoryError" in text and _steps_done(Path(runs_dir) / f"{setting}-s{seed}") == 0
+    return log.is_file() and "OutOfMemoryError" in log.read_text(errors="replace")
+
+
+def _failed_marker(runs_dir: str, setting: str, seed: int) -> Path:
+    """The file that marks a run which stopped with an error (not done, not interrupted by the time budget): its
+    folder holds a partial curve that the summary leaves out."""
+    return Path(runs_dir) / f"{setting}-s{seed}.failed"
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -266,9 +276,13 @@ def summarize(runs_dir: str, settings: list[str] | None = None) -> tuple[str, li
     """The markdown report (tables) and the target verdict lines for the run folders in runs_dir."""
     root = Path(runs_dir)
     found: dict[str, list[dict]] = {}
+    failed: list[str] = []
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and (p / "metrics.jsonl").is_file()):
         name, _, seed = run_dir.name.rpartition("-s")
         if name in SETTINGS and seed.isdigit() and (settings is None or name in settings):
+            if _failed_marker(runs_dir, name, int(seed)).is_file():
+                failed.append(f"{name} seed {seed}")
+                continue
             records = read_records(run_dir)
             if records:
                 found.setdefault(name, []).append(run_summary(records))
@@ -287,6 +301,8 @@ def summarize(runs_dir: str, settings: list[str] | None = None) -> tuple[str, li
         kl = s["kl"]
         lines.append(f"| {name} | {len(s['runs'])} | {s['steps']} | " + " | ".join(cells) +
                      f" | {full_text} | {'-' if kl[0] != kl[0] else f'{kl[0]:.4f}'} |")
+    if failed:
+        lines += ["", f"Left out (stopped with an error; see each one's .log): {', '.join(failed)}"]
     ref = summaries.get(REFERENCE)
     target = ref["final"][0] if ref else None
     lines += ["", f"Time to the bf16 run's final accuracy ({'-' if target is None else f'{target:.3f}'}) and median "

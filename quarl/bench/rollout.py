@@ -67,9 +67,17 @@ MODEL_SIZES["30b-a3b"] = dict(
     moe_intermediate_size=768, norm_topk_prob=True)
 
 
+# SmolLM2-135M-Instruct's shapes (the B6 model; Llama: no attention bias, hidden 576, MLP 1536, 9 heads of 64, 3 KV
+# heads), so its step can be timed with random weights where the GGUF is not at hand.
+MODEL_SIZES["135m"] = dict(
+    architecture="llama", attention_bias=False, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=1e5,
+    rms_norm_eps=1e-5, max_position_embeddings=8192)
+
+
 def model_config(size: str):
-    """The ModelConfig of a size (a key of MODEL_SIZES: a Qwen2.5 size such as "7b", or "30b-a3b" for the
-    Qwen3-30B-A3B mixture of experts)."""
+    """The ModelConfig of a size (a key of MODEL_SIZES: a Qwen2.5 size such as "7b", "30b-a3b" for the
+    Qwen3-30B-A3B mixture of experts, or "135m" for SmolLM2-135M's Llama shapes)."""
     from quarl.model.config import ModelConfig
 
     if size not in MODEL_SIZES:
@@ -127,7 +135,8 @@ def _deferred_choice(text: str):
 def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench rollout`."""
     parser.add_argument("--model-size", default="7b",
-                        help=f"architecture (Qwen2.5 sizes; 30b-a3b = Qwen3-30B-A3B MoE): {', '.join(MODEL_SIZES)}")
+                        help=f"architecture (Qwen2.5 sizes; 30b-a3b = Qwen3-30B-A3B MoE; 135m = SmolLM2-135M's shapes): "
+                             f"{', '.join(MODEL_SIZES)}")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                         help="comma list of PRECISION:KV (precision in " + ", ".join(PRECISIONS)
                         + f", a quantized one optionally with {HEAD_SUFFIX} to quantize lm_head too; KV "

@@ -25,6 +25,7 @@ The shares of the five parts sum to 100 % of the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -93,7 +94,8 @@ def parse_settings(text: str) -> list[Setting]:
 def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quarl bench step`."""
     parser.add_argument("--model-size", default="1.5b", choices=MODEL_SIZE_CHOICES,
-                        help="Qwen2.5 architecture with random weights (tiny = the CPU test model)")
+                        help="Qwen2.5 architecture with random weights (30b-a3b: Qwen3-30B-A3B MoE; 135m: "
+                             "SmolLM2-135M's Llama shapes, the B6 model; tiny = the CPU test model)")
     parser.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tune (B3: 1.5b full, 7b rank 32)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
                         help="comma list of FLOW[:FORMAT[:KV]] (bf16 | split | unified | qlora; formats as in "
@@ -122,6 +124,10 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
                              "as bf16 against the Jet-RL setting in one call (e.g. --set-lowp "
                              "precision.quantized_backward=true)")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="run the timed steps under torch.profiler and write, per setting, DIR/SETTING.txt: the "
+                             "operators and kernels that took the most GPU and CPU time (the step times then include "
+                             "the profiler's overhead)")
     parser.add_argument("--with", dest="with_paths", default="",
                         help="comma list of optional paths to turn on for every setting: " + ", ".join(PATHS))
     parser.add_argument("--without", default="",
@@ -296,12 +302,13 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         timed = []  # (wall seconds, trainer metrics)
-        for step in range(args.warmup, args.warmup + args.steps):
-            if timed and deadline is not None and time.perf_counter() + timed[-1][0] > deadline:
-                break  # keep the steps measured so far rather than overrun the budget
-            t0 = _now(torch, device)
-            metrics = trainer.step(step)
-            timed.append((_now(torch, device) - t0, metrics))
+        with profiled(getattr(args, "profile", None), setting.name, device):
+            for step in range(args.warmup, args.warmup + args.steps):
+                if timed and deadline is not None and time.perf_counter() + timed[-1][0] > deadline:
+                    break  # keep the steps measured so far rather than overrun the budget
+                t0 = _now(torch, device)
+                metrics = trainer.step(step)
+                timed.append((_now(torch, device) - t0, metrics))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         # the roofline assumes every answer decodes --max-new-tokens at the full batch: not for long-tail answers
         roofline = None if ceilings is None or mean_answer_len(args) is not None else \
@@ -313,6 +320,31 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
     row["rollout_roofline_s"] = roofline
     row["rollout_roofline_pct"] = None if roofline is None else 100.0 * roofline / row["rollout_s"]
     return row
+
+
+@contextlib.contextmanager
+def profiled(out_dir: str | None, name: str, device, rows: int = 30):
+    """With out_dir: run the block under torch.profiler and write out_dir/NAME.txt (NAME: the setting's name with
+    ':' as '_'): the `rows` operators with the most self GPU time, then the `rows` with the most self CPU time
+    (key_averages tables). Without: nothing."""
+    if not out_dir:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    tables = []
+    if device.type == "cuda":
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
+    tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name.replace(":", "_") + ".txt")
+    with open(path, "w") as f:
+        f.write("\n\n".join(tables) + "\n")
+    print(f"[bench step] profile of {name}: {path}", flush=True)
 
 
 def rollout_roofline(model, cfg, args, bandwidth: float, rate: float) -> float:
