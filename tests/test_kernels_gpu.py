@@ -86,6 +86,20 @@ def test_fp4_dequant_then_matmul(fmt):
         assert err < DEQ_TOL, f"{fmt} deq_mm M={m} N={n} K={k}: rel err {err:.2e}"
 
 
+@gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block"])
+def test_8bit_weight_dequant_is_the_reference_bit_for_bit(fmt):
+    """`kernels.try_dequantize` of an 8-bit weight (the unified backward's Q(W)): the reference's values exactly."""
+    from quarl.kernels import try_dequantize
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for n, k in [(576, 1536), (1536, 576), (200, 300), (129, 257), (4096, 4096)]:
+        qw = quantize(torch.randn(n, k, device="cuda") * torch.exp(torch.randn(n, 1, device="cuda")), fmt)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = try_dequantize(qw, dtype)
+            assert got is not None and torch.equal(got, qw.dequantize(dtype)), f"{fmt} N={n} K={k} {dtype}"
+
+
 def _divide_by_row_scales(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """`quant_utils.div_by_scale` row by row: v float32 [R, C], s float32 [R] -> v / s [R, C]."""
     import triton

@@ -650,11 +650,13 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
     twin(x2).backward(g)
     assert torch.equal(x2.grad, x.grad) and torch.equal(twin.weight.grad, layer.weight.grad)
     assert torch.equal(twin.bias.grad, layer.bias.grad)
-    # an optimizer step in place makes the rollout copy stale: the forward quantizes the weight as it is now
+    # an optimizer step in place makes the rollout copy stale: the forward re-quantizes the weight as it is now
+    # into the rollout copy (same buffers), which is then current for the next micro-batch and the rollout
     with torch.no_grad():
         layer.weight.mul_(1.5)
     layer(x)
-    assert not reads_copy(calls[-1]) and torch.equal(calls[-1].data, quantize(layer.weight.detach(), fmt).data)
+    assert reads_copy(calls[-1]) and torch.equal(calls[-1].data, quantize(layer.weight.detach(), fmt).data)
+    assert layer._current_rollout_copy(fmt) is not None
     # off: no kernel, the fake-quantized path
     layer.configure(rollout_format=fmt, train_format=fmt, kernel_forward=False)
     count = len(calls)

@@ -257,3 +257,25 @@ def test_w8_gemv_takes_one_row():
     qw = quantize(torch.randn(8, 128), "fp8")
     with pytest.raises(ValueError, match="one row, got M=2"):
         w8_gemv(torch.randn(2, 128).half(), qw, None, 8, 128, 4, 1, 1)
+
+
+_DEQUANT_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
+    from quarl.kernels.dequant import dequantize_8bit_weight
+
+    # SmolLM2's shapes (K = 576: a padded last fp8-block tile) and ones off every block size; a NaN-padded scale
+    # view catches a kernel that reads past a row's scales
+    for n, k in [(576, 1536), (200, 576), (129, 257), (1, 100)]:
+        w = torch.randn(n, k) * torch.exp(torch.randn(n, 1))
+        qw = quantize(w, FMT, "weight")
+        qw = dataclasses.replace(qw, scale=nan_padded(qw.scale))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = dequantize_8bit_weight(qw, dtype)
+            assert got.shape == (n, k) and got.dtype == dtype, (FMT, n, k, dtype)
+            assert torch.equal(got, qw.dequantize(dtype)), (FMT, n, k, dtype)  # code * scale, rounded once
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block"])
+def test_8bit_weight_dequant_equals_the_reference_in_the_interpreter(fmt):
+    _run_check(_DEQUANT_CHECK, fmt)

@@ -1,8 +1,12 @@
-"""Weight dequantization to bf16/fp16 on the GPU, for the "dequantize then cuBLAS" path of large-M GEMMs.
+"""Weight dequantization to bf16/fp16/fp32 on the GPU, one kernel per weight.
 
-For prefill-sized M the GEMM is compute-bound and an fp4 weight saves nothing on the tensor cores, so writing
-the dense weight once (N*K*2 bytes, tens of microseconds) and calling the library GEMM can beat dequantizing
-every tile inside a Triton GEMM. The element decode is the one of `quarl.kernels.fp4_gemm` (exact).
+fp4 weights: for the "dequantize then cuBLAS" path of large-M GEMMs. For prefill-sized M the GEMM is compute-bound
+and an fp4 weight saves nothing on the tensor cores, so writing the dense weight once (N*K*2 bytes, tens of
+microseconds) and calling the library GEMM can beat dequantizing every tile inside a Triton GEMM. The element
+decode is the one of `quarl.kernels.fp4_gemm` (exact).
+
+8-bit weights (int8, fp8, fp8-tensor, fp8-block): Q(W) for the unified flow's backward (the gradient of x is
+g @ Q(W)), in one pass instead of the reference's float32 temporaries and expanded tile scales.
 """
 
 from __future__ import annotations
@@ -59,5 +63,54 @@ def dequantize_fp4_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
         qweight.data, scale, gs, out, N, K, qweight.data.shape[1], scale.shape[1], qweight.data.stride(0),
         scale.stride(0), out.stride(0),
         IS_MX=is_mx, BN=bn, BK=bk, num_warps=4,
+    )
+    return out
+
+
+# scale layouts of the 8-bit weight formats
+_PER_TENSOR, _PER_ROW, _PER_TILE = 0, 1, 2
+
+
+@triton.jit
+def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, IS_FP8: tl.constexpr,
+                       SCALES: tl.constexpr, TILE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """w [N, Kp] int8 codes or E4M3 bytes, s float32 (SCALES 0: one scale []; 1: per row [N, 1]; 2: per TILE x TILE
+    tile [ceil(N/TILE), Kp/TILE]) -> out [N, K] = code * scale in float32, rounded once (padding dropped)."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    n_ok = offs_n < N
+    mask = n_ok[:, None] & (offs_k < K)[None, :]
+    c = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+    if IS_FP8:
+        v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = c.to(tl.float32)
+    if SCALES == 0:
+        w = v * tl.load(s_ptr)
+    elif SCALES == 1:
+        w = v * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)[:, None]
+    else:
+        w = v * tl.load(s_ptr + (offs_n // TILE)[:, None] * stride_sn + (offs_k // TILE)[None, :], mask=mask,
+                        other=0.0)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_8bit_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
+    """int8 / fp8 / fp8-tensor / fp8-block weight QuantizedTensor [N, K] -> dense [N, K] in dtype, on its device:
+    the values of `qweight.dequantize(dtype)` bit for bit (code * scale in float32, then one rounding)."""
+    from quarl.formats.fp8 import FP8_BLOCK
+
+    N, K = qweight.shape
+    data = qweight.data
+    is_fp8 = data.dtype != torch.int8
+    if is_fp8:
+        data = data.view(torch.uint8)
+    scale = qweight.scale.contiguous()
+    layout = _PER_TILE if qweight.fmt == "fp8-block" else _PER_TENSOR if scale.dim() == 0 else _PER_ROW
+    out = torch.empty((N, K), dtype=dtype, device=data.device)
+    bn, bk = 32, 128
+    _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        data, scale, out, N, K, data.stride(0), scale.stride(0) if scale.dim() else 0, out.stride(0),
+        IS_FP8=is_fp8, SCALES=layout, TILE=FP8_BLOCK, BN=bn, BK=bk, num_warps=4,
     )
     return out

@@ -11,22 +11,26 @@ from quarl.kernels import availability, plans
 
 
 def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
-    """Dense weight [N, K] in dtype (bf16/fp16/fp32) from an nvfp4/mxfp4 weight QuantizedTensor on a GPU, by one
-    Triton kernel: the same values as `qweight.dequantize(dtype)` (code * block scale * global scale in fp32,
-    rounded once), without the reference's int64 lookup and fp32 temporaries. None where it does not apply
-    (other formats, CPU tensors, no Triton): the caller then uses `qweight.dequantize`."""
+    """Dense weight [N, K] in dtype (bf16/fp16/fp32) from a weight QuantizedTensor on a GPU, by one Triton kernel:
+    the same values as `qweight.dequantize(dtype)` (code * scales in fp32, rounded once), without the reference's
+    lookups, fp32 temporaries and expanded scales. nvfp4 / mxfp4 (`dequant.dequantize_fp4_weight`), int8 / fp8 /
+    fp8-tensor / fp8-block (`dequant.dequantize_8bit_weight`). None where it does not apply (other formats or
+    roles, CPU tensors, no Triton, FP8 codes before compute capability 8.9): the caller then uses
+    `qweight.dequantize`."""
     spec = FORMATS.get(getattr(qweight, "fmt", None))
-    if spec is None or spec.bits != 4 or qweight.role != "weight":
+    if spec is None or qweight.role != "weight" or len(qweight.shape) != 2 or spec.bits not in (4, 8):
         return None
     if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not qweight.data.is_cuda:
         return None
-    available = (availability.fp8_kernels_available if spec.needs_fp8_hardware  # nvfp4: E4M3 block scales
+    available = (availability.fp8_kernels_available if spec.needs_fp8_hardware  # E4M3 codes or block scales
                  else availability.kernels_available)
     if not available(qweight.data.device):
         return None
-    from quarl.kernels.dequant import dequantize_fp4_weight
+    from quarl.kernels import dequant
 
-    return dequantize_fp4_weight(qweight, dtype)
+    if spec.bits == 4:
+        return dequant.dequantize_fp4_weight(qweight, dtype)
+    return dequant.dequantize_8bit_weight(qweight, dtype)
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):

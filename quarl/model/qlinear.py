@@ -109,25 +109,30 @@ class _KernelLinear(torch.autograd.Function):
     """Attach the straight-through gradients of y = Q(x) @ Q(W)^T + b to a product y a kernel computed.
 
     Forward returns y [M, N] itself; backward gives x [M, K] the gradient g @ Q(W) and W [N, K] the gradient
-    g^T @ Q(x) (Q(x), Q(W): the fake-quantized values in the compute dtype, recomputed here rather than kept from
-    the forward), and a bias its sum g.sum(0): exactly what autograd gives the fake-quantized path."""
+    g^T @ Q(x), and a bias its sum g.sum(0): exactly what autograd gives the fake-quantized path. Q(W) is the
+    forward's own quantized weight `qweight` dequantized (one kernel on a GPU, `kernels.try_dequantize`), Q(x) is
+    recomputed from x rather than kept from the forward."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                fmt: str) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.fmt, ctx.has_bias = fmt, bias is not None
+                qweight: QuantizedTensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        # the codes the forward multiplied: no optimizer step comes between a micro-batch's forward and backward
+        ctx.qweight, ctx.weight_dtype = qweight, weight.dtype
+        ctx.has_bias = bias is not None
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        qweight = ctx.qweight
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_x = grad @ kernels.fake_quantize_weight(weight.detach().to(grad.dtype), ctx.fmt)
+            wq = kernels.try_dequantize(qweight, grad.dtype)
+            grad_x = grad @ (wq if wq is not None else qweight.dequantize(grad.dtype))
         if ctx.needs_input_grad[2]:
-            xq = kernels.fake_quantize_activation(x.detach(), ctx.fmt)
-            grad_w = (grad.t() @ xq).to(weight.dtype)
+            xq = kernels.fake_quantize_activation(x.detach(), qweight.fmt)
+            grad_w = (grad.t() @ xq).to(ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = grad.sum(0)
         return None, grad_x, grad_w, grad_b, None
@@ -484,7 +489,7 @@ class QuantLinear(nn.Module):
         if self.weight_dequant is not None:
             w = self.weight_dequant
             return w if w.dtype == dtype else w.to(dtype)
-        w = kernels.try_dequantize(self.qweight, dtype)  # one GPU kernel for fp4 formats, same values
+        w = kernels.try_dequantize(self.qweight, dtype)  # one GPU kernel where one applies, same values
         return w if w is not None else self.qweight.dequantize(dtype)
 
     # ------------------------------------------------------------------------------------------- forward
@@ -555,6 +560,11 @@ class QuantLinear(nn.Module):
         (`kernel_forward`)."""
         return self.frozen_base or self.kernel_forward
 
+    def _holds_rollout_copy_of(self, fmt: str, device: torch.device) -> bool:
+        """Whether this linear keeps a rollout copy of its trained master weight in `fmt` on `device`."""
+        return self.qweight_data is not None and not self.frozen_base and self.rollout_format == fmt and \
+            self.weight is not None and self.qweight_data.device == self.weight.device == device
+
     def _current_rollout_copy(self, fmt: str) -> QuantizedTensor | None:
         """The rollout copy when it holds the master weight as it is now, in `fmt`, on the weight's device (the
         step's sync made it and no optimizer step followed); else None."""
@@ -582,6 +592,12 @@ class QuantLinear(nn.Module):
                                 "values")
             return None
         qweight = self._current_rollout_copy(self.train_format)
+        if qweight is None and self._holds_rollout_copy_of(self.train_format, x2d.device):
+            # an optimizer step since the sync (several mini-batches per batch): re-quantize into the rollout copy,
+            # once per optimizer step rather than in every micro-batch, and with no second copy for backward
+            with torch.no_grad():
+                self.refresh()
+            qweight = self._current_rollout_copy(self.train_format)
         if qweight is None:
             qweight = _quantize_weight(self.weight.detach().to(self.compute_dtype), self.train_format)
         with torch.no_grad():
@@ -592,7 +608,7 @@ class QuantLinear(nn.Module):
                             f"{self.in_features}] x [{self.out_features}, {self.in_features}] GEMM; rollout and "
                             "training forwards both take bf16 GEMMs of the fake-quantized values there")
             return None
-        y = _KernelLinear.apply(y, x2d, self.weight, bias, self.train_format)
+        y = _KernelLinear.apply(y, x2d, self.weight, bias, qweight)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _frozen_fp8_codes(self, dtype: torch.dtype) -> FrozenWeightCodes | None:
