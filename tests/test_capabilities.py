@@ -137,3 +137,18 @@ def test_importing_the_kernels_never_imports_triton():
     code = ("import sys; import quarl.kernels, quarl.rollout.fast_step, quarl.rollout.fused_decode; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_device_capability_is_asked_once_per_device_and_again_when_patched(monkeypatch):
+    from quarl.kernels import availability
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    for _ in range(3):
+        assert availability.capability(torch.device("cuda", 0)) == (9, 0)
+    assert asked == [torch.device("cuda", 0)]  # cached per device index
+    availability.capability(None)
+    availability.capability("cuda")
+    assert len(asked) == 3  # the current device is asked every time
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert availability.capability("cuda:0") == (8, 0)  # a patched torch function gets its own answers

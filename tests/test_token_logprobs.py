@@ -94,14 +94,15 @@ def test_cuda_answer_logprobs_with_the_kernel_equal_the_torch_path(monkeypatch):
 
     from quarl import kernels
 
-    # the kernel's first-use self-check calls it too: run that check before counting calls
-    assert kernels.training_kernel_ok("token_logprobs", torch.device("cuda"), torch.bfloat16)
+    model = QuarlForCausalLM(tiny_config("qwen2")).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (3, 20), device="cuda")
+    # the kernel's first-use self-check (per device as answer_logprobs names it: cuda:0) calls it too: run that
+    # check before counting calls
+    assert kernels.training_kernel_ok("token_logprobs", ids.device, torch.bfloat16)
     calls = []
     real = kernel.token_logprobs
     monkeypatch.setattr(kernel, "token_logprobs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    model = QuarlForCausalLM(tiny_config("qwen2")).cuda().to(torch.bfloat16)
-    ids = torch.randint(0, model.config.vocab_size, (3, 20), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding
     out = {}

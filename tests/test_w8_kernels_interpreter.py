@@ -200,9 +200,11 @@ def test_plans_drop_tma_and_native_codes_before_hopper(monkeypatch):
     import torch
 
     from quarl import kernels
+    from quarl.kernels import tuning
     from quarl.kernels.tuning import choose_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "NVIDIA A100-SXM4-80GB")  # no device to ask for its name
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     for fmt in ("int8", "fp8"):
         plan = kernels.plan_for(fmt, False, 4096, 37888, 3584)
@@ -234,16 +236,18 @@ def test_nvfp4_has_no_kernel_before_ada(monkeypatch):
     import torch
 
     from quarl import kernels
-    from quarl.kernels import availability
+    from quarl.kernels import availability, tuning
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "NVIDIA A100-SXM4-80GB")  # no device to ask for its name
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     for m in (1, 16, 64, 1024):
         assert kernels.plan_for("nvfp4", True, m, 37888, 3584, prefer_kernel=True).kind == "bf16"
         assert kernels.plan_for("mxfp4", True, m, 37888, 3584, prefer_kernel=True).kind != "bf16"
     # the dense-weight kernel (E4M3 scales too) is skipped the same way: the caller dequantizes in torch
     monkeypatch.setattr(availability, "kernels_available", lambda device=None: True)
-    on_gpu = SimpleNamespace(fmt="nvfp4", role="weight", data=SimpleNamespace(is_cuda=True, device="cuda:0"))
+    on_gpu = SimpleNamespace(fmt="nvfp4", role="weight", shape=(64, 64),
+                             data=SimpleNamespace(is_cuda=True, device="cuda:0"))
     assert kernels.try_dequantize(on_gpu, torch.bfloat16) is None
 
 

@@ -18,6 +18,25 @@ def _triton_importable() -> bool:
     return True
 
 
+_capabilities: dict = {}  # (torch.cuda.get_device_capability, device index) -> (major, minor)
+
+
+def capability(device: torch.device | str | None = None) -> tuple[int, int]:
+    """torch.cuda.get_device_capability(device), asked once per device index: every quantized linear asks in each
+    forward and backward, and the torch call costs microseconds of Python each time. The current device (None, or
+    "cuda" without an index) is asked every time, since torch.cuda.set_device can change it. Keyed by the torch
+    function too, so a test that patches it gets its own answers."""
+    ask = torch.cuda.get_device_capability
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        return ask(device)
+    key = (ask, index)
+    cap = _capabilities.get(key)
+    if cap is None:
+        cap = _capabilities[key] = tuple(ask(device))
+    return cap
+
+
 def kernels_available(device: torch.device | None = None) -> bool:
     """True when the Triton kernels can run on `device` (default: the current CUDA device).
 
@@ -29,10 +48,10 @@ def kernels_available(device: torch.device | None = None) -> bool:
         return False
     if device is not None and torch.device(device).type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return capability(device) >= (8, 0)
 
 
 def fp8_kernels_available(device: torch.device | None = None) -> bool:
     """`kernels_available` and FP8 E4M3 in Triton, which needs compute capability >= 8.9 (Ada, Hopper): the
     kernels that read or write FP8 values. Older GPUs take the reference paths for FP8 (emulated, exact)."""
-    return kernels_available(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+    return kernels_available(device) and capability(device) >= (8, 9)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from quarl.formats.registry import FORMATS
+from quarl.kernels import availability
 from quarl.kernels.tuning import Cfg, Plan, choose_plan
 
 
@@ -40,7 +41,7 @@ def plan_for(fmt: str, weight_only: bool, m: int, n: int, k: int, device: torch.
     plan = choose_plan(fmt, weight_only, m, n, k, prefer_kernel)
     if plan.kind == "bf16" or not torch.cuda.is_available():
         return plan
-    cap = torch.cuda.get_device_capability(device)
+    cap = availability.capability(device)
     if FORMATS[fmt].needs_fp8_hardware and cap < (8, 9):
         return Plan("bf16")
     if plan.kind == "scaled_mm" and (cap < (9, 0) or n % 16 or k % 16 or (fmt == "fp8-block" and not
