@@ -75,6 +75,13 @@ MODEL_SIZES["135m"] = dict(
     rms_norm_eps=1e-5, max_position_embeddings=8192)
 
 
+def architecture_name(size: str) -> str:
+    """The architecture a --model-size names, for results entries: "Qwen2.5-7b", "Qwen3-30B-A3B",
+    "SmolLM2-135M (Llama)", "tiny test model"."""
+    return {"30b-a3b": "Qwen3-30B-A3B", "135m": "SmolLM2-135M (Llama)", "tiny": "tiny test model"}.get(
+        size, f"Qwen2.5-{size}")
+
+
 def model_config(size: str):
     """The ModelConfig of a size (a key of MODEL_SIZES: a Qwen2.5 size such as "7b", "30b-a3b" for the
     Qwen3-30B-A3B mixture of experts, or "135m" for SmolLM2-135M's Llama shapes)."""
@@ -446,7 +453,7 @@ def _summary(rows: list[dict], bf16_tok_s: float | None) -> str:
 
 
 def _append_results(path: str, bw: float, rate: float, args, table: str, summary: str) -> None:
-    facts = [f"workload: Qwen2.5-{args.model_size} architecture, {args.prompts} prompts x {args.samples} samples, "
+    facts = [f"workload: {architecture_name(args.model_size)} architecture, {args.prompts} prompts x {args.samples} samples, "
              f"{args.prompt_len} prompt tokens, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
              f"sync every {args.sync_every} steps, {args.repeats} timed call(s) per setting"
              + (f", LoRA rank {args.lora_rank} on every decoder linear" if args.lora_rank else ""),

@@ -37,7 +37,7 @@ import traceback
 from dataclasses import dataclass
 
 from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
-from quarl.bench.rollout import KV_CACHES, MODEL_SIZES, build_model
+from quarl.bench.rollout import KV_CACHES, MODEL_SIZES, architecture_name, build_model
 
 MODEL_SIZE_CHOICES = (*MODEL_SIZES, "tiny")
 ANSWER_LENGTHS = ("fixed", "long-tail")
@@ -530,7 +530,7 @@ def run_bench_step(args) -> int:
     if not args.no_save:
         tuning = "full fine-tune" if args.lora_rank == 0 else f"LoRA rank {args.lora_rank}"
         facts = [
-            f"workload: Qwen2.5-{args.model_size} architecture (random weights), {tuning}, {args.prompts} prompts x "
+            f"workload: {architecture_name(args.model_size)} architecture (random weights), {tuning}, {args.prompts} prompts x "
             f"{args.samples} samples, {args.prompt_len} random prompt tokens, " + (
                 f"{args.max_new_tokens} new tokens (EOS ignored)" if mean_answer_len(args) is None else
                 f"long-tail answers (geometric, mean {mean_answer_len(args)}, cut at {args.max_new_tokens} tokens)")
@@ -549,7 +549,8 @@ def run_bench_step(args) -> int:
             facts.append("optional paths turned off: " + args.without)
         append_entry(args.out, "B3 — RL step (`quarl bench step`)",
                      "Appended by `quarl bench step`; newest last. One step of quarl.rl.trainer.Trainer on a "
-                     "random-weight Qwen2.5 architecture, split into sync / rollout / prox / update / other.",
+                     "random-weight architecture (Qwen2.5 sizes, SmolLM2-135M's shapes, Qwen3-30B-A3B), split into "
+                     "sync / rollout / prox / update / other.",
                      bench_command(args, "step"), facts, table + "\n\n" + summary)
     return 0
 
