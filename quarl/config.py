@@ -15,6 +15,7 @@ import math
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -472,6 +473,15 @@ TRL_UNMAPPED: dict[str, str] = {
 }
 
 
+# Keys an earlier quarl wrote into a run's config.yaml that no longer exist: such a config still loads (a resumed run),
+# with a warning, and the value is ignored. Key -> why it went.
+REMOVED_KEYS = {
+    "fast_paths.stack_lora": "training LoRA stacking was removed (it saved ~0.4 % of an update micro-batch and "
+                             "changed the bf16 gradients' rounding); the rollout still stacks adapters "
+                             "(fast_paths.stack_rollout_lora)",
+}
+
+
 def _alias_hint(key: str) -> str | None:
     """"; did you mean loss.kl_coef (TRL's beta)?" for a TRL name, the explanation for a TRL name without one
     quarl key, else None."""
@@ -518,6 +528,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if key not in fields and full in REMOVED_KEYS:
+            warnings.warn(f"config key {full} is ignored: {REMOVED_KEYS[full]}", stacklevel=2)
+            continue
         if key not in fields:
             raise ConfigError(f"unknown config key {full!r}{_unknown_key_hint(str(key), fields, prefix)}")
         tp = hints[key]

@@ -36,8 +36,6 @@ class FastPaths:
     lora_codes_handoff: bool = True
     # fused decode: q/k/v's and gate/up's adapters as one stacked GEMM pair; off: one pair per linear
     stack_rollout_lora: bool = True
-    # training LoRA: q/k/v's and gate/up's first adapter GEMMs stacked (bf16 gradients round differently)
-    stack_lora: bool = False
     # unquantized MoE experts on Hopper: one grouped GEMM (torch grouped_mm) per projection; off: one per expert
     grouped_experts: bool = True
 

@@ -190,13 +190,13 @@ def test_optional_paths_become_fast_paths_overrides_by_name():
     from quarl.fast_paths import FastPaths
 
     assert sorted(PATHS.values()) == sorted(f.name for f in dataclasses.fields(FastPaths))
-    assert path_overrides("lora-stack", "rope, share-codes") == [
-        "fast_paths.stack_lora=true", "fast_paths.fused_rope=false", "fast_paths.share_input_codes=false"]
+    assert path_overrides("wgrad-kernel", "rope, share-codes") == [
+        "fast_paths.fp8_weight_grad_kernel=true", "fast_paths.fused_rope=false", "fast_paths.share_input_codes=false"]
     cpu = torch.device("cpu")
-    args = parse("--no-save", "--with", "lora-stack", "--without", "rope,share-codes")
+    args = parse("--no-save", "--with", "wgrad-kernel", "--without", "rope,share-codes")
     for setting in (Setting("bf16"), Setting("split", "int8")):
         cfg = run_config(args, setting, "/tmp/unused", cpu)
-        assert cfg.fast_paths == FastPaths(stack_lora=True, fused_rope=False, share_input_codes=False)
+        assert cfg.fast_paths == FastPaths(fp8_weight_grad_kernel=True, fused_rope=False, share_input_codes=False)
     assert run_config(parse("--no-save"), Setting("bf16"), "/tmp/unused", cpu).fast_paths == FastPaths()
     with pytest.raises(ValueError, match="--without turbo: unknown; choose from"):
         path_settings("", "rope,turbo")

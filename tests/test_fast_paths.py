@@ -27,8 +27,11 @@ def test_fast_paths_parse_validate_and_keep_their_defaults():
     assert load_config(None).fast_paths == FastPaths()
     assert load_config(None, _overrides(FLIPPED)).fast_paths == FLIPPED
     assert FLIPPED != FastPaths() and all(getattr(FLIPPED, f.name) != f.default for f in dataclasses.fields(FastPaths))
-    assert config_to_dict(load_config(None, ["fast_paths.stack_lora=true"]))["fast_paths"] == {
-        **dataclasses.asdict(FastPaths()), "stack_lora": True}
+    assert config_to_dict(load_config(None, ["fast_paths.fused_rope=false"]))["fast_paths"] == {
+        **dataclasses.asdict(FastPaths()), "fused_rope": False}
+    # a removed key in an older run's config.yaml loads (resume) with a warning and is ignored
+    with pytest.warns(UserWarning, match="fast_paths.stack_lora is ignored: training LoRA stacking was removed"):
+        assert load_config(None, ["fast_paths.stack_lora=true"]).fast_paths == FastPaths()
     with pytest.raises(ConfigError, match="did you mean fast_paths.fused_rope"):
         load_config(None, ["fast_paths.fused_rop=false"])
     with pytest.raises(ConfigError, match="fast_paths.fused_logprobs must be true or false"):
@@ -77,7 +80,6 @@ def test_a_runs_fast_paths_reach_every_reader_and_its_saved_config(tmp_path, mon
     _spy(monkeypatch, layers, "_fused_rope_ok", seen, lambda x, enabled: ("fused_rope", enabled))
     _spy(monkeypatch, decoder, "prepare_training_kernels", seen, lambda device, dtype, fp: fp)
     _spy(monkeypatch, fp8_training, "shared_input_codes", seen, lambda enabled: ("share_input_codes", enabled))
-    _spy(monkeypatch, shared_input, "_stack_adapters", seen, lambda linears, enabled: ("stack_lora", enabled))
     _spy(monkeypatch, qlinear, "fp8_block_linear", seen, lambda x, w, b, frozen, fp: fp)
     _spy(monkeypatch, batch, "_fused_logprobs_ok", seen, lambda m, ids, enabled: ("fused_logprobs", enabled))
     _spy(monkeypatch, fused_decode, "linear_codes_handoff", seen, lambda linear, m, fp: fp)
@@ -95,7 +97,6 @@ def test_a_runs_fast_paths_reach_every_reader_and_its_saved_config(tmp_path, mon
         "_fused_rope_ok": {("fused_rope", paths.fused_rope)},
         "prepare_training_kernels": {paths},
         "shared_input_codes": {("share_input_codes", paths.share_input_codes)},
-        "_stack_adapters": {("stack_lora", paths.stack_lora)},
         "fp8_block_linear": {paths},  # carries fused_cublas_path and fp8_weight_grad_kernel to FP8BlockLinear
         "_fused_logprobs_ok": {("fused_logprobs", paths.fused_logprobs)},
         "linear_codes_handoff": {paths},

@@ -137,8 +137,7 @@ def add_bench_step_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # Optional paths a run can turn on (--with) or off (--without): name -> the `quarl.fast_paths.FastPaths` field (the
-# run config's `fast_paths.<field>`). Defaults as in FastPaths: all on but lora-stack (no measurable gain, and it
-# changes the bf16 gradients' rounding) and wgrad-kernel.
+# run config's `fast_paths.<field>`). Defaults as in FastPaths: all on but wgrad-kernel.
 PATHS = {
     "rope": "fused_rope",
     "logprobs": "fused_logprobs",
@@ -146,7 +145,6 @@ PATHS = {
     "cublas-linear": "fused_cublas_path",
     "wgrad-kernel": "fp8_weight_grad_kernel",
     "lora-handoff": "lora_codes_handoff",
-    "lora-stack": "stack_lora",
     "rollout-lora-stack": "stack_rollout_lora",
     "grouped-experts": "grouped_experts",
 }

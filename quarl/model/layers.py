@@ -215,7 +215,7 @@ class Attention(nn.Module):
     as the engine's prefill does.
 
     `fast_paths` (the model's, see `QuarlForCausalLM.set_fast_paths`): `fused_rope`, and for q/k/v
-    `share_input_codes` and `stack_lora` (`shared_input_linears`).
+    `share_input_codes` (`shared_input_linears`).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):

@@ -660,12 +660,10 @@ class QuantLinear(nn.Module):
             return F.linear(x, self._dequantized_base(x.dtype), bias)
         return _FrozenBaseLinear.apply(x, bias, self)
 
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False,
-                 xa: torch.Tensor | None = None) -> torch.Tensor:
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """y + dropout(x) @ A^T @ B^T * scaling for y [..., out_features] and x [..., in_features] (x.dtype);
         in_place (y 2-D, e.g. a column slice of a stacked output; meant for the rollout, though autograd records
-        it too): accumulated into y itself. xa: x @ A^T [M, r] computed already (by a stacked GEMM over sibling
-        adapters, `quarl.model.shared_input`; no dropout), else computed here.
+        it too): accumulated into y itself.
 
         The adapter's output is accumulated into y by the second GEMM's epilogue (addmm, beta = 1), with the
         scaling folded into B ([out, r] values, not [M, out]): no elementwise pass over the [M, out] output in the
@@ -676,11 +674,10 @@ class QuantLinear(nn.Module):
         use_cached = cached is not None and cached[0].dtype == x.dtype and cached[0].device == x.device and \
             not torch.is_grad_enabled()
         b = cached[1] if use_cached else self._scaled_lora_B(x.dtype)  # [out, r]
-        if xa is None:
-            a = cached[0] if use_cached else self.lora_A.to(x.dtype)  # [r, in]
-            p = self.lora_dropout_p()
-            h = F.dropout(x, p, training=True) if p > 0 else x
-            xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
+        a = cached[0] if use_cached else self.lora_A.to(x.dtype)  # [r, in]
+        p = self.lora_dropout_p()
+        h = F.dropout(x, p, training=True) if p > 0 else x
+        xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
         if in_place:
             return y.addmm_(xa, b.t())
         return torch.addmm(y.reshape(-1, self.out_features), xa, b.t()).reshape(y.shape)
