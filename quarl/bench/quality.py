@@ -70,11 +70,15 @@ SETTINGS: dict[str, list[str]] = {
     "split-int8-icepop": ["precision.flow=split", "precision.format=int8", "loss.correction=icepop", FULL_LR],
     "split-int8-geo-mask": ["precision.flow=split", "precision.format=int8", "loss.correction=geo_mask",
                             "loss.geo_high=1.02", FULL_LR],
+    "split-int8-seq-mask-tis": ["precision.flow=split", "precision.format=int8", "loss.correction=seq_mask_tis",
+                                "loss.geo_high=1.02", FULL_LR],
     "split-int8-ais": ["precision.flow=split", "precision.format=int8", "loss.correction=ais", FULL_LR],
     "split-int8-tbpo": ["precision.flow=split", "precision.format=int8", "loss.correction=tbpo",
                         "train.mini_batch_size=32", FULL_LR],
     "split-int8-gspo-tis": ["precision.flow=split", "precision.format=int8", "loss.importance_sampling_level=sequence",
                             "train.mini_batch_size=32", FULL_LR],
+    # the error-answer guard (docs/CORRECTIONS.md): answers flagged as garbled repetitions are masked out of the loss
+    "split-int8-tis-guard": ["precision.flow=split", "precision.format=int8", "loss.error_token_guard=mask", FULL_LR],
     # PPO with a critic (docs/CORRECTIONS.md): GAE advantages from a separate full-precision critic
     "split-int8-ppo-gae": ["precision.flow=split", "precision.format=int8", "loss.advantage_estimator=gae",
                            "train.mini_batch_size=32", FULL_LR],
