@@ -476,9 +476,8 @@ TRL_UNMAPPED: dict[str, str] = {
 # Keys an earlier quarl wrote into a run's config.yaml that no longer exist: such a config still loads (a resumed run),
 # with a warning, and the value is ignored. Key -> why it went.
 REMOVED_KEYS = {
-    "fast_paths.stack_lora": "training LoRA stacking was removed (it saved ~0.4 % of an update micro-batch and "
-                             "changed the bf16 gradients' rounding); the rollout still stacks adapters "
-                             "(fast_paths.stack_rollout_lora)",
+    "fast_paths.stack_lora": "training LoRA stacking was removed (no measurable gain, and it changed how the bf16 "
+                             "gradients round); the rollout still stacks adapters (fast_paths.stack_rollout_lora)",
 }
 
 

@@ -99,3 +99,33 @@ def test_a_failed_run_is_left_out_of_the_summary_and_named(tmp_path):
     timing = [line for line in table.splitlines() if line.startswith("| bf16 |")][1]
     assert timing.split("|")[4].strip() == "1.00"  # the failed run's 9 s steps are not in the median
     assert "Left out (stopped with an error; see each one's .log): bf16 seed 2" in table
+
+
+def test_launch_all_retries_out_of_memory_deaths_and_marks_other_failures(tmp_path, monkeypatch, capsys):
+    """Fake `quarl train` processes: seed 0 succeeds, seed 1 runs out of GPU memory once while others run and
+    succeeds when run again, seed 2 fails with another error (marked, left out), seed 3 runs out of memory while
+    alone on the GPU (marked, not retried forever)."""
+    import sys
+    from types import SimpleNamespace
+
+    def fake(setting, seed, args):
+        flag = tmp_path / f"tried-{seed}"
+        script = {
+            0: "import time; time.sleep(1.5)",
+            1: f"import os, sys, pathlib; p = pathlib.Path({str(flag)!r})\n"
+               "if not p.exists():\n    p.touch(); print('torch.OutOfMemoryError: CUDA out of memory'); sys.exit(1)",
+            2: "import sys; print('ValueError: bad'); sys.exit(1)",
+            3: "import sys, time; time.sleep(4); print('torch.OutOfMemoryError: CUDA out of memory'); sys.exit(1)",
+        }[seed]
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(quality, "train_command", fake)
+    args = SimpleNamespace(runs_dir=str(tmp_path), parallel=0, time_budget=None)
+    quality.launch_all([("bf16", s) for s in range(4)], args)
+    out = capsys.readouterr().out
+    assert "bf16 seed 1: out of GPU memory after 0 steps; queued again" in out and "bf16 seed 1: done" in out
+    assert (tmp_path / "tried-1").exists()
+    assert not quality._failed_marker(str(tmp_path), "bf16", 0).exists()
+    assert not quality._failed_marker(str(tmp_path), "bf16", 1).exists()  # the retry succeeded
+    assert quality._failed_marker(str(tmp_path), "bf16", 2).exists() and "bf16 seed 2: FAILED" in out
+    assert quality._failed_marker(str(tmp_path), "bf16", 3).exists() and "bf16 seed 3: FAILED" in out

@@ -666,6 +666,41 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
     assert len(calls) == count
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block"])
+def test_unified_kernel_backward_reads_the_forwards_codes_and_refreshes_once_per_optimizer_step(fmt, monkeypatch):
+    """The kernel forward's backward dequantizes the codes the forward multiplied (no second quantization); after an
+    optimizer step the rollout copy is re-quantized once, not in every micro-batch; and a re-quantization between a
+    forward and its backward is refused by autograd rather than giving silently wrong gradients."""
+    from quarl import kernels
+    from quarl.model import qlinear
+
+    monkeypatch.setattr(kernels, "kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: True)
+    monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel([]))
+    dequantized, quantized = [], []
+    monkeypatch.setattr(kernels, "try_dequantize", lambda q, dtype: dequantized.append(q) or None)
+    real = qlinear._quantize_weight
+    monkeypatch.setattr(qlinear, "_quantize_weight", lambda w, f: quantized.append(f) or real(w, f))
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    layer = make_layer(k=576, n=200, dtype=torch.bfloat16, rollout_format=fmt, train_format=fmt,
+                       kernel_forward=True)
+    x = torch.randn(3, 5, 576, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()
+    codes = lambda qt: qt.data.view(torch.uint8) if qt.data.element_size() == 1 else qt.data  # noqa: E731 (fp8 ==)
+    assert len(dequantized) == 1 and torch.equal(codes(dequantized[0]), codes(layer.qweight)) and quantized == []
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # an optimizer step: the rollout copy is stale
+    for _ in range(2):  # two micro-batches of the next mini-batch
+        layer(x).sum().backward()
+    assert quantized == [fmt] and torch.equal(codes(dequantized[-1]), codes(layer.qweight))
+    y = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    layer.refresh()  # re-quantized in place before y's backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_kernel_forward_skips_the_kernel_where_none_can_run(monkeypatch):
     """float32 compute (or a GPU without the format's kernels): no weight quantization, no kernel call, the
     fake-quantized path (which the rollout forward takes there too)."""

@@ -151,16 +151,16 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
             setting, seed = pending.pop(0)
             _failed_marker(args.runs_dir, setting, seed).unlink(missing_ok=True)
             log = open(os.path.join(args.runs_dir, f"{setting}-s{seed}.log"), "w")
-            cmd = [sys.executable, "-m", "quarl", "train", *run_overrides(setting, seed, args)]
-            running[(setting, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            running[(setting, seed)] = (subprocess.Popen(train_command(setting, seed, args), stdout=log,
+                                                         stderr=subprocess.STDOUT, env=env), log)
         for key, (proc, log) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
                 del running[key]
-                if proc.returncode != 0 and not interrupted and _out_of_memory(args.runs_dir, *key):
+                if proc.returncode != 0 and not interrupted and running and _out_of_memory(args.runs_dir, *key):
                     # Too many runs for the GPU's memory: run this one again from its start once fewer are
                     # running (the trainer moves the partial run aside), and never start more at once than were
-                    # running when it failed.
+                    # running when it failed. (A run out of memory with the GPU to itself fails below.)
                     limit = max(1, len(running))
                     pending.append(key)
                     done = _steps_done(Path(args.runs_dir) / f"{key[0]}-s{key[1]}")
@@ -173,6 +173,10 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
                 print(f"[quality] {key[0]} seed {key[1]}: {status} after {time.time() - start:.0f} s", flush=True)
         if args.time_budget is not None and not interrupted and time.time() - start > args.time_budget:
             interrupted = True
+            for key in pending:  # one with a log was queued again after running out of memory: a dead attempt
+                if (Path(args.runs_dir) / f"{key[0]}-s{key[1]}.log").is_file():
+                    _failed_marker(args.runs_dir, *key).write_text("out of GPU memory; not run again before the "
+                                                                   "time budget ran out\n")
             pending.clear()
             print(f"[quality] time budget {args.time_budget:.0f} s spent: interrupting {len(running)} runs "
                   "(each saves after its current step)", flush=True)
@@ -184,6 +188,11 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
             print(f"[quality] {time.time() - start:.0f} s: steps done " +
                   ", ".join(f"{k} {v}" for k, v in sorted(steps.items())), flush=True)
         time.sleep(1.0)
+
+
+def train_command(setting: str, seed: int, args) -> list[str]:
+    """The `quarl train` command line of one run."""
+    return [sys.executable, "-m", "quarl", "train", *run_overrides(setting, seed, args)]
 
 
 def _out_of_memory(runs_dir: str, setting: str, seed: int) -> bool:

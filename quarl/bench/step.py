@@ -336,7 +336,7 @@ def profiled(out_dir: str | None, name: str, device, rows: int = 30):
     averages = prof.key_averages()
     tables = []
     if device.type == "cuda":
-        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=rows))
     tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name.replace(":", "_") + ".txt")

@@ -80,7 +80,8 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
     offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
     n_ok = offs_n < N
     mask = n_ok[:, None] & (offs_k < K)[None, :]
-    c = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+    rows = offs_n.to(tl.int64)  # N * Kp can pass 2^31 elements
+    c = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
     if IS_FP8:
         v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -92,7 +93,7 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
     else:
         w = v * tl.load(s_ptr + (offs_n // TILE)[:, None] * stride_sn + (offs_k // TILE)[None, :], mask=mask,
                         other=0.0)
-    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_8bit_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
@@ -101,12 +102,24 @@ def dequantize_8bit_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
     from quarl.formats.fp8 import FP8_BLOCK
 
     N, K = qweight.shape
-    data = qweight.data
+    data = qweight.data if qweight.data.stride(-1) == 1 else qweight.data.contiguous()
     is_fp8 = data.dtype != torch.int8
     if is_fp8:
         data = data.view(torch.uint8)
     scale = qweight.scale.contiguous()
-    layout = _PER_TILE if qweight.fmt == "fp8-block" else _PER_TENSOR if scale.dim() == 0 else _PER_ROW
+    # the layout by format, and the scale count checked: a misread layout would read past the scales
+    if qweight.fmt == "fp8-block":
+        layout, count = _PER_TILE, triton.cdiv(N, FP8_BLOCK) * (data.shape[1] // FP8_BLOCK)
+    elif qweight.fmt == "fp8-tensor":
+        layout, count = _PER_TENSOR, 1
+    else:  # int8, fp8: one scale per row
+        layout, count = _PER_ROW, N
+    if scale.numel() != count:
+        raise ValueError(f"{qweight.fmt} weight [{N}, {K}] has {scale.numel()} scales; expected {count}")
+    if layout == _PER_TENSOR:
+        scale = scale.reshape(())
+    elif layout == _PER_ROW:
+        scale = scale.reshape(N, 1)
     out = torch.empty((N, K), dtype=dtype, device=data.device)
     bn, bk = 32, 128
     _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](

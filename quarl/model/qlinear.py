@@ -111,27 +111,28 @@ class _KernelLinear(torch.autograd.Function):
     Forward returns y [M, N] itself; backward gives x [M, K] the gradient g @ Q(W) and W [N, K] the gradient
     g^T @ Q(x), and a bias its sum g.sum(0): exactly what autograd gives the fake-quantized path. Q(W) is the
     forward's own quantized weight `qweight` dequantized (one kernel on a GPU, `kernels.try_dequantize`), Q(x) is
-    recomputed from x rather than kept from the forward."""
+    recomputed from x rather than kept from the forward. The weight's codes and scales are saved as tensors for
+    backward: autograd then refuses a backward whose rollout copy was re-quantized in place since the forward, and
+    activation checkpointing frees and recomputes a freshly quantized copy like any saved tensor."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 qweight: QuantizedTensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        # the codes the forward multiplied: no optimizer step comes between a micro-batch's forward and backward
-        ctx.qweight, ctx.weight_dtype = qweight, weight.dtype
+        ctx.save_for_backward(x, qweight.data, qweight.scale)
+        ctx.fmt, ctx.shape, ctx.weight_dtype = qweight.fmt, qweight.shape, weight.dtype
         ctx.has_bias = bias is not None
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        qweight = ctx.qweight
+        x, data, scale = ctx.saved_tensors
+        qweight = QuantizedTensor(ctx.fmt, "weight", data, scale, None, ctx.shape)  # an 8-bit format's codes
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             wq = kernels.try_dequantize(qweight, grad.dtype)
             grad_x = grad @ (wq if wq is not None else qweight.dequantize(grad.dtype))
         if ctx.needs_input_grad[2]:
-            xq = kernels.fake_quantize_activation(x.detach(), qweight.fmt)
+            xq = kernels.fake_quantize_activation(x.detach(), ctx.fmt)
             grad_w = (grad.t() @ xq).to(ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = grad.sum(0)

@@ -3,8 +3,8 @@
 `shared_input_linears(linears, x, fast_paths)` returns `[linear(x) for linear in linears]`; with the FP8-block
 training GEMMs (`precision.quantized_backward`) the group quantizes x once instead of once per linear
 (`fp8_training.shared_input_codes`; `FastPaths.share_input_codes`). LoRA adapters are stacked only in the rollout
-(`quarl.rollout.fused_decode.FusedProjection`, `FastPaths.stack_rollout_lora`): stacking them in training saved
-about 0.4 % of an update micro-batch and changed how the bf16 gradients round.
+(`quarl.rollout.fused_decode.FusedProjection`, `FastPaths.stack_rollout_lora`): stacking them in training gained
+nothing measurable and changed how the bf16 gradients round (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
