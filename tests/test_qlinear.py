@@ -678,7 +678,7 @@ def test_unified_kernel_backward_reads_the_forwards_codes_and_refreshes_once_per
     monkeypatch.setattr(kernels, "fp8_kernels_available", lambda device=None: True)
     monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel([]))
     dequantized, quantized = [], []
-    monkeypatch.setattr(kernels, "try_dequantize", lambda q, dtype: dequantized.append(q) or None)
+    monkeypatch.setattr(kernels, "dequantize", lambda q, dtype: dequantized.append(q) or q.dequantize(dtype))
     real = qlinear._quantize_weight
     monkeypatch.setattr(qlinear, "_quantize_weight", lambda w, f: quantized.append(f) or real(w, f))
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))

@@ -29,6 +29,15 @@ def add_output_arguments(parser: argparse.ArgumentParser, default_results: str, 
     parser.add_argument("--seed", type=int, default=0)
 
 
+def triton_version() -> str:
+    """Triton's version, or "not installed"."""
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
 def append_entry(path: str, title: str, intro: str, command: str, facts: list[str], body: str) -> None:
     """Append a dated entry (hardware, versions, command, facts, body) to a bench/results markdown file.
 
@@ -36,12 +45,6 @@ def append_entry(path: str, title: str, intro: str, command: str, facts: list[st
     """
     import torch
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
@@ -49,7 +52,7 @@ def append_entry(path: str, title: str, intro: str, command: str, facts: list[st
         if new:
             fh.write(f"# {title}\n\n{intro}\n")
         fh.write(f"\n## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n")
-        fh.write(f"- GPU: {gpu}; torch {torch.__version__}; triton {triton_version}\n")
+        fh.write(f"- GPU: {gpu}; torch {torch.__version__}; triton {triton_version()}\n")
         fh.write(f"- command: `{command}`\n")
         fh.writelines(f"- {f}\n" for f in facts)
         fh.write("\n" + body + "\n")

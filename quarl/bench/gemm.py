@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main
+from quarl.bench import add_output_arguments, append_entry, bench_command, bench_main, triton_version
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 # Also accepted by --shapes (not in the default list): the Qwen2.5-1.5B linears.
@@ -461,7 +461,7 @@ def run_bench_gemm(args) -> int:
     from quarl.kernels.tuning import m_bucket
 
     quant_formats = [f for f in formats if f != "bf16"]
-    weight_only = {f: (args.weight_only or f in ("nvfp4", "mxfp4")) for f in quant_formats}
+    weight_only = {f: weight_only_for(args, f) for f in quant_formats}
     candidates = _sweep_candidates() if args.sweep else None
 
     # Which plans to run per (format, shape, M).
@@ -580,14 +580,8 @@ def run_bench_gemm(args) -> int:
 
 def device_provenance(torch, command: str) -> dict:
     """What a tuning file records about where it was measured: GPU name, compute capability, versions, command."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
     return {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "triton": triton_version, "command": command}
+            "torch": torch.__version__, "triton": triton_version(), "command": command}
 
 
 def _best_rows(rows: list[dict]) -> dict:
@@ -648,6 +642,14 @@ def _codes_runner(plan, fmt: str, x, qw):
 
     codes, sx = quantize_activation(x, fmt, qw.data.shape[1])
     return lambda q: codes_matmul(plan, codes, sx, q, None, x.dtype)
+
+
+def weight_only_for(args, fmt: str) -> bool:
+    """Whether quantized format `fmt` runs weight-only in this benchmark: --weight-only, or a weight-only format
+    (the 4-bit ones: no W4A4 kernel)."""
+    from quarl.formats import FORMATS
+
+    return args.weight_only or FORMATS[fmt].weight_only_default
 
 
 def _plan_name(p) -> str:

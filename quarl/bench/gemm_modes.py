@@ -29,7 +29,6 @@ import tempfile
 import time
 
 SMI_QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
-MAX_ERR = 2e-2  # relative error of a correct plan: its bf16 output rounding, about 2e-3
 
 
 def parse_smi(path: str) -> list[tuple[float, float, float, str]]:
@@ -70,7 +69,8 @@ def run_sustained(args, torch, shapes: list[str], ms: list[int], formats: list[s
     """--sustained on the CUDA GPU (see the module docstring); returns 1 where a plan's output is wrong."""
     import torch.nn.functional as F
 
-    from quarl.bench.gemm import ALL_SHAPES, _reference, _rel_err, append_results
+    from quarl.bench.gemm import (ALL_SHAPES, TUNING_MAX_ERR, _plan_name, _reference, _rel_err, append_results,
+                                  weight_only_for)
     from quarl.bench.rollout_breakdown import _graph_ms
     from quarl.formats import quantize
     from quarl.kernels import plan_for
@@ -111,16 +111,16 @@ def run_sustained(args, torch, shapes: list[str], ms: list[int], formats: list[s
                     tag, flops = f"{name} M={m}", 2 * m * n * k
                     hold(f"{tag} | bf16 | F.linear", lambda: F.linear(x, w), flops)
                     for fmt in (f for f in formats if f != "bf16"):
-                        weight_only = args.weight_only or fmt in ("nvfp4", "mxfp4")
+                        weight_only = weight_only_for(args, fmt)
                         plan = plan_for(fmt, weight_only, m, n, k, x.device, prefer_kernel=True)
                         if plan.kind == "bf16":
                             continue  # no kernel for this format (W4A4)
                         qw = quantize(w, fmt, "weight")
                         err = _rel_err(torch, run_plan(plan, x, qw, None), _reference(torch, x, qw, weight_only))
-                        if not err <= MAX_ERR:
+                        if not err <= TUNING_MAX_ERR:
                             wrong.append(f"{tag} {fmt} {plan}: relative error {err:.2e}")
-                        pname = plan.kind + (f" {plan.cfg.name()}" if plan.cfg else "")
-                        hold(f"{tag} | {fmt} | {pname}", lambda plan=plan, qw=qw: run_plan(plan, x, qw, None), flops)
+                        hold(f"{tag} | {fmt} | {_plan_name(plan)}", lambda plan=plan, qw=qw: run_plan(plan, x, qw, None),
+                             flops)
         finally:
             time.sleep(0.2)
             smi.terminate()

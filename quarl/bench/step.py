@@ -221,7 +221,7 @@ def eos_ids_for_mean_length(vocab_size: int, mean_len: int, seed: int) -> list[i
 
 def mean_answer_len(args) -> int | None:
     """The long-tail workload's mean answer length (None for fixed lengths)."""
-    if getattr(args, "answer_lengths", "fixed") != "long-tail":
+    if args.answer_lengths != "long-tail":
         return None
     return args.mean_answer_len if args.mean_answer_len is not None else max(1, args.max_new_tokens // 4)
 
@@ -300,7 +300,7 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         timed = []  # (wall seconds, trainer metrics)
-        with profiled(getattr(args, "profile", None), setting.name, device):
+        with profiled(args.profile, setting.name, device):
             for step in range(args.warmup, args.warmup + args.steps):
                 if timed and deadline is not None and time.perf_counter() + timed[-1][0] > deadline:
                     break  # keep the steps measured so far rather than overrun the budget

@@ -44,7 +44,6 @@ class FormatSpec:
     bits: int
     code_dtype: torch.dtype
     max_code: float
-    packed: bool
     element: str
     scale_type: str
     description: str
@@ -52,6 +51,11 @@ class FormatSpec:
     quantize_fn: Callable = field(repr=False, compare=False)
     # (QuantizedTensor) -> float32 [..., Kp] (still padded).
     dequantize_fn: Callable = field(repr=False, compare=False)
+
+    @property
+    def packed(self) -> bool:
+        """Two codes share one byte (the 4-bit formats)."""
+        return self.bits == 4
 
     @property
     def pad_multiple(self) -> int:

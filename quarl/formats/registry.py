@@ -7,37 +7,29 @@ import torch
 from quarl.formats import fp4, fp8, int8
 from quarl.formats.base import FormatSpec, QuantizedTensor, check_finite, check_input
 
-def _spec(name, block_size, weight_only_default, bits, code_dtype, max_code, element, scale_type, description,
-          quantize_fn, dequantize_fn) -> FormatSpec:
-    return FormatSpec(name=name, block_size=block_size, weight_only_default=weight_only_default, bits=bits,
-                      code_dtype=code_dtype, max_code=max_code, packed=bits == 4, element=element,
-                      scale_type=scale_type, description=description, quantize_fn=quantize_fn,
-                      dequantize_fn=dequantize_fn)
-
-
 # The one list of number formats: everything else (config choices, weight-only defaults, kernel availability,
 # tuning families) is derived from these specs.
 FORMATS: dict[str, FormatSpec] = {
     spec.name: spec
     for spec in (
-        _spec("int8", 1, False, 8, torch.int8, int8.INT8_MAX, "int8", "float32",
-              "INT8 symmetric, one scale per row (output channel / token)",
-              int8.quantize_int8, int8.dequantize_int8),
-        _spec("fp8", 1, False, 8, torch.float8_e4m3fn, fp8.E4M3_MAX, "e4m3", "float32",
-              "FP8 E4M3, one scale per row (output channel / token)",
-              fp8.quantize_fp8_rowwise, fp8.dequantize_fp8),
-        _spec("fp8-tensor", 0, False, 8, torch.float8_e4m3fn, fp8.E4M3_MAX, "e4m3", "float32",
-              "FP8 E4M3, one scale per tensor",
-              fp8.quantize_fp8_tensor, fp8.dequantize_fp8),
-        _spec("fp8-block", fp8.FP8_BLOCK, False, 8, torch.float8_e4m3fn, fp8.E4M3_MAX, "e4m3", "float32",
-              "FP8 E4M3, 128x128 weight tiles, 1x128 activation groups",
-              fp8.quantize_fp8_block, fp8.dequantize_fp8_block),
-        _spec("nvfp4", fp4.NVFP4_BLOCK, True, 4, torch.uint8, 6.0, "e2m1", "e4m3",
-              "NVFP4: E2M1 elements, E4M3 scale per 16, FP32 tensor scale",
-              fp4.quantize_nvfp4, fp4.dequantize_nvfp4),
-        _spec("mxfp4", fp4.MXFP4_BLOCK, True, 4, torch.uint8, 6.0, "e2m1", "e8m0",
-              "MXFP4: E2M1 elements, E8M0 power-of-two scale per 32",
-              fp4.quantize_mxfp4, fp4.dequantize_mxfp4),
+        FormatSpec("int8", 1, False, 8, torch.int8, int8.INT8_MAX, "int8", "float32",
+                   "INT8 symmetric, one scale per row (output channel / token)",
+                   int8.quantize_int8, int8.dequantize_int8),
+        FormatSpec("fp8", 1, False, 8, torch.float8_e4m3fn, fp8.E4M3_MAX, "e4m3", "float32",
+                   "FP8 E4M3, one scale per row (output channel / token)",
+                   fp8.quantize_fp8_rowwise, fp8.dequantize_fp8),
+        FormatSpec("fp8-tensor", 0, False, 8, torch.float8_e4m3fn, fp8.E4M3_MAX, "e4m3", "float32",
+                   "FP8 E4M3, one scale per tensor",
+                   fp8.quantize_fp8_tensor, fp8.dequantize_fp8),
+        FormatSpec("fp8-block", fp8.FP8_BLOCK, False, 8, torch.float8_e4m3fn, fp8.E4M3_MAX, "e4m3", "float32",
+                   "FP8 E4M3, 128x128 weight tiles, 1x128 activation groups",
+                   fp8.quantize_fp8_block, fp8.dequantize_fp8_block),
+        FormatSpec("nvfp4", fp4.NVFP4_BLOCK, True, 4, torch.uint8, 6.0, "e2m1", "e4m3",
+                   "NVFP4: E2M1 elements, E4M3 scale per 16, FP32 tensor scale",
+                   fp4.quantize_nvfp4, fp4.dequantize_nvfp4),
+        FormatSpec("mxfp4", fp4.MXFP4_BLOCK, True, 4, torch.uint8, 6.0, "e2m1", "e8m0",
+                   "MXFP4: E2M1 elements, E8M0 power-of-two scale per 32",
+                   fp4.quantize_mxfp4, fp4.dequantize_mxfp4),
     )
 }
 

@@ -11,7 +11,7 @@ The entry points live in modules of one job each, and are re-exported here:
 
     availability   whether the kernels can run here (`kernels_available`, `fp8_kernels_available`)
     plans          the kernel plan of one GEMM on this GPU (`plan_for`)
-    matmul         the quantized matmul (`try_quantized_matmul`, `quantized_matmul`) and `try_dequantize`
+    matmul         the quantized matmul (`try_quantized_matmul`, `quantized_matmul`) and `dequantize`
     fake_quant     fake quantization and one-pass weight quantization
     codes          8-bit activation codes handed from the fused kernels to the next GEMM
     capabilities   the kernels' first-use self-checks and `CAPABILITIES`, the registry of their verdicts
@@ -26,11 +26,11 @@ from quarl.kernels.capabilities import (TRAINING_KERNELS, decode_fused_group_ok,
 from quarl.kernels.codes import codes_handoff, matmul_from_codes, unit_scales_ok
 from quarl.kernels.fake_quant import (fake_quantize_activation, fake_quantize_columns, fake_quantize_weight,
                                       try_quantize_fp8_block_weight, try_quantize_weight)
-from quarl.kernels.matmul import quantized_matmul, try_dequantize, try_quantized_matmul
+from quarl.kernels.matmul import dequantize, quantized_matmul, try_dequantize, try_quantized_matmul
 from quarl.kernels.plans import PRE_HOPPER_STAGE_BYTES, plan_for
 
-__all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "fake_quantize_activation",
-           "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
+__all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "dequantize",
+           "fake_quantize_activation", "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
            "fp8_kernels_available", "plan_for", "codes_handoff", "matmul_from_codes", "unit_scales_ok",
            "decode_fused_ok", "try_quantize_weight", "kernel_passes_check", "training_kernel_ok", "TRAINING_KERNELS",
            "decode_fused_group_ok", "decode_fused_scaled_ok", "PRE_HOPPER_STAGE_BYTES"]

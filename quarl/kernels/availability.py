@@ -55,3 +55,11 @@ def fp8_kernels_available(device: torch.device | None = None) -> bool:
     """`kernels_available` and FP8 E4M3 in Triton, which needs compute capability >= 8.9 (Ada, Hopper): the
     kernels that read or write FP8 values. Older GPUs take the reference paths for FP8 (emulated, exact)."""
     return kernels_available(device) and capability(device) >= (8, 9)
+
+
+def format_kernels_available(fmt: str, device: torch.device | None = None) -> bool:
+    """Whether the Triton kernels can handle `fmt`'s values on `device`: `fp8_kernels_available` for a format
+    whose kernels decode E4M3 values (codes or block scales), else `kernels_available`."""
+    from quarl.formats.registry import FORMATS
+
+    return (fp8_kernels_available if FORMATS[fmt].needs_fp8_hardware else kernels_available)(device)

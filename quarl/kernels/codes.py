@@ -41,7 +41,7 @@ def codes_handoff(qweight, weight_only: bool, m: int) -> bool:
     if fmt not in ("int8", "fp8", "fp8-block") or weight_only or not qweight.data.is_cuda:
         return False
     device = qweight.data.device
-    if not (availability.kernels_available(device) if fmt == "int8" else availability.fp8_kernels_available(device)):
+    if not availability.format_kernels_available(fmt, device):
         return False
     n, k = qweight.shape
     if fmt == "fp8-block" and (k % 512 or m % 16 or not capabilities.decode_fused_group_ok(device)):

@@ -9,12 +9,6 @@ from quarl.formats.registry import FORMATS
 from quarl.kernels import availability
 
 
-def _kernels_run(fmt: str, device: torch.device) -> bool:
-    """Whether the Triton kernels can handle `fmt`'s values on `device` (FP8 values need compute capability 8.9)."""
-    spec = FORMATS[fmt]
-    return (availability.fp8_kernels_available if spec.needs_fp8_hardware else availability.kernels_available)(device)
-
-
 def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """dequantize(quantize(x, fmt, "activation")) in x's shape and dtype, with no input checks (a hot path).
 
@@ -28,7 +22,7 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     # the one-pass kernel covers the 8-bit formats (fp4 activations would be W4A4: no kernel)
     spec = FORMATS.get(fmt)
     if (x.is_cuda and spec is not None and spec.is_8bit and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.dim() >= 1 and x.shape[-1] > 0 and _kernels_run(fmt, x.device)):
+            and x.dim() >= 1 and x.shape[-1] > 0 and availability.format_kernels_available(fmt, x.device)):
         from quarl.kernels.act_quant import fake_quantize_activation as kernel
 
         x2d = x.detach().reshape(-1, x.shape[-1])
@@ -95,7 +89,7 @@ def try_quantize_weight(w: torch.Tensor, fmt: str):
         return None
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.shape[0] == 0:
         return None
-    if not _kernels_run(fmt, w.device):
+    if not availability.format_kernels_available(fmt, w.device):
         return None
     from quarl.formats import QuantizedTensor
     from quarl.kernels.act_quant import quantize_activation

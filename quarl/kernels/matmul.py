@@ -18,19 +18,23 @@ def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
     roles, CPU tensors, no Triton, FP8 codes before compute capability 8.9): the caller then uses
     `qweight.dequantize`."""
     spec = FORMATS.get(getattr(qweight, "fmt", None))
-    if spec is None or qweight.role != "weight" or len(qweight.shape) != 2 or spec.bits not in (4, 8):
+    if spec is None or qweight.role != "weight" or len(qweight.shape) != 2:
         return None
     if dtype not in (torch.bfloat16, torch.float16, torch.float32) or not qweight.data.is_cuda:
         return None
-    available = (availability.fp8_kernels_available if spec.needs_fp8_hardware  # E4M3 codes or block scales
-                 else availability.kernels_available)
-    if not available(qweight.data.device):
+    if not availability.format_kernels_available(qweight.fmt, qweight.data.device):
         return None
     from quarl.kernels import dequant
 
     if spec.bits == 4:
         return dequant.dequantize_fp4_weight(qweight, dtype)
     return dequant.dequantize_8bit_weight(qweight, dtype)
+
+
+def dequantize(qweight, dtype: torch.dtype) -> torch.Tensor:
+    """`qweight.dequantize(dtype)` [N, K], by one GPU kernel where `try_dequantize` has one (the same values)."""
+    dense = try_dequantize(qweight, dtype)
+    return dense if dense is not None else qweight.dequantize(dtype)
 
 
 def try_quantized_matmul(x: torch.Tensor, qweight, weight_only: bool, bias: torch.Tensor | None = None):

@@ -110,7 +110,7 @@ class _KernelLinear(torch.autograd.Function):
 
     Forward returns y [M, N] itself; backward gives x [M, K] the gradient g @ Q(W) and W [N, K] the gradient
     g^T @ Q(x), and a bias its sum g.sum(0): exactly what autograd gives the fake-quantized path. Q(W) is the
-    forward's own quantized weight `qweight` dequantized (one kernel on a GPU, `kernels.try_dequantize`), Q(x) is
+    forward's own quantized weight `qweight` dequantized (one kernel on a GPU, `kernels.dequantize`), Q(x) is
     recomputed from x rather than kept from the forward. The weight's codes and scales are saved as tensors for
     backward: autograd then refuses a backward whose rollout copy was re-quantized in place since the forward, and
     activation checkpointing frees and recomputes a freshly quantized copy like any saved tensor."""
@@ -129,8 +129,7 @@ class _KernelLinear(torch.autograd.Function):
         qweight = QuantizedTensor(ctx.fmt, "weight", data, scale, None, ctx.shape)  # an 8-bit format's codes
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            wq = kernels.try_dequantize(qweight, grad.dtype)
-            grad_x = grad @ (wq if wq is not None else qweight.dequantize(grad.dtype))
+            grad_x = grad @ kernels.dequantize(qweight, grad.dtype)
         if ctx.needs_input_grad[2]:
             xq = kernels.fake_quantize_activation(x.detach(), ctx.fmt)
             grad_w = (grad.t() @ xq).to(ctx.weight_dtype)
@@ -490,8 +489,7 @@ class QuantLinear(nn.Module):
         if self.weight_dequant is not None:
             w = self.weight_dequant
             return w if w.dtype == dtype else w.to(dtype)
-        w = kernels.try_dequantize(self.qweight, dtype)  # one GPU kernel where one applies, same values
-        return w if w is not None else self.qweight.dequantize(dtype)
+        return kernels.dequantize(self.qweight, dtype)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -561,11 +559,6 @@ class QuantLinear(nn.Module):
         (`kernel_forward`)."""
         return self.frozen_base or self.kernel_forward
 
-    def _holds_rollout_copy_of(self, fmt: str, device: torch.device) -> bool:
-        """Whether this linear keeps a rollout copy of its trained master weight in `fmt` on `device`."""
-        return self.qweight_data is not None and not self.frozen_base and self.rollout_format == fmt and \
-            self.weight is not None and self.qweight_data.device == self.weight.device == device
-
     def _current_rollout_copy(self, fmt: str) -> QuantizedTensor | None:
         """The rollout copy when it holds the master weight as it is now, in `fmt`, on the weight's device (the
         step's sync made it and no optimizer step followed); else None."""
@@ -579,8 +572,8 @@ class QuantLinear(nn.Module):
         `kernels.quantized_matmul`, with the straight-through gradients of the fake-quantized path
         (`_KernelLinear`); None where no kernel applies (CPU, no Triton, float32 compute, FP8 before compute
         capability 8.9): the caller then takes bf16 GEMMs of the fake-quantized operands, as the rollout forward
-        does there. Q(W) is the rollout copy while it holds the master weight as it is (the step's sync made it),
-        else the weight quantized now (after an optimizer step within the step)."""
+        does there. Q(W) is the rollout copy, re-quantized in place first when an optimizer step made it stale;
+        without a rollout copy on this device, the weight quantized now."""
         x2d = x.reshape(-1, self.in_features)
         # checked before quantizing the weight, which would be wasted work without a kernel
         needs_fp8 = get_format(self.train_format).needs_fp8_hardware
@@ -592,14 +585,15 @@ class QuantLinear(nn.Module):
                                 "GPU; rollout and training forwards both take bf16 GEMMs of the fake-quantized "
                                 "values")
             return None
-        qweight = self._current_rollout_copy(self.train_format)
-        if qweight is None and self._holds_rollout_copy_of(self.train_format, x2d.device):
-            # an optimizer step since the sync (several mini-batches per batch): re-quantize into the rollout copy,
-            # once per optimizer step rather than in every micro-batch, and with no second copy for backward
-            with torch.no_grad():
-                self.refresh()
-            qweight = self._current_rollout_copy(self.train_format)
-        if qweight is None:
+        # configure() set kernel_forward only for a trainable base whose rollout copy has the training format
+        if self.qweight_data is not None and self.qweight_data.device == self.weight.device == x2d.device:
+            if not self._rollout_copy_current():
+                # an optimizer step since the sync (several mini-batches per batch): re-quantize into the rollout
+                # copy, once per optimizer step rather than in every micro-batch, and no second copy for backward
+                with torch.no_grad():
+                    self.refresh()
+            qweight = self.qweight
+        else:  # no rollout copy here (many ranks: the rollout copy is a separate model)
             qweight = _quantize_weight(self.weight.detach().to(self.compute_dtype), self.train_format)
         with torch.no_grad():
             y = kernels.quantized_matmul(x2d.detach(), qweight, False,

@@ -130,8 +130,7 @@ class FusedProjection:
         """A stacked deq(weight) cache in dtype whose row views become the parts' `weight_dequant` (which
         `QuantLinear.refresh` keeps current), like the cache each part would build for its own fallback."""
         qw = self._stacked_qweight()
-        deq = kernels.try_dequantize(qw, dtype)
-        self._fused["weight_dequant"] = deq if deq is not None else qw.dequantize(dtype)
+        self._fused["weight_dequant"] = kernels.dequantize(qw, dtype)
         row = 0
         for p, start, n in zip(self.parts, self._starts, self.sizes):
             start["weight_dequant"] = row
