@@ -2,8 +2,9 @@
 
 A kernel that may disagree with its PyTorch definition on some GPU or Triton version runs a small probe on its
 first use per device (and dtype) and serves only where it passes (`kernel_passes_check`: a failure warns once
-through `quarl.fallbacks.report_fallback` and keeps the torch path). `CAPABILITIES` keeps every verdict for the
-process, so each probe runs once:
+through `quarl.fallbacks.report_fallback` and keeps the torch path). `CAPABILITIES` keeps the process-wide
+verdicts, so each of those probes runs once (the fast engine's decode attention and KV-write checks depend on its
+cache's shapes and run once per engine or cache, keeping their own result):
 
     CAPABILITIES.check("decode_fused", ("cuda:0", torch.bfloat16), probe, requires=kernels_on_device,
                        what="the fused decode kernels")   # probe() on the first call only
