@@ -150,6 +150,22 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert [m["world_size"] for m in meta] == [2, 2, 1]
 
 
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(runs, tmp_path):
+    """One rank keeps the one-process model and optimizer (no FSDP); its checkpoints hold the state dicts of a
+    sharded run's (float32 masters, AdamW moments and step by parameter name), so two ranks resume from its step-2
+    checkpoint and step 3 goes on as the one-rank run did (wrong moments or step counts would move it further)."""
+    import shutil
+
+    run = tmp_path / "one"
+    shutil.copytree(runs["tmp"] / "one", run, ignore=shutil.ignore_patterns("step_000003.dcp", ".quarl.lock"))
+    again = torchrun(2, tmp_path / "again.pt", overrides(runs["tmp"], run, 3, *UNIFIED, f"resume={run}"))
+    assert max_weight_diff(again["start"], runs["one"]["weights"][2]) == 0.0
+    assert list(again["rollouts"]) == [3]
+    assert tokens(again["rollouts"][3]) == tokens(runs["one"]["rollouts"][3])
+    assert max_weight_diff(again["weights"][3], runs["one"]["weights"][3]) < 2e-5
+    assert max_weight_diff(again["weights"][3], runs["one"]["weights"][2]) > 1e-3
+
+
 def test_a_damaged_sharded_checkpoint_is_not_intact(runs, tmp_path):
     import shutil
 

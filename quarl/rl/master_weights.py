@@ -83,10 +83,11 @@ class MasterWeightAdamW:
     def step(self) -> None:
         """One AdamW step on the float32 masters, then every 16-bit parameter := its master rounded to nearest."""
         self.optimizer.step()
-        self._copy_masters_to_params()
+        self.masters_to_params()
 
     @torch.no_grad()
-    def _copy_masters_to_params(self) -> None:
+    def masters_to_params(self) -> None:
+        """Every 16-bit parameter := its float32 master rounded to nearest (after a step or a load)."""
         for p, master in zip(self.params, self.masters):
             if master is not p:
                 p.copy_(master)
@@ -113,4 +114,4 @@ class MasterWeightAdamW:
                 raise ValueError(f"optimizer state holds a float32 master for parameter {i}, which has none here: "
                                  "was the run's config (LoRA, precision) changed?")
             self.masters[i].copy_(value.to(self.masters[i].device))
-        self._copy_masters_to_params()
+        self.masters_to_params()

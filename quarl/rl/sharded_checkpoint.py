@@ -25,19 +25,45 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch
+
 from quarl import distributed as qdist
 from quarl.rl.checkpoint import CheckpointWarning, _fsync_dir, atomic_write_bytes, file_sha256
+from quarl.rl.master_weights import MasterWeightAdamW
 
 SHARDED_NAME = re.compile(r"step_(\d{6,})\.dcp")
 META_NAME = "quarl.json"
 
 
 def _state(model, optimizer):
-    """{"model": trainable parameters (sharded), "optim": AdamW state} as DCP state dicts (DTensors)."""
+    """{"model": trainable parameters, "optim": AdamW state} as DCP state dicts: of the sharded model (DTensors) and
+    its AdamW, or, for a one-rank run that keeps the one-process model, of a `MasterWeightAdamW` (`_master_state`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    if isinstance(optimizer, MasterWeightAdamW):
+        return _master_state(model, optimizer)
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": model_state, "optim": optim_state}
+
+
+def _master_state(model, optimizer: MasterWeightAdamW) -> dict:
+    """The state dicts `get_state_dict` gives for the sharded model, built from an unsharded model's optimizer:
+    "model" maps each trainable parameter's name to its float32 master, "optim" holds AdamW's state and param groups
+    by parameter name. The tensors are the optimizer's own (a parameter without AdamW state yet gets zeros and step
+    0, which AdamW's first step treats as a fresh state), so DCP loads straight into them. Checkpoints are the same
+    whichever way they were written and load on any number of ranks."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqn = {id(m): names[id(p)] for p, m in zip(optimizer.params, optimizer.masters)}
+    adamw = optimizer.optimizer
+    state = {}
+    for master in optimizer.masters:
+        s = adamw.state[master]
+        if not s:
+            s.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master))
+        state[fqn[id(master)]] = s
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[id(m)] for m in g["params"]]}
+              for g in adamw.param_groups]
+    return {"model": {fqn[id(m)]: m for m in optimizer.masters}, "optim": {"state": state, "param_groups": groups}}
 
 
 def sharded_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -130,8 +156,13 @@ def load_latest_sharded(run_dir: str | Path, model, optimizer) -> tuple[dict, Pa
         raise FileNotFoundError(f"resume={run_dir}: no intact sharded checkpoint (step_*.dcp with {META_NAME}) in "
                                 f"{Path(run_dir) / 'checkpoints'}; a run on many ranks resumes from those only")
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=chosen)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    if isinstance(optimizer, MasterWeightAdamW):  # the masters and moments themselves are loaded into, in place
+        del state["optim"]["param_groups"]  # the config's hyperparameters; the learning rate is set every step
+        dcp.load(state, checkpoint_id=chosen)
+        optimizer.masters_to_params()
+    else:
+        dcp.load(state, checkpoint_id=chosen)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
     meta = json.loads((Path(chosen) / META_NAME).read_text())
     return meta, Path(chosen)

@@ -256,7 +256,9 @@ class Trainer:
         if os.environ.get(TUNING_FILE_ENV):
             current_tables()  # a bad user tuning file fails now, not at the first GEMM of the run
         # Under torchrun: one rank per process, the trained model sharded (FSDP2), a full rollout copy per rank
-        # (quarl/rl/sharding.py, docs/DISTRIBUTED.md). Without it: one process, one model, as always.
+        # (quarl/rl/sharding.py, docs/DISTRIBUTED.md). Without it: one process, one model, as always. One rank under
+        # torchrun keeps the one-process model and optimizer (FSDP on one rank only adds its hooks, copies and
+        # DTensor dispatch) and the many-rank run's collectives, seeds and sharded (DCP) checkpoints.
         self.distributed = qdist.launched_by_torchrun()
         if self.distributed and cfg.loss.advantage_estimator == "gae":
             raise ValueError("loss.advantage_estimator=gae (PPO with a critic) runs on one process: the critic is not "
@@ -265,13 +267,15 @@ class Trainer:
             resolve_device(cfg.model.device)  # the same checks of the name
             self.device = qdist.local_device(cfg.model.device)
             qdist.init_from_env(self.device)
+            self.sharded = qdist.world_size() > 1
         else:
             self.device = resolve_device(cfg.model.device)
+            self.sharded = False
         set_cpu_threads(self.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
         self.is_main = qdist.is_main()
         # Sharded masters are the parameters themselves (float32); the compute dtype is FSDP's mixed precision.
-        master_dtype = torch.float32 if self.distributed else self.dtype
+        master_dtype = torch.float32 if self.sharded else self.dtype
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
         if cfg.reward.function and self.is_main:  # user code: say so before importing and trying it on one example
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
@@ -303,7 +307,7 @@ class Trainer:
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.rollout_model = self.model  # what the rollout engine reads: the model itself on one process
-        if self.distributed:
+        if self.sharded:
             self._shard()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -321,7 +325,7 @@ class Trainer:
             raise ValueError(f"rollout.router_replay=true needs a mixture-of-experts model; {cfg.model.name} has no "
                              "MoE layers (set rollout.router_replay=false)")
         self.engine = make_engine(self.rollout_model, self.tokenizer, cfg, self.device)
-        self.rollout_sync = ShardedRolloutSync(self.model, self.rollout_model) if self.distributed else \
+        self.rollout_sync = ShardedRolloutSync(self.model, self.rollout_model) if self.sharded else \
             RolloutSync(self.model)
         self._routing_counts: dict[str, list[float]] = {}  # moe/* metric -> [differing decisions, decisions]
         self.task.set_tokenizer(self.tokenizer)
@@ -413,7 +417,8 @@ class Trainer:
         """Load the newest intact checkpoint (checksums verified; a damaged one is skipped with a warning): a
         single-process .pt file, or on many ranks a sharded DCP folder (written on any number of ranks)."""
         if self.distributed:
-            state, ckpt = load_latest_sharded(self.run_dir, self.model, self.optimizer.optimizer)
+            state, ckpt = load_latest_sharded(self.run_dir, self.model,
+                                              self.optimizer.optimizer if self.sharded else self.optimizer)
         else:
             state, ckpt = load_latest_intact(self.run_dir, self.model, self.optimizer)
         self.start_step = state["step"]
@@ -421,7 +426,7 @@ class Trainer:
             self.critic.load_state_dict(state.get("critic"), ckpt)
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
-        if self.distributed:
+        if self.sharded:
             self.rollout_sync()
         else:
             refresh_rollout_weights(self.model)
@@ -952,7 +957,7 @@ class Trainer:
         completions and per-problem scores go to RUN_DIR/eval_samples.jsonl ("eval": "eval" or "eval_full").
         On many ranks each rank answers its contiguous share of the problems and the records are gathered: the
         same answers and scores as one rank (each problem samples from its own seeded stream)."""
-        if self.distributed:
+        if self.sharded:
             self.rollout_sync()
         else:
             refresh_rollout_weights(self.model)
@@ -977,7 +982,7 @@ class Trainer:
         out = {f"eval/{k}": v for k, v in result.items()}
         rows = [{"eval": "eval", **r} for r in records]
         # many ranks: the rollout copy keeps only the quantized weights, so there is no full-precision twin to score
-        if e.full_precision and self.cfg.precision.flow != "bf16" and not self.distributed:
+        if e.full_precision and self.cfg.precision.flow != "bf16" and not self.sharded:
             from quarl.rollout.engine import RolloutEngine
 
             records = []
@@ -1080,7 +1085,7 @@ class Trainer:
         if not summary.get("interrupted") and cfg.output.export_hf:
             from quarl.export import export_run
 
-            if self.distributed:
+            if self.sharded:
                 self.export_distributed()
             else:
                 export_run(self.model, self.tokenizer, self.cfg, self.run_dir / "export")
@@ -1134,7 +1139,7 @@ class Trainer:
         self.check_weights_finite(step, doing="at the checkpoint")
         if self.distributed:
             path = save_sharded_checkpoint(
-                self.run_dir, step, self.model, self.optimizer.optimizer, keep=self.cfg.output.keep_checkpoints,
+                self.run_dir, step, self.model, self.optimizer.optimizer if self.sharded else self.optimizer, keep=self.cfg.output.keep_checkpoints,
                 nonfinite_total=self.nonfinite_total, nonfinite_streak=self.nonfinite_streak)
             if self.is_main:
                 tqdm.write(f"[quarl] step {step}: checkpoint saved to {path}")
