@@ -111,3 +111,28 @@ def test_settings_put_acting_lora_adapters_on_every_decoder_linear():
     with torch.no_grad():
         assert not torch.equal(model(x), with_lora)
     model.set_rollout(False)
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen2", "int8"), ("qwen3_moe", "fp8")])
+def test_codes_only_copy_drops_the_weights_and_computes_the_split_rollout(arch, fmt):
+    """--rollout-copy codes-only: each quantized linear keeps only its codes and scales (no bf16 weight), lm_head
+    stays full precision, and the rollout forward is the split flow's on the same weights, exactly."""
+    from quarl.bench.rollout import keep_codes_only
+    from quarl.model.precision_apply import rollout_mode
+    from quarl.model.qlinear import QuantLinear
+
+    split, codes = make_model(arch, dtype=torch.float32), make_model(arch, dtype=torch.float32)
+    codes.load_state_dict(split.state_dict())
+    ids = torch.randint(0, split.config.vocab_size, (2, 7))
+    configure_precision(split, fmt)
+    assert keep_codes_only(codes, fmt) == fmt
+    linears = [(n, m) for n, m in codes.named_modules() if isinstance(m, QuantLinear)]
+    assert len(linears) > 8
+    for name, m in linears:
+        if name.endswith("lm_head"):
+            assert m.weight is not None and m.rollout_format is None
+        else:
+            assert m.weight is None and m.qweight_data is not None and m.rollout_format == fmt, name
+    with torch.no_grad(), rollout_mode(split), rollout_mode(codes):
+        torch.testing.assert_close(codes(ids), split(ids), rtol=0, atol=0)
+    assert keep_codes_only(make_model(arch, dtype=torch.float32), "bf16") == "bf16"

@@ -175,6 +175,12 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of timed generate calls, time one decode step and its parts (linears, "
                              "attention, sampling) at context prompt-len + max-new-tokens / 2")
+    parser.add_argument("--rollout-copy", default="full", choices=("full", "codes-only"),
+                        help="full: one bf16 model, each quantized setting adds its rollout copy beside the bf16 "
+                             "weights (as the split flow on one process); codes-only: each setting builds the model "
+                             "afresh and its quantized linears keep only codes and scales (a many-rank run's rollout "
+                             "copy), for models whose bf16 weights and a quantized copy do not fit together "
+                             "(30b-a3b on 80 GB)")
     add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
@@ -278,12 +284,36 @@ def configure_precision(model, prec: str, lora_rank: int = 0) -> str:
     return base
 
 
+def keep_codes_only(model, prec: str) -> str:
+    """Put the bf16 `model` in setting precision `prec` as a rollout-only copy: every linear the split flow quantizes
+    is quantized as a frozen base and its bf16 weight freed, one linear at a time (the form of a many-rank run's
+    rollout copy, `quarl.rl.sharding.make_rollout_copy`), so peak memory is the bf16 model plus one linear's codes.
+    Returns the format without the lm_head suffix. The model cannot go back to bf16: build a fresh one."""
+    from quarl.model.precision_apply import base_settings, wants_quantization
+    from quarl.model.qlinear import QuantLinear
+    from quarl.precision import PrecisionConfig
+
+    base = prec.removesuffix(HEAD_SUFFIX)
+    if base == "bf16":
+        return base
+    pc = PrecisionConfig(flow="split", format=base, quantize_lm_head=prec.endswith(HEAD_SUFFIX))
+    settings = dict(base_settings(pc), frozen_base=True, train_format=None, quantized_backward=False)
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and wants_quantization(name, pc):
+            module.configure(**settings)
+    return base
+
+
 def run_setting(torch, model, prec: str, kv: str, args, prompts, bw: float, rate: float, cfg) -> dict:
-    """Configure `model` for `prec`, warm up, time `args.repeats` generate calls; returns one result row."""
+    """Configure `model` for `prec` (unless --rollout-copy codes-only built it so), warm up, time `args.repeats`
+    generate calls; returns one result row."""
     from quarl.rollout.fast_engine import FastRolloutEngine
 
     t_setup = time.perf_counter()
-    base = configure_precision(model, prec, getattr(args, "lora_rank", 0))
+    if getattr(args, "rollout_copy", "full") == "codes-only":
+        base = prec.removesuffix(HEAD_SUFFIX)
+    else:
+        base = configure_precision(model, prec, getattr(args, "lora_rank", 0))
     batch = args.prompts * args.samples
     engine = FastRolloutEngine(model, None, max_batch_size=batch,
                                max_seq_len=args.prompt_len + args.max_new_tokens - 1, kv_cache_dtype=kv,
@@ -370,6 +400,9 @@ def run_bench_rollout(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    codes_only = args.rollout_copy == "codes-only"
+    if codes_only and args.lora_rank:
+        raise ValueError("--rollout-copy codes-only measures the base model's rollout; drop --lora-rank")
     paths = FastPaths(**path_settings(args.with_paths, args.without))
     from quarl.bench.gemm import measure_ceilings
 
@@ -393,6 +426,14 @@ def run_bench_rollout(args) -> int:
             continue
         t0 = time.perf_counter()
         try:
+            if codes_only and rows:  # the previous setting's copy cannot go back to bf16: the same weights again
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+                model = build_model(args.model_size, "cuda", args.seed)
+                model.set_fast_paths(paths)
+            if codes_only:
+                keep_codes_only(model, prec)
             row = run_setting(torch, model, prec, kv, args, prompts, bw, rate, cfg)
         except Exception as e:  # report and go on: one failing format must not hide the others
             traceback.print_exc()
