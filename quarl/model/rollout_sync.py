@@ -75,12 +75,10 @@ class RolloutSync:
 
 def _buffers_key(trained: list[QuantLinear]) -> tuple:
     """Addresses (and shapes) of what the sync reads and writes: each weight and its rollout copy's buffers."""
-    key = []
-    for m in trained:
-        q = m.qweight
-        for t in (m.weight, q.data, q.scale, q.global_scale, m.weight_dequant):
-            key.append(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype))
-    return tuple(key)
+    # the raw buffers, not `m.qweight`'s typed views of them (the same memory): building the views for every
+    # linear on every sync would cost more than the sync's own launches on a small model
+    return tuple(None if t is None else (t.data_ptr(), t.shape, t.dtype) for m in trained
+                 for t in (m.weight, m.qweight_data, m.qweight_scale, m.qweight_global_scale, m.weight_dequant))
 
 
 def _capture(trained: list[QuantLinear]) -> torch.cuda.CUDAGraph:
