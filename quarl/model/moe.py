@@ -16,8 +16,10 @@ and stays in full precision under every flow.
 Expert computation is grouped: the N x k (token, expert) pairs are sorted by expert, each expert runs once on its
 contiguous slice of rows, and the weighted rows are added back into their tokens. `grouped_swiglu` (the reference:
 one call per expert that owns rows, each projection a QuantLinear in its current mode, so every precision flow
-applies) and `grouped_gemm_swiglu` (one grouped GEMM per projection over all experts, torch's grouped_mm; used on
-Hopper GPUs for experts whose linears compute plain x @ W^T, `FastPaths.grouped_experts`) compute the same thing.
+applies), `grouped_gemm_swiglu` (one grouped GEMM per projection over all experts, torch's grouped_mm; used on
+Hopper GPUs for experts whose linears compute plain x @ W^T) and `grouped_w8a8_swiglu` (one grouped W8A8 kernel
+launch per projection; used in int8 / fp8 W8A8 rollouts on CUDA) compute the same thing; `expert_path` picks one
+(`FastPaths.grouped_experts` turns both grouped paths off).
 
 Router replay (R3): an `ExpertRouting` handed to the forward can carry recorded experts per token and MoE layer;
 the block then uses them instead of its own top-k, with the gate weights recomputed from its own router (softmax
@@ -32,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
+from quarl.kernels.availability import format_kernels_available
 from quarl.model.config import ModelConfig
 from quarl.model.qlinear import QuantLinear
 
@@ -137,7 +140,8 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Mod
     x_sorted: [M, hidden] rows sorted by expert; counts: long [E] with counts.sum() == M. Returns [M, hidden] in the
     experts' output dtype. The reference path, which serves every precision flow: one call per expert that owns
     rows (the counts are read on the host once). `grouped_gemm_swiglu` computes the same with one grouped GEMM per
-    projection where the experts compute plain x @ W^T.
+    projection where the experts compute plain x @ W^T, `grouped_w8a8_swiglu` with one grouped W8A8 kernel launch
+    per projection in int8 / fp8 rollouts.
     """
     out = x_sorted.new_empty(x_sorted.shape[0], experts[0].down_proj.out_features)
     start = 0
@@ -205,18 +209,95 @@ def grouped_gemm_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPat
         hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0) and plain_experts(experts, x)
 
 
+# Rollout formats the grouped W8A8 kernel computes: 8-bit codes with one scale per output channel and per token.
+GROUPED_W8A8_FORMATS = ("int8", "fp8")
+
+
+def grouped_w8a8_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
+    """Whether `grouped_w8a8_swiglu` serves x: `fast_paths.grouped_experts`, a CUDA bf16/fp16 x that needs no
+    gradient (a rollout forward; the kernel has no backward), the format's Triton kernels available on x's device,
+    and every expert projection a QuantLinear in rollout mode with the same W8A8 rollout format (int8 or fp8, not
+    weight-only), no bias, no LoRA adapter and its rollout codes on x's device."""
+    if not (fast_paths.grouped_experts and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    fmt = experts[0].gate_proj.rollout_format
+    if fmt not in GROUPED_W8A8_FORMATS:
+        return False
+    for expert in experts:
+        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            if not lin.rollout or lin.rollout_format != fmt or lin.weight_only or lin.bias is not None or \
+                    lin.lora_rank or lin.qweight_data is None or lin.qweight_data.device != x.device:
+                return False
+    return format_kernels_available(fmt, x.device)
+
+
+def _expert_tables(experts: nn.ModuleList) -> tuple:
+    """The gate, up and down `ExpertTable`s of the experts' rollout copies, kept on the ModuleList and rebuilt when
+    any code or scale buffer moved. The sync re-quantizes the buffers in place (same addresses), so the tables
+    stay valid across steps, and a CUDA graph that captured them reads the current codes."""
+    from quarl.kernels.grouped_w8a8 import expert_table
+
+    projections = [[e.gate_proj for e in experts], [e.up_proj for e in experts], [e.down_proj for e in experts]]
+    fmt = projections[0][0].rollout_format
+    key = (fmt, *(p for lins in projections for lin in lins
+                  for p in (lin.qweight_data.data_ptr(), lin.qweight_scale.data_ptr())))
+    cached = getattr(experts, "_grouped_w8a8_tables", None)
+    if cached is None or cached[0] != key:
+        tables = []
+        for lins in projections:
+            copies = [lin.qweight for lin in lins]  # typed views of the buffers (same addresses)
+            tables.append(expert_table(fmt, [q.data for q in copies], [q.scale for q in copies]))
+        cached = (key, tuple(tables))
+        experts._grouped_w8a8_tables = cached
+    return cached[1]
+
+
+def grouped_w8a8_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """What `grouped_swiglu` computes in an int8 / fp8 W8A8 rollout, with one grouped W8A8 kernel launch per
+    projection over all experts (`quarl.kernels.grouped_w8a8`) and no host sync (the caller checked
+    `grouped_w8a8_ok`). gate and up share one quantization of x_sorted's rows; down quantizes silu(gate) * up.
+    Per row the same codes, scales and epilogue as the dense W8A8 kernel without split-K.
+
+    x_sorted [M, hidden] bf16/fp16 (rows sorted by expert, contiguous), counts long [E] (rows per expert, on the
+    device) -> [M, hidden] in x_sorted's dtype. No gradient."""
+    from quarl.kernels.act_quant import quantize_activation
+    from quarl.kernels.grouped_w8a8 import grouped_w8a8_matmul
+
+    gate_t, up_t, down_t = _expert_tables(experts)
+    ends = counts.cumsum(0).to(torch.int32)
+    x_sorted = x_sorted.contiguous()
+    xq, xs = quantize_activation(x_sorted, gate_t.fmt, gate_t.k)
+    gate = grouped_w8a8_matmul(xq, xs, ends, gate_t, x_sorted.dtype)
+    up = grouped_w8a8_matmul(xq, xs, ends, up_t, x_sorted.dtype)
+    h = F.silu(gate) * up
+    hq, hs = quantize_activation(h, down_t.fmt, down_t.k)
+    return grouped_w8a8_matmul(hq, hs, ends, down_t, x_sorted.dtype)
+
+
+def expert_path(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths):
+    """The grouped SwiGLU that serves x in the experts' current mode: `grouped_gemm_swiglu` (plain experts in bf16
+    on Hopper), `grouped_w8a8_swiglu` (int8 / fp8 W8A8 rollouts on CUDA), else `grouped_swiglu` (the reference,
+    which reads the per-expert counts on the host)."""
+    if grouped_gemm_ok(experts, x, fast_paths):
+        return grouped_gemm_swiglu
+    if grouped_w8a8_ok(experts, x, fast_paths):
+        return grouped_w8a8_swiglu
+    return grouped_swiglu
+
+
 def moe_experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList,
-                grouped_gemm: bool = False) -> torch.Tensor:
+                swiglu=grouped_swiglu) -> torch.Tensor:
     """sum_j weights[:, j] * experts[experts_idx[:, j]](x), computed by sorting (token, expert) pairs by expert.
 
     x [N, hidden]; experts_idx long [N, k]; weights [N, k] (cast to x's dtype, as transformers does);
-    grouped_gemm: take `grouped_gemm_swiglu` (the caller checked `grouped_gemm_ok`), else `grouped_swiglu`.
-    Returns [N, hidden] in x's dtype.
+    swiglu: the grouped SwiGLU (x_sorted, counts, experts) -> rows, `expert_path`'s choice (default the reference,
+    `grouped_swiglu`). Returns [N, hidden] in x's dtype.
     """
     N, k = experts_idx.shape
     order, counts = sort_by_expert(experts_idx, len(experts))
     token = order // k
-    swiglu = grouped_gemm_swiglu if grouped_gemm else grouped_swiglu
     y = swiglu(x.index_select(0, token), counts, experts)
     y = y * weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None]
     return x.new_zeros(N, y.shape[-1], dtype=y.dtype).index_add(0, token, y).to(x.dtype)
@@ -270,8 +351,8 @@ class SparseMoeBlock(nn.Module):
             routing.used[self.moe_index] = chosen.reshape(*lead, self.top_k)
             routing.own[self.moe_index] = own.reshape(*lead, self.top_k)
         # transformers casts the routing weights to the compute dtype before weighting the experts' outputs
-        grouped = grouped_gemm_ok(self.experts, flat, self.fast_paths)
-        return moe_experts(flat, chosen, weights.to(x.dtype), self.experts, grouped).reshape(x.shape)
+        swiglu = expert_path(self.experts, flat, self.fast_paths)
+        return moe_experts(flat, chosen, weights.to(x.dtype), self.experts, swiglu).reshape(x.shape)
 
 
 def routing_mismatch(recorded: torch.Tensor, computed: torch.Tensor) -> tuple[float, int]:
