@@ -562,3 +562,33 @@ def test_cuda_grouped_gemm_matches_the_per_expert_path_in_bf16():
         outs.append((y.float(), xr.grad.float(), experts[3].down_proj.weight.grad.float()))
     for a, b in zip(*outs):
         assert float((a - b).abs().max()) <= 0.02 * float(b.abs().max())  # bf16 outputs of fp32-accumulated GEMMs
+
+
+def test_a_rollout_chooses_the_expert_path_once_and_a_new_rollout_again(monkeypatch):
+    """In rollout mode the block asks `expert_path` once per rollout (checking every expert projection at every
+    decode step would cost more than the layer); training forwards ask every time; outputs are unchanged."""
+    import quarl.model.moe as moe
+
+    model = QuarlForCausalLM(ModelConfig.from_hf(tiny_hf_config("qwen3_moe")))
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    x = torch.randn(2, 5, model.config.hidden_size)
+    calls = []
+    choose = moe.expert_path
+    monkeypatch.setattr(moe, "expert_path", lambda *a: calls.append(1) or choose(*a))
+    with torch.no_grad():
+        training = block(x)
+        block(x)
+        assert len(calls) == 2
+        model.set_rollout(True)
+        first = block(x)
+        for _ in range(3):
+            torch.testing.assert_close(block(x), first, rtol=0, atol=0)
+        block(x.double())  # another dtype: chosen again
+        assert len(calls) == 4
+        model.set_rollout(False)
+        model.set_rollout(True)
+        block(x)
+        assert len(calls) == 5
+        model.set_rollout(False)
+    assert not torch.equal(first, training)  # the rollout ran the int8 experts

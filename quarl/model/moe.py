@@ -29,6 +29,8 @@ object records, per MoE layer, the experts used and the block's own top-k (for t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -254,18 +256,20 @@ def _expert_tables(experts: nn.ModuleList) -> tuple:
     return cached[1]
 
 
-def grouped_w8a8_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+def grouped_w8a8_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList,
+                        tables: tuple | None = None) -> torch.Tensor:
     """What `grouped_swiglu` computes in an int8 / fp8 W8A8 rollout, with one grouped W8A8 kernel launch per
     projection over all experts (`quarl.kernels.grouped_w8a8`) and no host sync (the caller checked
     `grouped_w8a8_ok`). gate and up share one quantization of x_sorted's rows; down quantizes silu(gate) * up.
     Per row the same codes, scales and epilogue as the dense W8A8 kernel without split-K.
 
     x_sorted [M, hidden] bf16/fp16 (rows sorted by expert, contiguous), counts long [E] (rows per expert, on the
-    device) -> [M, hidden] in x_sorted's dtype. No gradient."""
+    device) -> [M, hidden] in x_sorted's dtype. No gradient. tables: `_expert_tables(experts)` when the caller
+    knows them current (skips checking every expert's buffers)."""
     from quarl.kernels.act_quant import quantize_activation
     from quarl.kernels.grouped_w8a8 import grouped_w8a8_matmul
 
-    gate_t, up_t, down_t = _expert_tables(experts)
+    gate_t, up_t, down_t = tables if tables is not None else _expert_tables(experts)
     ends = counts.cumsum(0).to(torch.int32)
     x_sorted = x_sorted.contiguous()
     xq, xs = quantize_activation(x_sorted, gate_t.fmt, gate_t.k)
@@ -330,6 +334,28 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(config.hidden_size, config.num_experts)
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
+        self.rollout = False
+        self._rollout_swiglu: tuple | None = None  # (what x it served, the grouped SwiGLU chosen in this rollout)
+
+    def set_rollout(self, on: bool) -> None:
+        """Rollout mode on or off (`QuarlForCausalLM.set_rollout` calls every module's); either way the expert path
+        is chosen again at the next forward."""
+        self.rollout = bool(on)
+        self._rollout_swiglu = None
+
+    def _swiglu(self, x: torch.Tensor):
+        """`expert_path`'s choice for x. In rollout mode it is chosen once per rollout, with the W8A8 kernel's
+        address tables: the experts do not change while an engine serves, and checking each of every expert's
+        projections (hundreds per layer) costs more host time than the layer's kernels at every decode step."""
+        if not self.rollout:
+            return expert_path(self.experts, x, self.fast_paths)
+        key = (x.device, x.dtype, torch.is_grad_enabled() and x.requires_grad, self.fast_paths)
+        if self._rollout_swiglu is None or self._rollout_swiglu[0] != key:
+            swiglu = expert_path(self.experts, x, self.fast_paths)
+            if swiglu is grouped_w8a8_swiglu:
+                swiglu = functools.partial(grouped_w8a8_swiglu, tables=_expert_tables(self.experts))
+            self._rollout_swiglu = (key, swiglu)
+        return self._rollout_swiglu[1]
 
     def forward(self, x: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:
         """x [..., hidden] (e.g. [B, T, hidden], or [B, hidden] in a decode step) -> the same shape and dtype.
@@ -351,7 +377,7 @@ class SparseMoeBlock(nn.Module):
             routing.used[self.moe_index] = chosen.reshape(*lead, self.top_k)
             routing.own[self.moe_index] = own.reshape(*lead, self.top_k)
         # transformers casts the routing weights to the compute dtype before weighting the experts' outputs
-        swiglu = expert_path(self.experts, flat, self.fast_paths)
+        swiglu = self._swiglu(flat)
         return moe_experts(flat, chosen, weights.to(x.dtype), self.experts, swiglu).reshape(x.shape)
 
 
