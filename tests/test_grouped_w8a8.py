@@ -121,6 +121,56 @@ _MOE_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
 """)
 
 
+_MOE_TRAINING_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
+    from quarl.model.config import ModelConfig
+    from quarl.model.moe import SparseMoeBlock, grouped_swiglu, grouped_w8a8_training_swiglu
+    from quarl.model.tiny import tiny_hf_config
+
+    FMT = FMT_ARG
+    torch.manual_seed(SEED_ARG)
+    print("seed", SEED_ARG)
+    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_moe", hidden_size=160, head_dim=40, num_experts=6,
+                                             num_experts_per_tok=3, moe_intermediate_size=72))
+    block = SparseMoeBlock(cfg, 0)
+    linears = [lin for e in block.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)]
+    for lin in linears:  # the unified flow's W8A8 training forward on the rollout's kernel
+        lin.weight.data.normal_(0, 0.05)
+        lin.configure(rollout_format=FMT, train_format=FMT, kernel_forward=True)
+        assert lin.kernel_forward
+    counts = torch.tensor([9, 0, 1, 14, 0, 6])
+    x, g = torch.randn(30, 160), torch.randn(30, 160)
+
+    def run(swiglu):
+        for lin in linears:
+            lin.weight.grad = None
+        xi = x.clone().requires_grad_(True)
+        y = swiglu(xi, counts, block.experts)
+        (y * g).sum().backward()
+        return y.detach(), xi.grad, [lin.weight.grad for lin in linears]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    # per expert on the CPU: fake-quantized x and W, straight-through gradients (what each QuantLinear computes)
+    ref_y, ref_gx, ref_gw = run(grouped_swiglu)
+    y, gx, gw = run(grouped_w8a8_training_swiglu)
+    # the same codes; float32 sums in another order, which rarely moves an element of silu(gate) * up by a code step
+    assert rel(y, ref_y) < 1e-3 and rel(gx, ref_gx) < 1e-3, (rel(y, ref_y), rel(gx, ref_gx))
+    for i, (a, b) in enumerate(zip(gw, ref_gw)):
+        if counts[i // 3] == 0:  # an expert without rows: zero gradients in both
+            assert a is not None and not a.any() and (b is None or not b.any()), i
+        else:
+            assert rel(a, b) < 1e-3, (i, rel(a, b))
+    # an optimizer step changes a master weight in place: the next forward re-quantizes its stale rollout copy first
+    with torch.no_grad():
+        block.experts[3].down_proj.weight.mul_(-2.0)
+    y2 = run(grouped_w8a8_training_swiglu)[0]
+    ref2 = run(grouped_swiglu)[0]
+    assert rel(y2, ref2) < 1e-3 and rel(y2, y) > 0.1, (rel(y2, ref2), rel(y2, y))
+    print("ok")
+""")
+
+
 def _run_check(script: str, fmt: str) -> None:
     seed = int(torch.randint(0, 2**31, (1,)))
     run_in_interpreter(script.replace("FMT_ARG", repr(fmt)).replace("SEED_ARG", str(seed)))
@@ -134,6 +184,11 @@ def test_grouped_w8a8_matches_the_codes_in_the_interpreter(fmt):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_grouped_w8a8_swiglu_matches_the_per_expert_path_in_the_interpreter(fmt):
     _run_check(_MOE_CHECK, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_grouped_w8a8_training_matches_the_per_expert_kernel_forward_in_the_interpreter(fmt):
+    _run_check(_MOE_TRAINING_CHECK, fmt)
 
 
 def test_grouped_w8a8_refuses_bad_input():
@@ -357,3 +412,47 @@ def test_cuda_grouped_w8a8_captures_into_a_cuda_graph_and_reads_requantized_code
                         lin.refresh()
             graph.replay()
             assert torch.equal(out, moe.grouped_w8a8_swiglu(x, counts, block.experts)), step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
+def test_cuda_unified_training_forward_takes_the_grouped_kernel_and_equals_the_per_expert_path(fmt):
+    """The unified flow's training forward of a MoE block: with grouped experts on, one grouped W8A8 launch per
+    projection (`grouped_w8a8_training_swiglu`), whose outputs and straight-through gradients equal the per-expert
+    kernel forward's (`QuantLinear._kernel_training_forward`) within the tuned per-expert plans' roundings."""
+    from quarl.fast_paths import FastPaths
+    from quarl.model import moe
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the grouped training path's backward needs grouped_mm (Hopper or newer)")
+    block = _cuda_block(fmt, hidden=256, width=128)
+    linears = [lin for e in block.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)]
+    for lin in linears:
+        lin.set_rollout(False)
+        lin.configure(rollout_format=fmt, train_format=fmt, kernel_forward=True)
+    x = torch.randn(4, 9, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+
+    def run(grouped):
+        block.fast_paths = FastPaths(grouped_experts=grouped)
+        for lin in linears:
+            lin.weight.grad = None
+        xi = x.clone().requires_grad_(True)
+        y = block(xi)
+        (y.float() * g.float()).sum().backward()
+        # an expert without rows: no gradient on the per-expert path, zeros on the grouped one
+        grads = [torch.zeros_like(lin.weight) if lin.weight.grad is None else lin.weight.grad for lin in linears]
+        return y.detach(), xi.grad, torch.stack(grads).float()
+
+    calls = []
+    original = moe.grouped_w8a8_training_swiglu
+    moe.grouped_w8a8_training_swiglu = lambda *a: calls.append(1) or original(*a)
+    try:
+        got = run(True)
+        assert len(calls) == 1
+        ref = run(False)
+        assert len(calls) == 1
+    finally:
+        moe.grouped_w8a8_training_swiglu = original
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < 3e-2, _rel(a, b)

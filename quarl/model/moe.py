@@ -280,14 +280,116 @@ def grouped_w8a8_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: n
     return grouped_w8a8_matmul(hq, hs, ends, down_t, x_sorted.dtype)
 
 
+def grouped_w8a8_training_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
+    """Whether `grouped_w8a8_training_swiglu` serves x: the unified flow's training forward on the rollout's int8 /
+    fp8 W8A8 kernel (`QuantLinear.kernel_forward`) for every expert projection (same format, no bias, no LoRA
+    adapter, no quantized backward, its rollout copy on x's device), `fast_paths.grouped_experts`, a CUDA bf16 x
+    on a Hopper-or-newer GPU (the backward's grouped_mm) with sizes grouped_mm can align, and the kernels."""
+    if not (fast_paths.grouped_experts and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)):
+        return False
+    fmt = experts[0].gate_proj.train_format
+    if fmt not in GROUPED_W8A8_FORMATS:
+        return False
+    for expert in experts:
+        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            if lin.rollout or not lin.kernel_forward or lin.quantized_backward or lin.train_format != fmt or \
+                    lin.rollout_format != fmt or lin.weight_only or lin.bias is not None or lin.lora_rank or \
+                    lin.weight is None or lin.qweight_data is None or lin.qweight_data.device != x.device or \
+                    (lin.in_features * 2) % 16 or (lin.out_features * 2) % 16:
+                return False
+    return format_kernels_available(fmt, x.device)
+
+
+class _GroupedKernelLinear(torch.autograd.Function):
+    """Attach the straight-through gradients of each expert's y_e = Q(x_e) @ Q(W_e)^T to rows a grouped kernel
+    computed: `QuantLinear`'s unified kernel forward (`_KernelLinear`) for all experts at once.
+
+    Forward returns y [M, N] itself. Backward: x [M, K] gets g @ Q(W_e) row group by row group (one grouped GEMM of
+    the experts' dequantized codes), W_e [N, K] gets g_e^T @ Q(x_e) (one grouped GEMM, Q(x) recomputed from x).
+    offsets: int32 [E], the running row count after each expert. The experts' codes and scales are saved as
+    tensors, so autograd refuses a backward after an in-place re-quantization of the rollout copies."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, fmt: str, experts: int,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        weights, codes, scales = tensors[:experts], tensors[experts:2 * experts], tensors[2 * experts:]
+        ctx.save_for_backward(x, offsets, *codes, *scales)
+        ctx.fmt, ctx.experts, ctx.shape, ctx.weight_dtype = fmt, experts, weights[0].shape, weights[0].dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from quarl import kernels
+        from quarl.formats import QuantizedTensor
+
+        x, offsets, *rest = ctx.saved_tensors
+        e = ctx.experts
+        grad = grad.contiguous()
+        grad_x, grad_w = None, [None] * e
+        if ctx.needs_input_grad[1]:
+            dequantized = torch.stack([kernels.dequantize(QuantizedTensor(ctx.fmt, "weight", c, s, None, ctx.shape),
+                                                          grad.dtype) for c, s in zip(rest[:e], rest[e:])])
+            grad_x = F.grouped_mm(grad, dequantized, offs=offsets)
+        needs_w = ctx.needs_input_grad[5:5 + e]
+        if any(needs_w):
+            xq = kernels.fake_quantize_activation(x.detach(), ctx.fmt)
+            # [N, M] @ [M, K] with groups along M -> [E, N, K]; an expert without rows gets zeros
+            stacked = F.grouped_mm(grad.t(), xq, offs=offsets)
+            grad_w = [g.to(ctx.weight_dtype) if need else None for g, need in zip(stacked.unbind(0), needs_w)]
+        return None, grad_x, None, None, None, *grad_w, *([None] * (2 * e))
+
+
+def _grouped_kernel_linear(x: torch.Tensor, codes: tuple, ends: torch.Tensor, table, linears: list) -> torch.Tensor:
+    """One projection of every expert over its rows: the grouped W8A8 kernel on x's activation codes (xq, xs) and
+    the experts' rollout copies, with `_GroupedKernelLinear`'s gradients to x and the master weights."""
+    from quarl.kernels.grouped_w8a8 import grouped_w8a8_matmul
+
+    with torch.no_grad():
+        y = grouped_w8a8_matmul(*codes, ends, table, x.dtype)
+    copies = [lin.qweight for lin in linears]
+    return _GroupedKernelLinear.apply(y, x, ends, table.fmt, len(linears), *[lin.weight for lin in linears],
+                                      *[q.data for q in copies], *[q.scale for q in copies])
+
+
+def grouped_w8a8_training_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """The unified flow's training forward of every expert (what `grouped_swiglu` computes through each
+    `QuantLinear`'s kernel forward) with the rollout's grouped W8A8 kernel: the same codes, kernel and epilogue as
+    `grouped_w8a8_swiglu`, so training computes the function the rollout sampled from, with straight-through
+    gradients to x_sorted and the experts' master weights. Rollout copies an optimizer step made stale are
+    re-quantized in place first, as `QuantLinear` does. x_sorted [M, hidden] bf16 (rows sorted by expert),
+    counts long [E] on the device -> [M, hidden] bf16. The caller checked `grouped_w8a8_training_ok`."""
+    from quarl.kernels.act_quant import quantize_activation
+
+    with torch.no_grad():
+        for expert in experts:
+            for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                if not lin._rollout_copy_current():
+                    lin.refresh()
+    gate_t, up_t, down_t = _expert_tables(experts)
+    ends = counts.cumsum(0).to(torch.int32)
+    x_sorted = x_sorted.contiguous()
+    with torch.no_grad():
+        codes = quantize_activation(x_sorted.detach(), gate_t.fmt, gate_t.k)
+    gate = _grouped_kernel_linear(x_sorted, codes, ends, gate_t, [e.gate_proj for e in experts])
+    up = _grouped_kernel_linear(x_sorted, codes, ends, up_t, [e.up_proj for e in experts])
+    h = (F.silu(gate) * up).contiguous()
+    with torch.no_grad():
+        codes = quantize_activation(h.detach(), down_t.fmt, down_t.k)
+    return _grouped_kernel_linear(h, codes, ends, down_t, [e.down_proj for e in experts])
+
+
 def expert_path(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths):
     """The grouped SwiGLU that serves x in the experts' current mode: `grouped_gemm_swiglu` (plain experts in bf16
-    on Hopper), `grouped_w8a8_swiglu` (int8 / fp8 W8A8 rollouts on CUDA), else `grouped_swiglu` (the reference,
-    which reads the per-expert counts on the host)."""
+    on Hopper), `grouped_w8a8_swiglu` (int8 / fp8 W8A8 rollouts on CUDA), `grouped_w8a8_training_swiglu` (the
+    unified flow's training forward on those kernels, on Hopper), else `grouped_swiglu` (the reference, which reads
+    the per-expert counts on the host)."""
     if grouped_gemm_ok(experts, x, fast_paths):
         return grouped_gemm_swiglu
     if grouped_w8a8_ok(experts, x, fast_paths):
         return grouped_w8a8_swiglu
+    if grouped_w8a8_training_ok(experts, x, fast_paths):
+        return grouped_w8a8_training_swiglu
     return grouped_swiglu
 
 
