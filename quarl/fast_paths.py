@@ -36,8 +36,8 @@ class FastPaths:
     lora_codes_handoff: bool = True
     # fused decode: q/k/v's and gate/up's adapters as one stacked GEMM pair; off: one pair per linear
     stack_rollout_lora: bool = True
-    # MoE experts in one launch per projection: bf16 on Hopper (grouped_mm), int8 / fp8 W8A8 rollouts (grouped Triton
-    # kernel); off: one call per expert
+    # MoE experts in one launch per projection: bf16 on Hopper (grouped_mm), int8 / fp8 W8A8 experts in rollouts and
+    # the unified training forward (grouped Triton kernel); off: one call per expert
     grouped_experts: bool = True
 
 
