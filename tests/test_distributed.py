@@ -166,6 +166,29 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(runs, tmp_path):
     assert max_weight_diff(again["weights"][3], runs["one"]["weights"][2]) > 1e-3
 
 
+@pytest.mark.parametrize("case", ["tied-embeddings", "qlora"])
+def test_a_one_rank_checkpoint_of_tied_or_qlora_models_resumes_on_two_ranks(case, tmp_path):
+    """The sharded run's state dicts name a tied embedding twice (embed_tokens and lm_head) and keep a qlora base's
+    codes (buffers): a one-rank checkpoint holds them too, so two ranks load it and start where it ended."""
+    from quarl.model.decoder import QuarlForCausalLM
+    from quarl.model.loading import save_pretrained
+    from quarl.model.tiny import tiny_config, tiny_tokenizer
+
+    (tmp_path / "reward.py").write_text(REWARD)
+    if case == "tied-embeddings":
+        model = QuarlForCausalLM(tiny_config("llama", tie_word_embeddings=True))
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        extra = [f"model.name={save_pretrained(model, tiny_tokenizer(), str(tmp_path / 'tied'))}"]
+    else:
+        extra = ["precision.flow=qlora", "precision.format=int8", "lora.rank=4"]
+    run = tmp_path / "run"
+    one = torchrun(1, tmp_path / "one.pt", overrides(tmp_path, run, 1, *extra))
+    two = torchrun(2, tmp_path / "two.pt", overrides(tmp_path, run, 2, *extra, f"resume={run}"))
+    assert max_weight_diff(two["start"], one["weights"][1]) == 0.0
+    assert max_weight_diff(one["start"], one["weights"][1]) > 1e-4  # step 1 moved the weights
+    assert list(two["rollouts"]) == [2]
+
+
 def test_a_damaged_sharded_checkpoint_is_not_intact(runs, tmp_path):
     import shutil
 

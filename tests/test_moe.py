@@ -20,8 +20,7 @@ from quarl.model.decoder import QuarlForCausalLM
 from quarl.model.loading import load_model, save_pretrained
 from quarl.model.moe import (ExpertRouting, SparseMoeBlock, TopKRouter, grouped_gemm_ok, grouped_gemm_swiglu,
                              grouped_swiglu, moe_experts, plain_experts, routing_mismatch, routing_weights)
-from quarl.model.precision_apply import apply_precision, unquantized_linears
-from quarl.model.qlinear import QuantLinear
+from quarl.model.precision_apply import apply_precision, full_precision, unquantized_linears
 from quarl.model.tiny import tiny_hf_config, tiny_tokenizer
 from quarl.precision import PrecisionConfig
 from quarl.rl.batch import answer_logprobs, build_batch
@@ -590,5 +589,11 @@ def test_a_rollout_chooses_the_expert_path_once_and_a_new_rollout_again(monkeypa
         model.set_rollout(True)
         block(x)
         assert len(calls) == 5
+        with full_precision(model):  # the experts' formats set aside inside a rollout: chosen again, both ways
+            unquantized = block(x)
+        assert len(calls) == 6
+        torch.testing.assert_close(block(x), first, rtol=0, atol=0)
+        assert len(calls) == 7
         model.set_rollout(False)
+    assert not torch.equal(unquantized, first)
     assert not torch.equal(first, training)  # the rollout ran the int8 experts

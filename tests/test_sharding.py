@@ -88,3 +88,49 @@ def test_a_plain_resume_or_export_of_a_torchrun_run_says_what_to_do(tmp_path):
         load_latest_intact(tmp_path, make_model("llama"))
     with pytest.raises(FileNotFoundError, match="only sharded checkpoints.*export_hf=true"):
         export_from_run(tmp_path, verbose=False)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_without_some_optimizer_state_loads_with_a_fresh_state_for_those(tmp_path):
+    """A sharded run saves no AdamW state for a parameter that never had a gradient (an expert no token reached).
+    Loading into one rank's MasterWeightAdamW (bf16 parameters, float32 masters) skips what the checkpoint lacks,
+    gives those parameters a fresh state, and loads everything else exactly: masters, moments and step counts."""
+    import torch.distributed.checkpoint as dcp
+
+    from quarl.rl.master_weights import MasterWeightAdamW
+    from quarl.rl.sharded_checkpoint import _drop_absent_optimizer_state, _master_state
+
+    def trained(seed):
+        torch.manual_seed(seed)
+        model = make_model("llama", dtype=torch.bfloat16)
+        opt = MasterWeightAdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(torch.randint(0, 300, (2, 5))).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = trained(0)
+    state = _master_state(model, opt)
+    skipped = "model.layers.1.mlp.down_proj.weight"
+    saved = {"model": state["model"], "optim": {"state": {k: v for k, v in state["optim"]["state"].items()
+                                                          if k != skipped}}}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh_model, fresh_opt = trained(1)  # other weights, other moments: everything must be overwritten
+    target = _master_state(fresh_model, fresh_opt)
+    del target["optim"]["param_groups"]
+    _drop_absent_optimizer_state(target, str(tmp_path / "ckpt"))
+    assert skipped not in target["optim"]["state"]
+    dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh_opt.masters_to_params()
+    for name, value in state["model"].items():
+        assert torch.equal(target["model"][name], value), name
+    names = dict(zip((n for n, _ in fresh_model.named_parameters()), fresh_opt.masters))
+    for name, master in names.items():
+        got, want = fresh_opt.optimizer.state[master], opt.optimizer.state[dict(zip(
+            (n for n, _ in model.named_parameters()), opt.masters))[name]]
+        if name == skipped:
+            assert float(got["step"]) == 0 and not got["exp_avg"].any() and not got["exp_avg_sq"].any()
+        else:
+            assert float(got["step"]) == 2 and torch.equal(got["exp_avg"], want["exp_avg"]), name
+    assert torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)  # bf16 parameters := rounded masters

@@ -179,8 +179,8 @@ def add_bench_rollout_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full: one bf16 model, each quantized setting adds its rollout copy beside the bf16 "
                              "weights (as the split flow on one process); codes-only: each setting builds the model "
                              "afresh and its quantized linears keep only codes and scales (a many-rank run's rollout "
-                             "copy), for models whose bf16 weights and a quantized copy do not fit together "
-                             "(30b-a3b on 80 GB)")
+                             "copy, whose quantized linears always take the quantized kernels), for models whose "
+                             "bf16 weights and a quantized copy do not fit together (30b-a3b on 80 GB)")
     add_output_arguments(parser, DEFAULT_RESULTS, "also write the rows to this JSON file")
 
 
@@ -418,6 +418,7 @@ def run_bench_rollout(args) -> int:
     if not args.breakdown:
         print(HEADER, flush=True)
     rows, bf16_tok_s, last_duration = [], None, 0.0
+    bf16_weights = True  # --rollout-copy codes-only: whether the model still holds its bf16 weights
     for prec, kv in settings:
         elapsed = time.perf_counter() - t_start
         if args.time_budget is not None and elapsed + last_duration > args.time_budget:
@@ -426,13 +427,15 @@ def run_bench_rollout(args) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            if codes_only and rows:  # the previous setting's copy cannot go back to bf16: the same weights again
-                del model
+            if codes_only and not bf16_weights:  # a quantized copy cannot go back to bf16: the same weights again
+                model = None
                 gc.collect()
                 torch.cuda.empty_cache()
                 model = build_model(args.model_size, "cuda", args.seed)
                 model.set_fast_paths(paths)
-            if codes_only:
+                bf16_weights = True
+            if codes_only and prec.removesuffix(HEAD_SUFFIX) != "bf16":
+                bf16_weights = False  # before quantizing: a failure part-way leaves some linears quantized
                 keep_codes_only(model, prec)
             row = run_setting(torch, model, prec, kv, args, prompts, bw, rate, cfg)
         except Exception as e:  # report and go on: one failing format must not hide the others

@@ -232,7 +232,20 @@ def grouped_w8a8_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPat
             if not lin.rollout or lin.rollout_format != fmt or lin.weight_only or lin.bias is not None or \
                     lin.lora_rank or lin.qweight_data is None or lin.qweight_data.device != x.device:
                 return False
+    if experts[0].gate_proj.kernel_forward and not _grouped_training_device(experts, x):
+        # the unified flow: the rollout multiplies what training multiplies, so only where training takes the
+        # grouped kernel too (else both take the per-expert kernels)
+        return False
     return format_kernels_available(fmt, x.device)
+
+
+def _grouped_training_device(experts: nn.ModuleList, x: torch.Tensor) -> bool:
+    """Whether x and the experts' sizes suit the grouped training path's backward (torch's grouped_mm): CUDA bf16 on
+    a Hopper-or-newer GPU, every projection's rows a multiple of 16 bytes."""
+    e = experts[0]
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm") and \
+        torch.cuda.get_device_capability(x.device) >= (9, 0) and \
+        all((n * 2) % 16 == 0 for lin in (e.gate_proj, e.down_proj) for n in (lin.in_features, lin.out_features))
 
 
 def _expert_tables(experts: nn.ModuleList) -> tuple:
@@ -285,8 +298,7 @@ def grouped_w8a8_training_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths
     fp8 W8A8 kernel (`QuantLinear.kernel_forward`) for every expert projection (same format, no bias, no LoRA
     adapter, no quantized backward, its rollout copy on x's device), `fast_paths.grouped_experts`, a CUDA bf16 x
     on a Hopper-or-newer GPU (the backward's grouped_mm) with sizes grouped_mm can align, and the kernels."""
-    if not (fast_paths.grouped_experts and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)):
+    if not (fast_paths.grouped_experts and _grouped_training_device(experts, x)):
         return False
     fmt = experts[0].gate_proj.train_format
     if fmt not in GROUPED_W8A8_FORMATS:
@@ -295,8 +307,7 @@ def grouped_w8a8_training_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths
         for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
             if lin.rollout or not lin.kernel_forward or lin.quantized_backward or lin.train_format != fmt or \
                     lin.rollout_format != fmt or lin.weight_only or lin.bias is not None or lin.lora_rank or \
-                    lin.weight is None or lin.qweight_data is None or lin.qweight_data.device != x.device or \
-                    (lin.in_features * 2) % 16 or (lin.out_features * 2) % 16:
+                    lin.weight is None or lin.qweight_data is None or lin.qweight_data.device != x.device:
                 return False
     return format_kernels_available(fmt, x.device)
 
@@ -437,7 +448,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         self.rollout = False
-        self._rollout_swiglu: tuple | None = None  # (what x it served, the grouped SwiGLU chosen in this rollout)
+        self._rollout_swiglu: tuple | None = None  # (what it served, the SwiGLU chosen in this rollout, its copy)
 
     def set_rollout(self, on: bool) -> None:
         """Rollout mode on or off (`QuarlForCausalLM.set_rollout` calls every module's); either way the expert path
@@ -451,12 +462,16 @@ class SparseMoeBlock(nn.Module):
         projections (hundreds per layer) costs more host time than the layer's kernels at every decode step."""
         if not self.rollout:
             return expert_path(self.experts, x, self.fast_paths)
-        key = (x.device, x.dtype, torch.is_grad_enabled() and x.requires_grad, self.fast_paths)
+        # the first projection's mode and rollout copy stand for all (full_precision() and configure() change every
+        # one); the copy is kept referenced by the cache, so its id cannot pass to a new tensor
+        first = self.experts[0].gate_proj
+        key = (x.device, x.dtype, torch.is_grad_enabled() and x.requires_grad, self.fast_paths, first.rollout,
+               first.rollout_format, id(first.qweight_data))
         if self._rollout_swiglu is None or self._rollout_swiglu[0] != key:
             swiglu = expert_path(self.experts, x, self.fast_paths)
             if swiglu is grouped_w8a8_swiglu:
                 swiglu = functools.partial(grouped_w8a8_swiglu, tables=_expert_tables(self.experts))
-            self._rollout_swiglu = (key, swiglu)
+            self._rollout_swiglu = (key, swiglu, first.qweight_data)
         return self._rollout_swiglu[1]
 
     def forward(self, x: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:

@@ -47,13 +47,26 @@ def _state(model, optimizer):
 
 
 def _master_state(model, optimizer: MasterWeightAdamW) -> dict:
-    """The state dicts `get_state_dict` gives for the sharded model, built from an unsharded model's optimizer:
-    "model" maps each trainable parameter's name to its float32 master, "optim" holds AdamW's state and param groups
-    by parameter name. The tensors are the optimizer's own (a parameter without AdamW state yet gets zeros and step
-    0, which AdamW's first step treats as a fresh state), so DCP loads straight into them. Checkpoints are the same
-    whichever way they were written and load on any number of ranks."""
+    """The state dicts `get_state_dict(..., ignore_frozen_params=True)` gives for the sharded model, built from an
+    unsharded model and its optimizer: "model" holds every entry of the model's state dict except frozen parameters
+    (a trainable parameter as its float32 master, under each name it has: tied embeddings appear as both
+    embed_tokens and lm_head; buffers such as a qlora base's codes as they are), "optim" AdamW's state and param
+    groups by parameter name. The tensors are the model's and the optimizer's own (a parameter without AdamW state
+    yet gets zeros and step 0, which AdamW's first step treats as a fresh state), so DCP loads straight into them.
+    Checkpoints are the same whichever way they were written and load on any number of ranks."""
     names = {id(p): n for n, p in model.named_parameters()}
     fqn = {id(m): names[id(p)] for p, m in zip(optimizer.params, optimizer.masters)}
+    master_of = {id(p): m for p, m in zip(optimizer.params, optimizer.masters)}
+    model_state = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.nn.Parameter):
+            if id(t) in master_of:
+                model_state[name] = master_of[id(t)]
+            elif t.requires_grad:
+                raise RuntimeError(f"{name} trains but MasterWeightAdamW does not hold it")
+            # else frozen: not saved (it comes from the model as loaded)
+        else:
+            model_state[name] = t
     adamw = optimizer.optimizer
     state = {}
     for master in optimizer.masters:
@@ -63,7 +76,18 @@ def _master_state(model, optimizer: MasterWeightAdamW) -> dict:
         state[fqn[id(master)]] = s
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[id(m)] for m in g["params"]]}
               for g in adamw.param_groups]
-    return {"model": {fqn[id(m)]: m for m in optimizer.masters}, "optim": {"state": state, "param_groups": groups}}
+    return {"model": model_state, "optim": {"state": state, "param_groups": groups}}
+
+
+def _drop_absent_optimizer_state(state: dict, checkpoint: str) -> None:
+    """Leave out of a load the AdamW states the checkpoint lacks, and give those parameters a fresh state: a
+    sharded run saves none for a parameter that never had a gradient (an expert no token reached)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    for name in [n for n in state["optim"]["state"] if f"optim.state.{n}.exp_avg" not in saved]:
+        for t in state["optim"]["state"].pop(name).values():
+            t.zero_()
 
 
 def sharded_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -157,7 +181,9 @@ def load_latest_sharded(run_dir: str | Path, model, optimizer) -> tuple[dict, Pa
                                 f"{Path(run_dir) / 'checkpoints'}; a run on many ranks resumes from those only")
     state = _state(model, optimizer)
     if isinstance(optimizer, MasterWeightAdamW):  # the masters and moments themselves are loaded into, in place
-        del state["optim"]["param_groups"]  # the config's hyperparameters; the learning rate is set every step
+        # AdamW's hyperparameters come from the run's config (the learning rate is set every step)
+        del state["optim"]["param_groups"]
+        _drop_absent_optimizer_state(state, chosen)
         dcp.load(state, checkpoint_id=chosen)
         optimizer.masters_to_params()
     else:
