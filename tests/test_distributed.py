@@ -176,7 +176,10 @@ def test_a_one_rank_checkpoint_of_tied_or_qlora_models_resumes_on_two_ranks(case
 
     (tmp_path / "reward.py").write_text(REWARD)
     if case == "tied-embeddings":
-        model = QuarlForCausalLM(tiny_config("llama", tie_word_embeddings=True))
+        from tiny_models import randomize_
+
+        torch.manual_seed(0)  # O(1) logits: varied answers, so the groups' rewards differ and step 1 trains
+        model = randomize_(QuarlForCausalLM(tiny_config("llama", tie_word_embeddings=True)))
         assert model.lm_head.weight is model.model.embed_tokens.weight
         extra = [f"model.name={save_pretrained(model, tiny_tokenizer(), str(tmp_path / 'tied'))}"]
     else:
