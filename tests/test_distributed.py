@@ -192,6 +192,23 @@ def test_a_one_rank_checkpoint_of_tied_or_qlora_models_resumes_on_two_ranks(case
     assert list(two["rollouts"]) == [2]
 
 
+def test_a_mixture_of_experts_trains_on_two_ranks_as_on_one(tmp_path):
+    """Each rank routes its own tokens, so an expert may get rows on one rank and none on the other; FSDP reduces a
+    layer's gradients as one collective over the same parameters on every rank, so the per-expert path gives idle
+    experts a zero gradient there (without it the ranks' collectives differ in size and the job dies). Step 1
+    equals the one-rank run (AdamW moves no weight on a zero first gradient)."""
+    # any varied text scores differently: the groups' rewards differ even where a random model writes no digits
+    (tmp_path / "reward.py").write_text("def digit_reward(completion, example):\n"
+                                        "    return sum(map(ord, completion)) % 7 / 6\n")
+    moe = ["model.name=tiny-random-qwen3-moe"]
+    one = torchrun(1, tmp_path / "one.pt", overrides(tmp_path, tmp_path / "one", 1, *moe))
+    two = torchrun(2, tmp_path / "two.pt", overrides(tmp_path, tmp_path / "two", 2, *moe))
+    assert tokens(two["rollouts"][1]) == tokens(one["rollouts"][1])
+    assert max_weight_diff(one["start"], one["weights"][1]) > 1e-3
+    assert max_weight_diff(two["weights"][1], one["weights"][1]) < 1e-5
+    assert two["metrics"][2]["train/optimizer_steps"] == 1
+
+
 def test_a_damaged_sharded_checkpoint_is_not_intact(runs, tmp_path):
     import shutil
 

@@ -597,3 +597,29 @@ def test_a_rollout_chooses_the_expert_path_once_and_a_new_rollout_again(monkeypa
         model.set_rollout(False)
     assert not torch.equal(unquantized, first)
     assert not torch.equal(first, training)  # the rollout ran the int8 experts
+
+
+def test_every_expert_gradient_gives_idle_experts_zero_gradients_and_changes_nothing_else():
+    """Sharded training: experts without rows get zero gradients (so every rank reduces the same parameters); the
+    output and the used experts' gradients are those of the plain per-expert path."""
+    from quarl.model.moe import grouped_swiglu
+
+    model = QuarlForCausalLM(ModelConfig.from_hf(tiny_hf_config("qwen3_moe")))
+    experts = next(m for m in model.modules() if isinstance(m, SparseMoeBlock)).experts
+    counts = torch.zeros(len(experts), dtype=torch.long)
+    counts[[1, 4]] = torch.tensor([3, 2])
+    x = torch.randn(5, model.config.hidden_size)
+    results = []
+    for every in (False, True):
+        experts.zero_grad(set_to_none=True)
+        y = grouped_swiglu(x, counts, experts, every_expert_gradient=every)
+        y.square().sum().backward()
+        results.append((y.detach(), [[p.grad for p in e.parameters()] for e in experts]))
+    (y0, g0), (y1, g1) = results
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    for e in range(len(experts)):
+        for a, b in zip(g0[e], g1[e]):
+            if counts[e]:
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+            else:
+                assert a is None and b is not None and not b.any()

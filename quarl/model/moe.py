@@ -135,23 +135,33 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return torch.argsort(flat, stable=True), counts
 
 
-def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList,
+                   every_expert_gradient: bool = False) -> torch.Tensor:
     """SwiGLU of each expert over its contiguous rows: rows counts[:e].sum() ... counts[:e+1].sum() go through
     experts[e] (down(silu(gate(x)) * up(x)), each projection a QuantLinear in its current mode).
 
     x_sorted: [M, hidden] rows sorted by expert; counts: long [E] with counts.sum() == M. Returns [M, hidden] in the
     experts' output dtype. The reference path, which serves every precision flow: one call per expert that owns
-    rows (the counts are read on the host once). `grouped_gemm_swiglu` computes the same with one grouped GEMM per
+    rows (the counts are read on the host once). every_expert_gradient: also give the trainable parameters of the
+    experts without rows a zero gradient (sharded training: FSDP reduces each layer's gradients as one collective,
+    which must cover the same parameters on every rank). `grouped_gemm_swiglu` computes the same with one grouped GEMM per
     projection where the experts compute plain x @ W^T, `grouped_w8a8_swiglu` with one grouped W8A8 kernel launch
     per projection in int8 / fp8 rollouts.
     """
     out = x_sorted.new_empty(x_sorted.shape[0], experts[0].down_proj.out_features)
-    start = 0
+    start, idle = 0, []
     for e, n in enumerate(counts.tolist()):
         if n:
             rows = x_sorted[start:start + n]
             out[start:start + n] = experts[e](rows)
             start += n
+        else:
+            idle.append(experts[e])
+    if every_expert_gradient and idle and torch.is_grad_enabled():
+        # a zero term that reaches every trainable parameter of the idle experts: each gets a (zero) gradient
+        touch = [p.reshape(-1)[:1].sum() for expert in idle for p in expert.parameters() if p.requires_grad]
+        if touch:
+            out = out + (torch.stack(touch).sum() * 0).to(out.dtype)
     return out
 
 
@@ -448,6 +458,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         self.rollout = False
+        # set by a sharded trainer: every expert gets a gradient on every rank (see `grouped_swiglu`)
+        self.every_expert_gradient = False
         self._rollout_swiglu: tuple | None = None  # (what it served, the SwiGLU chosen in this rollout, its copy)
 
     def set_rollout(self, on: bool) -> None:
@@ -461,7 +473,10 @@ class SparseMoeBlock(nn.Module):
         address tables: the experts do not change while an engine serves, and checking each of every expert's
         projections (hundreds per layer) costs more host time than the layer's kernels at every decode step."""
         if not self.rollout:
-            return expert_path(self.experts, x, self.fast_paths)
+            swiglu = expert_path(self.experts, x, self.fast_paths)
+            if swiglu is grouped_swiglu and self.every_expert_gradient:
+                return functools.partial(grouped_swiglu, every_expert_gradient=True)
+            return swiglu
         # the first projection's mode and rollout copy stand for all (full_precision() and configure() change every
         # one); the copy is kept referenced by the cache, so its id cannot pass to a new tensor
         first = self.experts[0].gate_proj

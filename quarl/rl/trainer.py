@@ -30,7 +30,7 @@ from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
 from quarl.kernels.tuning import TUNING_FILE_ENV, current_tables
 from quarl.model.layers import Attention
-from quarl.model.moe import ExpertRouting, routing_mismatch
+from quarl.model.moe import ExpertRouting, SparseMoeBlock, routing_mismatch
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
 from quarl.model.rollout_sync import RolloutSync
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
@@ -349,6 +349,9 @@ class Trainer:
         drop_unused_rollout_buffers(self.model)
         # The fused log-prob path calls hidden_states() and lm_head directly, outside the root's FSDP forward hooks
         self.model.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
+        for module in self.model.modules():
+            if isinstance(module, SparseMoeBlock):  # each rank must reduce gradients of the same experts
+                module.every_expert_gradient = True
         shard_model(self.model, self.device, self.dtype)
         if self.reference is not None:
             self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
