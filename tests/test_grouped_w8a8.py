@@ -82,23 +82,28 @@ _KERNEL_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
     print("ok")
 """)
 
-_MOE_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
+# A MoE block in the interpreter: hidden 160 and expert width 72 (neither a multiple of the kernel's blocks), its
+# experts' projections `linears` with N(0, 0.05) weights, not yet configured.
+_MOE_BLOCK = INTERPRETER_PATCH + textwrap.dedent("""
     from quarl.model.config import ModelConfig
-    from quarl.model.moe import SparseMoeBlock, grouped_swiglu, grouped_w8a8_swiglu
+    from quarl.model.moe import SparseMoeBlock, grouped_swiglu, grouped_w8a8_swiglu, grouped_w8a8_training_swiglu
     from quarl.model.tiny import tiny_hf_config
 
     FMT = FMT_ARG
     torch.manual_seed(SEED_ARG)
     print("seed", SEED_ARG)
-    # hidden 160 and expert width 72: neither a multiple of the kernel's blocks
     cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_moe", hidden_size=160, head_dim=40, num_experts=6,
                                              num_experts_per_tok=3, moe_intermediate_size=72))
     block = SparseMoeBlock(cfg, 0)
-    for expert in block.experts:
-        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            lin.weight.data.normal_(0, 0.05)
-            lin.configure(rollout_format=FMT)
-            lin.set_rollout(True)
+    linears = [lin for e in block.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)]
+    for lin in linears:
+        lin.weight.data.normal_(0, 0.05)
+""")
+
+_MOE_CHECK = _MOE_BLOCK + textwrap.dedent("""
+    for lin in linears:
+        lin.configure(rollout_format=FMT)
+        lin.set_rollout(True)
     counts = torch.tensor([9, 0, 1, 14, 0, 6])
     x = torch.randn(int(counts.sum()), 160)
     with torch.no_grad():
@@ -121,20 +126,8 @@ _MOE_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
 """)
 
 
-_MOE_TRAINING_CHECK = INTERPRETER_PATCH + textwrap.dedent("""
-    from quarl.model.config import ModelConfig
-    from quarl.model.moe import SparseMoeBlock, grouped_swiglu, grouped_w8a8_training_swiglu
-    from quarl.model.tiny import tiny_hf_config
-
-    FMT = FMT_ARG
-    torch.manual_seed(SEED_ARG)
-    print("seed", SEED_ARG)
-    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3_moe", hidden_size=160, head_dim=40, num_experts=6,
-                                             num_experts_per_tok=3, moe_intermediate_size=72))
-    block = SparseMoeBlock(cfg, 0)
-    linears = [lin for e in block.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)]
+_MOE_TRAINING_CHECK = _MOE_BLOCK + textwrap.dedent("""
     for lin in linears:  # the unified flow's W8A8 training forward on the rollout's kernel
-        lin.weight.data.normal_(0, 0.05)
         lin.configure(rollout_format=FMT, train_format=FMT, kernel_forward=True)
         assert lin.kernel_forward
     counts = torch.tensor([9, 0, 1, 14, 0, 6])

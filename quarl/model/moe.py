@@ -201,16 +201,23 @@ def grouped_gemm_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: n
     return _GroupedLinear.apply(F.silu(gate) * up, offsets, *[e.down_proj.weight for e in experts])
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _projections(experts: nn.ModuleList):
+    """Every expert's gate, up and down QuantLinear, expert by expert."""
+    return (getattr(expert, name) for expert in experts for name in PROJECTIONS)
+
+
 def plain_experts(experts: nn.ModuleList, x: torch.Tensor) -> bool:
     """Whether every expert projection computes plain x @ W^T in its current mode (a master weight in x's dtype,
     no bias, no adapter, no quantization in this mode) with sizes grouped_mm can align (multiples of 16 bytes)."""
     size = x.element_size()
-    for expert in experts:
-        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            fmt = lin.rollout_format if lin.rollout else lin.train_format
-            if lin.weight is None or lin.weight.dtype != x.dtype or lin.bias is not None or lin.lora_rank or \
-                    fmt is not None or (lin.in_features * size) % 16 or (lin.out_features * size) % 16:
-                return False
+    for lin in _projections(experts):
+        fmt = lin.rollout_format if lin.rollout else lin.train_format
+        if lin.weight is None or lin.weight.dtype != x.dtype or lin.bias is not None or lin.lora_rank or \
+                fmt is not None or (lin.in_features * size) % 16 or (lin.out_features * size) % 16:
+            return False
     return True
 
 
@@ -235,18 +242,21 @@ def grouped_w8a8_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPat
     if torch.is_grad_enabled() and x.requires_grad:
         return False
     fmt = experts[0].gate_proj.rollout_format
-    if fmt not in GROUPED_W8A8_FORMATS:
+    if not _w8a8_rollout_copies(experts, fmt, x.device) or not all(lin.rollout for lin in _projections(experts)):
         return False
-    for expert in experts:
-        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            if not lin.rollout or lin.rollout_format != fmt or lin.weight_only or lin.bias is not None or \
-                    lin.lora_rank or lin.qweight_data is None or lin.qweight_data.device != x.device:
-                return False
     if experts[0].gate_proj.kernel_forward and not _grouped_training_device(experts, x):
         # the unified flow: the rollout multiplies what training multiplies, so only where training takes the
         # grouped kernel too (else both take the per-expert kernels)
         return False
     return format_kernels_available(fmt, x.device)
+
+
+def _w8a8_rollout_copies(experts: nn.ModuleList, fmt: str | None, device: torch.device) -> bool:
+    """Whether every expert projection holds a W8A8 rollout copy in `fmt` (int8 or fp8, not weight-only) on `device`,
+    with no bias and no LoRA adapter: what the grouped W8A8 kernel multiplies."""
+    return fmt in GROUPED_W8A8_FORMATS and all(
+        lin.rollout_format == fmt and not lin.weight_only and lin.bias is None and not lin.lora_rank and
+        lin.qweight_data is not None and lin.qweight_data.device == device for lin in _projections(experts))
 
 
 def _grouped_training_device(experts: nn.ModuleList, x: torch.Tensor) -> bool:
@@ -264,7 +274,7 @@ def _expert_tables(experts: nn.ModuleList) -> tuple:
     stay valid across steps, and a CUDA graph that captured them reads the current codes."""
     from quarl.kernels.grouped_w8a8 import expert_table
 
-    projections = [[e.gate_proj for e in experts], [e.up_proj for e in experts], [e.down_proj for e in experts]]
+    projections = [[getattr(e, name) for e in experts] for name in PROJECTIONS]
     fmt = projections[0][0].rollout_format
     key = (fmt, *(p for lins in projections for lin in lins
                   for p in (lin.qweight_data.data_ptr(), lin.qweight_scale.data_ptr())))
@@ -289,18 +299,28 @@ def grouped_w8a8_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: n
     x_sorted [M, hidden] bf16/fp16 (rows sorted by expert, contiguous), counts long [E] (rows per expert, on the
     device) -> [M, hidden] in x_sorted's dtype. No gradient. tables: `_expert_tables(experts)` when the caller
     knows them current (skips checking every expert's buffers)."""
-    from quarl.kernels.act_quant import quantize_activation
     from quarl.kernels.grouped_w8a8 import grouped_w8a8_matmul
 
-    gate_t, up_t, down_t = tables if tables is not None else _expert_tables(experts)
+    return _w8a8_swiglu(x_sorted, counts, tables if tables is not None else _expert_tables(experts),
+                        lambda x, codes, ends, table, name: grouped_w8a8_matmul(*codes, ends, table, x.dtype))
+
+
+def _w8a8_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, tables: tuple, project) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) of every expert over its rows, each projection by
+    project(x, (codes, scales), ends, table, name): gate and up share one quantization of x_sorted's rows, down
+    quantizes silu(gate) * up. x_sorted [M, hidden] (rows sorted by expert), counts long [E] on the device."""
+    from quarl.kernels.act_quant import quantize_activation
+
+    gate_t, up_t, down_t = tables
     ends = counts.cumsum(0).to(torch.int32)
     x_sorted = x_sorted.contiguous()
-    xq, xs = quantize_activation(x_sorted, gate_t.fmt, gate_t.k)
-    gate = grouped_w8a8_matmul(xq, xs, ends, gate_t, x_sorted.dtype)
-    up = grouped_w8a8_matmul(xq, xs, ends, up_t, x_sorted.dtype)
-    h = F.silu(gate) * up
-    hq, hs = quantize_activation(h, down_t.fmt, down_t.k)
-    return grouped_w8a8_matmul(hq, hs, ends, down_t, x_sorted.dtype)
+    with torch.no_grad():
+        codes = quantize_activation(x_sorted.detach(), gate_t.fmt, gate_t.k)
+    h = F.silu(project(x_sorted, codes, ends, gate_t, "gate_proj")) * project(x_sorted, codes, ends, up_t, "up_proj")
+    h = h.contiguous()
+    with torch.no_grad():
+        codes = quantize_activation(h.detach(), down_t.fmt, down_t.k)
+    return project(h, codes, ends, down_t, "down_proj")
 
 
 def grouped_w8a8_training_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
@@ -311,14 +331,10 @@ def grouped_w8a8_training_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths
     if not (fast_paths.grouped_experts and _grouped_training_device(experts, x)):
         return False
     fmt = experts[0].gate_proj.train_format
-    if fmt not in GROUPED_W8A8_FORMATS:
+    if not _w8a8_rollout_copies(experts, fmt, x.device) or not all(
+            not lin.rollout and lin.kernel_forward and not lin.quantized_backward and lin.train_format == fmt and
+            lin.weight is not None for lin in _projections(experts)):
         return False
-    for expert in experts:
-        for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            if lin.rollout or not lin.kernel_forward or lin.quantized_backward or lin.train_format != fmt or \
-                    lin.rollout_format != fmt or lin.weight_only or lin.bias is not None or lin.lora_rank or \
-                    lin.weight is None or lin.qweight_data is None or lin.qweight_data.device != x.device:
-                return False
     return format_kernels_available(fmt, x.device)
 
 
@@ -380,24 +396,12 @@ def grouped_w8a8_training_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, e
     gradients to x_sorted and the experts' master weights. Rollout copies an optimizer step made stale are
     re-quantized in place first, as `QuantLinear` does. x_sorted [M, hidden] bf16 (rows sorted by expert),
     counts long [E] on the device -> [M, hidden] bf16. The caller checked `grouped_w8a8_training_ok`."""
-    from quarl.kernels.act_quant import quantize_activation
-
     with torch.no_grad():
-        for expert in experts:
-            for lin in (expert.gate_proj, expert.up_proj, expert.down_proj):
-                if not lin._rollout_copy_current():
-                    lin.refresh()
-    gate_t, up_t, down_t = _expert_tables(experts)
-    ends = counts.cumsum(0).to(torch.int32)
-    x_sorted = x_sorted.contiguous()
-    with torch.no_grad():
-        codes = quantize_activation(x_sorted.detach(), gate_t.fmt, gate_t.k)
-    gate = _grouped_kernel_linear(x_sorted, codes, ends, gate_t, [e.gate_proj for e in experts])
-    up = _grouped_kernel_linear(x_sorted, codes, ends, up_t, [e.up_proj for e in experts])
-    h = (F.silu(gate) * up).contiguous()
-    with torch.no_grad():
-        codes = quantize_activation(h.detach(), down_t.fmt, down_t.k)
-    return _grouped_kernel_linear(h, codes, ends, down_t, [e.down_proj for e in experts])
+        for lin in _projections(experts):
+            if not lin._rollout_copy_current():
+                lin.refresh()
+    return _w8a8_swiglu(x_sorted, counts, _expert_tables(experts), lambda x, codes, ends, table, name:
+                        _grouped_kernel_linear(x, codes, ends, table, [getattr(e, name) for e in experts]))
 
 
 def expert_path(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths):
