@@ -1019,7 +1019,12 @@ class Trainer:
         is locked for the duration and released however this ends.
         """
         try:
-            return self._train()
+            summary = self._train()
+            if self.distributed:
+                # every rank finishes its collectives before any leaves the group: a rank tearing its gloo pairs
+                # down while another still talks to it can abort the process at exit
+                qdist.barrier()
+            return summary
         except Exception as e:
             if self.distributed and qdist.collective_failure(e):
                 raise RunStopped(
