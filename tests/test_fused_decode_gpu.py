@@ -71,6 +71,22 @@ def test_add_rms_norm_kernel(m, h, quant):
     one_rounding_apart(h0, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(BF16))
 
 
+@pytest.mark.parametrize("m,h", [(1, 576), (37, 3584)])
+def test_the_last_layers_residual_add_equals_the_norm_kernels(m, h):
+    """The fused decode's last layer adds its (unit-scale FP8) MLP output with `add_delta` before the model's final
+    norm; the norm kernel of every other layer adds it inside: both must give the same residual stream, bit for
+    bit."""
+    from quarl.kernels.decode_fused import rms_norm_rows
+    from quarl.rollout.fused_decode import add_delta
+
+    x, d = torch.randn(m, h, device=DEV, dtype=BF16) * 3, torch.randn(m, h, device=DEV, dtype=BF16) * 40
+    scales = (torch.rand(m, 1, device=DEV) / 50, torch.rand(h, device=DEV) / 50)
+    w = 1 + 0.3 * torch.randn(h, device=DEV, dtype=BF16)
+    r, _, _, _ = rms_norm_rows(x, d, w, None, 1e-6, None, delta_scales=scales)
+    assert torch.equal(add_delta(x, d, scales), r)
+    assert torch.equal(add_delta(x, d), x + d)
+
+
 @pytest.mark.parametrize("m,n", [(1, 1408), (300, 18944), (64, 1000), (3, 40000)])  # 40000: two-pass kernel
 @pytest.mark.parametrize("quant", [None, "fp8", "int8", "fp8-block"])
 def test_silu_mul_kernel_on_the_halves_of_a_fused_output(m, n, quant):

@@ -28,33 +28,48 @@ class SlotDecode:
     cache: the slot cache; slot b's token goes to column positions[b] (also its rotary position).
     positions: long [B]. attention: a decode attention function (see quarl.rollout.fast_attention).
     kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
+    decoder: a `quarl.rollout.fused_decode.FusedDecoder` of the model, or None. With one, every decoder layer's
+    forward runs as `FusedDecoder.layer` (stacked projections, fused norm / rotary / SiLU kernels); `carry` holds
+    what one layer hands the next (its MLP output, added by the next layer's first norm kernel).
     """
 
     cache: SlotKVCache
     positions: torch.Tensor
     attention: AttentionFn
     kv_len: int
+    decoder: object | None = None
 
     def __post_init__(self):
         self.lengths = self.positions + 1  # columns each row attends over, its own token included
+        self.carry: tuple = (None, None)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (after rotary) -> attention output [B, Hq, 1, D]."""
+        return self.attend_rows(layer_idx, q[:, :, 0], k[:, :, 0], v[:, :, 0])[:, :, None]
+
+    def attend_rows(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D], k, v [B, Hkv, D] (after rotary) -> attention output [B, Hq, D]."""
         cache = self.cache
-        cache.write_tokens(layer_idx, self.positions, k[:, :, 0], v[:, :, 0])
-        out = self.attention(q[:, :, 0], cache.keys[layer_idx], cache.values[layer_idx], self.lengths, self.kv_len,
-                             *cache.scales(layer_idx))
-        return out[:, :, None]
+        cache.write_tokens(layer_idx, self.positions, k, v)
+        return self.attention(q, cache.keys[layer_idx], cache.values[layer_idx], self.lengths, self.kv_len,
+                              *cache.scales(layer_idx))
+
+    def fused_layer(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's forward on the fused decoder (`FusedDecoder.layer`); x [B, 1, hidden]."""
+        return self.decoder.layer(layer, x, cos, sin, self)
 
 
 def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor,
-                  attention: AttentionFn, kv_len: int, routing: ExpertRouting | None = None) -> torch.Tensor:
+                  attention: AttentionFn, kv_len: int, routing: ExpertRouting | None = None,
+                  decoder=None) -> torch.Tensor:
     """Next-token logits [B, vocab] (model dtype; the sampler widens them to float32) for slots 0..B-1, each fed
     one token (long [B] tokens at long [B] positions): the model's own forward (`QuarlForCausalLM.decode_logits`)
     over the slot cache (see `SlotDecode` for the arguments), so rollout-mode quantization, LoRA and AQN noise act
     exactly as in training and the reference engine. routing: an `ExpertRouting` that records the MoE layers'
-    experts of these tokens (MoE models), or None."""
-    return model.decode_logits(tokens, positions, SlotDecode(cache, positions, attention, kv_len), routing)
+    experts of these tokens (MoE models), or None. decoder: a `FusedDecoder` whose fused projections and kernels
+    the layers run on (the same values; dense models without q/k norms, `fused_decode_supported`), or None."""
+    step = SlotDecode(cache, positions, attention, kv_len, decoder)
+    return model.decode_logits(tokens, positions, step, routing)
 
 
 def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -248,16 +263,13 @@ def decode_step(model, cache: SlotKVCache, state: DecodeState, attention: Attent
     one draw per slot (`sample_next`). The recorded behaviour log-prob
     is log q(token) of the distribution the token was drawn from (`filtered_logprobs`).
     decoder: a `fused_decode.FusedDecoder` for `model` (fused projections and kernels), or None for the
-    module-by-module forward (`decode_logits`); both give the same values.
+    module-by-module forward; both give the same values (`decode_logits`).
     """
     C = cache.capacity
     tokens = state.last_token[:batch]
     positions = state.slot_len[:batch].clamp(max=C - 1)  # finished slots may sit at the last column
     routing = ExpertRouting(record=True) if state.out_experts is not None else None
-    if decoder is not None:
-        logits = decoder.logits(cache, tokens, positions, attention, kv_len)
-    else:
-        logits = decode_logits(model, cache, tokens, positions, attention, kv_len, routing)
+    logits = decode_logits(model, cache, tokens, positions, attention, kv_len, routing, decoder)
     new, new_lp = sample_next(logits, params, None if params.greedy else state.noise[:batch])
     new_lp = new_lp.to(state.out_logprobs.dtype)
 

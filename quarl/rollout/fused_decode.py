@@ -1,12 +1,13 @@
-"""The fast engine's decode forward with fused projections and fused elementwise kernels.
-
-The same math as the model's own decode forward (`QuarlForCausalLM.decode_logits`, which `fast_step.decode_logits`
-calls), computed with fewer, larger kernels
-(on a CPU the same values; on a GPU the stacked GEMMs may take another cuBLAS algorithm than the per-projection
-ones, which rounds bf16 outputs differently, and the norm's mean square sums in another order):
+"""The fast engine's decode step on fused projections and fused kernels: what each decoder layer's own forward
+calls in a decode step whose cache carries a `FusedDecoder` (`DecoderLayer.forward` -> `FusedDecoder.layer`; the
+model's layer loop, embeddings, rotary tables, final norm and head are the same as in training and the reference
+engine). The same math with fewer, larger kernels (on a CPU the same values; on a GPU the stacked GEMMs may take
+another cuBLAS algorithm than the per-projection ones, which rounds bf16 outputs differently, and the norm's mean
+square sums in another order):
   - q/k/v and gate/up each run as one GEMM over their concatenated rollout weights (`FusedProjection`);
   - residual add + RMSNorm (+ the next linear's 8-bit activation quantization), rotary embedding of q and k, and
-    SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`).
+    SiLU·mul (+ quantization) are one kernel each (`quarl.kernels.decode_fused`); a layer's MLP output is added
+    by the next layer's first norm kernel (the last layer's before the model's final norm).
 Where the next linear's 8-bit GEMM takes codes (`kernels.codes_handoff`: cuBLAS FP8 rowwise, or fp8-block with K
 a multiple of 512, or an int8 / fp8 W8A8 Triton GEMM or GEMV on prequantized codes), the norm or SiLU·mul kernel
 hands it the activation codes and scales (per token, or per 1x128 group) directly, so no separate quantization
@@ -14,8 +15,8 @@ pass reads the activations again. The codes are those `quarl.formats` makes from
 GEMM computes what it would have computed from the bf16 activations.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
-the fast engine picks this forward when `fused_decode_supported(model)`, and tests hold it equal to the model's
-(`both_decode_logits`).
+the fast engine takes the fused decoder when `fused_decode_supported(model)`, and tests hold the decode step with
+it equal to the one without (`both_decode_logits`).
 
 Two optional paths come from a `quarl.fast_paths.FastPaths` (the engine's, handed over by `FusedDecoder.prepare`):
 `lora_codes_handoff`: with LoRA adapters, the fused norm / SiLU·mul kernels still hand 8-bit codes to the base GEMM
@@ -516,51 +517,69 @@ class FusedDecoder:
             self._unit = torch.ones((), dtype=torch.float32, device=device)
         return self._unit
 
-    def logits(self, cache, tokens: torch.Tensor, positions: torch.Tensor, attention, kv_len: int) -> torch.Tensor:
-        """Next-token logits [B, vocab] for slots 0..B-1 (see `fast_step.decode_logits`)."""
-        model = self.model
-        B = tokens.shape[0]
-        x = model.model.embed_tokens(tokens)  # [B, hidden]
-        cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)  # [B, 1, 1, D]
-        cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
-        lengths = positions + 1
+    def step_scales(self, x: torch.Tensor) -> tuple[frozenset, torch.Tensor | None]:
+        """(the linears whose FP8 GEMMs defer their scales in this decode step, the float32 unit scale or None):
+        `deferred_scales`, less all of them where the scaled fused kernels failed their self-check."""
         deferred = self.deferred_scales
         if deferred and x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype) \
                 and not kernels.decode_fused_scaled_ok(x.device, x.dtype):
             deferred = frozenset()  # the scaled kernels failed their check: keep the GEMMs that apply the scales
-        unit = self._unit_scale() if deferred else None
-        delta, pending = None, None  # pending: the scales of a unit-scale delta, applied by the next norm
-        for layer, qkv_proj, gate_up in zip(model.model.layers, self.qkv, self.gate_up):
-            attn, mlp = layer.self_attn, layer.mlp
-            Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            handoff = qkv_proj.codes_handoff(B)
-            x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending, keep_h=qkv_proj.has_lora)
-            if "qkv" in deferred and handoff == "fp8" and not qkv_proj.has_lora \
-                    and kernels.unit_scales_ok(qkv_proj.fused_qweight, B):  # unit scales: codes only
-                y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
-                q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
-            else:
-                qkv = qkv_proj(h, codes)  # [B, (Hq + 2 Hkv) D]
-                q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
-                v = qkv[:, (Hq + Hkv) * D:].view(B, Hkv, D)
-            li = attn.layer_idx
-            cache.write_tokens(li, positions, k, v)
-            out = attention(q, cache.keys[li], cache.values[li], lengths, kv_len, *cache.scales(li)).reshape(B, -1)
-            o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B, self.fast_paths)
-            handoff = gate_up.codes_handoff(B)
-            x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora)
-            if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora \
-                    and kernels.unit_scales_ok(gate_up.fused_qweight, B):
-                gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
-            else:
-                gu, gu_scales = gate_up(h, codes), None
-            inter = mlp.down_proj.in_features
-            quant = linear_codes_handoff(mlp.down_proj, B, self.fast_paths)
-            a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales, keep_h=bool(mlp.down_proj.lora_rank))
-            delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B,
-                                     self.fast_paths)
-        _, h, _ = add_norm(model.model.norm, x, delta, None, pending)
-        return model.lm_head(h)
+        return deferred, (self._unit_scale() if deferred else None)
+
+    def layer(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
+        """One `DecoderLayer` of a fast-engine decode step on the fused projections and kernels: what the layer's
+        forward calls when its step cache carries this decoder (`quarl.rollout.fast_step.SlotDecode`).
+
+        x: [B, 1, hidden], the residual stream less the previous layer's MLP output, which waits in `step.carry`
+        (delta, its deferred scales or None) so that this layer's first norm kernel adds it; cos, sin: the
+        model's rotary tables for the step's positions ([B, 1, 1, D] or [B, 1, D]). Returns the residual stream
+        [B, 1, hidden] the same way, and the last layer's whole (its MLP output added), for the model's final
+        norm.
+        """
+        B = x.shape[0]
+        x = x.reshape(B, -1)
+        cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
+        deferred, unit = self.step_scales(x)
+        delta, pending = step.carry
+        idx = layer.self_attn.layer_idx
+        attn, mlp, qkv_proj, gate_up = layer.self_attn, layer.mlp, self.qkv[idx], self.gate_up[idx]
+        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        handoff = qkv_proj.codes_handoff(B)
+        x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending, keep_h=qkv_proj.has_lora)
+        if "qkv" in deferred and handoff == "fp8" and not qkv_proj.has_lora \
+                and kernels.unit_scales_ok(qkv_proj.fused_qweight, B):  # unit scales: codes only
+            y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
+            q, k, v = rope_qkv_scaled(y, rows, cols, qkv_proj._bias(x.dtype, x.device), cos, sin, Hq, Hkv, D)
+        else:
+            qkv = qkv_proj(h, codes)  # [B, (Hq + 2 Hkv) D]
+            q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
+            v = qkv[:, (Hq + Hkv) * D:].view(B, Hkv, D)
+        out = step.attend_rows(idx, q, k, v).reshape(B, -1)
+        o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B, self.fast_paths)
+        handoff = gate_up.codes_handoff(B)
+        x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora)
+        if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora \
+                and kernels.unit_scales_ok(gate_up.fused_qweight, B):
+            gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
+        else:
+            gu, gu_scales = gate_up(h, codes), None
+        inter = mlp.down_proj.in_features
+        quant = linear_codes_handoff(mlp.down_proj, B, self.fast_paths)
+        a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales, keep_h=bool(mlp.down_proj.lora_rank))
+        delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B, self.fast_paths)
+        if idx == len(self.qkv) - 1:  # the last layer: the model's final norm takes the whole residual stream
+            step.carry = (None, None)
+            return add_delta(x, delta, pending)[:, None]
+        step.carry = (delta, pending)
+        return x[:, None]
+
+
+def add_delta(x: torch.Tensor, delta: torch.Tensor, scales=None) -> torch.Tensor:
+    """x + delta [M, H] in x's dtype; scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale
+    FP8 product, which is first scaled and rounded to x's dtype (as `add_norm` adds it)."""
+    if scales is not None:
+        delta = _apply_scales(delta, *scales, x.dtype)
+    return x + delta
 
 
 def _unit_product(codes, qweight, unit: torch.Tensor, dtype: torch.dtype) -> tuple:
@@ -584,17 +603,17 @@ def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tens
 
 
 def both_decode_logits(model, engine, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
-    """(module-path logits, fused logits) [B, vocab] of one decode step of `engine`'s cache, in rollout mode (for
-    tests and benchmarks comparing the two forwards)."""
+    """(module-path logits, fused logits) [B, vocab] of one decode step of `engine`'s cache, in rollout mode: the
+    model's decode forward without and with the fused decoder (for tests and benchmarks comparing the two)."""
+    from quarl.rollout.fast_step import decode_logits
+
     cache, attention = engine.cache, engine._attention
     model.set_rollout(True)
     try:
         with torch.no_grad():
-            from quarl.rollout.fast_step import decode_logits
-
             want = decode_logits(model, cache, tokens, positions, attention, cache.capacity)
             decoder = FusedDecoder.for_model(model, engine.fast_paths)
-            got = decoder.logits(cache, tokens, positions, attention, cache.capacity)
+            got = decode_logits(model, cache, tokens, positions, attention, cache.capacity, decoder=decoder)
     finally:
         model.set_rollout(False)
     return want, got
