@@ -265,10 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         from quarl.config import ConfigError
 
         try:
-            return int(args.fn(args) or 0)
+            code = int(args.fn(args) or 0)
         except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
             print(f"quarl {args.command}: error: {e}", file=sys.stderr)
-            return 2
+            code = 2
+        if args.command == "train":
+            from quarl.distributed import end_process, launched_by_torchrun
+
+            if launched_by_torchrun():  # one rank of a distributed run: its files are closed, its group left
+                end_process(code)
+        return code
     except KeyboardInterrupt:  # Ctrl-C while loading, or a second Ctrl-C / SIGTERM during training
         print("[quarl] interrupted", file=sys.stderr)
         return 130

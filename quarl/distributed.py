@@ -77,6 +77,22 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def end_process(code: int) -> None:
+    """End a torchrun-launched process with exit status `code` once its work is done (files closed, process group
+    left): flush stdout / stderr, then `os._exit`, skipping interpreter teardown. FSDP keeps the gloo process group
+    alive past `destroy_process_group`, and tearing down its worker threads while the interpreter finalizes can
+    abort a rank that finished cleanly ("terminate called without an active exception"), which torchrun reports as
+    a failed job."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(code)
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

@@ -10,6 +10,7 @@ import torch
 
 import quarl.rl.trainer as trainer_module
 from quarl.config import load_config
+from quarl.distributed import end_process
 from quarl.rl.sharding import full_value
 from quarl.rl.trainer import Trainer
 
@@ -54,3 +55,4 @@ def main(record_path: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    end_process(0)  # as `quarl train` ends a rank (see there)
