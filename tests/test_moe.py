@@ -417,14 +417,32 @@ def test_replay_gradients_reach_the_router_and_survive_gradient_checkpointing():
         torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
-def test_fast_engine_refuses_graphs_and_fused_decode_for_moe_and_falls_back_by_default():
+def test_fast_engine_refuses_fused_decode_for_moe_and_a_cpu_model_decodes_without_graphs():
     _, model = hf_and_ours(dtype=torch.float32)
-    with pytest.raises(ValueError, match="use_cuda_graphs=True cannot serve a mixture-of-experts model"):
-        FastRolloutEngine(model, None, use_cuda_graphs=True)
     with pytest.raises(ValueError, match="fused_decode=True does not cover mixture-of-experts"):
         FastRolloutEngine(model, None, fused_decode=True)
+    with pytest.raises(ValueError, match="use_cuda_graphs=True needs a model on a CUDA device"):
+        FastRolloutEngine(model, None, use_cuda_graphs=True)
     engine = FastRolloutEngine(model, None)
     assert not engine.use_cuda_graphs and engine._decoder is None
+
+
+def test_a_moe_block_says_whether_its_rollout_path_runs_without_the_host():
+    """The fast engine captures a MoE model's decode step in a CUDA graph only where every MoE block's rollout path
+    is a grouped one: on the CPU the per-expert reference, which reads the token counts on the host."""
+    _, model = hf_and_ours(dtype=torch.float32)
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    model.set_rollout(True)
+    assert not any(b.rollout_path_host_free for b in blocks)  # nothing chosen before the rollout's first forward
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 5)))
+    assert all(b._rollout_swiglu is not None for b in blocks) and not any(b.rollout_path_host_free for b in blocks)
+    for b in blocks:  # a grouped choice (as on a GPU) is host-free
+        key, _, copy = b._rollout_swiglu
+        b._rollout_swiglu = (key, grouped_gemm_swiglu, copy)
+    assert all(b.rollout_path_host_free for b in blocks)
+    model.set_rollout(False)  # a new rollout chooses again
+    assert not any(b.rollout_path_host_free for b in blocks)
 
 
 def test_replay_of_another_batch_is_refused():
@@ -520,10 +538,11 @@ def test_cuda_bf16_moe_block_matches_float64_and_both_engines_record_the_same_ro
     model = cuda.float()
     prompts = [torch.randint(0, 256, (L,)).tolist() for L in (3, 8, 13)]
     fast = FastRolloutEngine(model, None, max_batch_size=8, record_routing=True)
-    assert not fast.use_cuda_graphs  # MoE decodes without graphs (host-side expert grouping)
     ref_outs = RolloutEngine(model, None, record_routing=True).generate(prompts, n=2, max_new_tokens=12,
                                                                         temperature=0)
     fast_outs = fast.generate(prompts, n=2, max_new_tokens=12, temperature=0)
+    # float32 experts take the per-expert path, which reads token counts on the host: no graph, and it says why
+    assert not fast.use_cuda_graphs and "per-expert path" in fast.last_stats["graph_error"]
     for r, f in zip(ref_outs, fast_outs):
         for a, b in zip(r.completions, f.completions):
             assert a.token_ids == b.token_ids
@@ -623,3 +642,27 @@ def test_every_expert_gradient_gives_idle_experts_zero_gradients_and_changes_not
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
             else:
                 assert a is None and b is not None and not b.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8"])
+def test_cuda_graph_decode_of_a_moe_model_equals_eager_decode(fmt):
+    """bf16 (grouped GEMM, Hopper) and int8 / fp8 W8A8 rollouts (grouped kernel) make no host sync, so the fast
+    engine captures MoE decode steps in CUDA graphs; tokens, behaviour log-probs and routing equal eager decoding."""
+    _, model = hf_and_ours("realish", dtype=torch.float32)
+    model = model.cuda().to(torch.bfloat16)
+    if fmt is not None:
+        apply_precision(model, PrecisionConfig(flow="split", format=fmt))
+    prompts = [torch.randint(0, 256, (L,)).tolist() for L in (3, 8, 13)]
+    outs = {}
+    for graphs in (True, False):
+        engine = FastRolloutEngine(model, None, max_batch_size=8, record_routing=True, use_cuda_graphs=graphs)
+        torch.manual_seed(0)
+        outs[graphs] = engine.generate(prompts, n=2, max_new_tokens=12, temperature=1.0, seed=5)
+        if graphs:
+            assert engine.use_cuda_graphs and "graph_error" not in engine.last_stats
+            assert engine.last_stats["graph_captures"] >= 1
+    for a_out, b_out in zip(outs[True], outs[False]):
+        for a, b in zip(a_out.completions, b_out.completions):
+            assert a.token_ids == b.token_ids and torch.equal(a.routing, b.routing)
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

@@ -493,6 +493,13 @@ class SparseMoeBlock(nn.Module):
             self._rollout_swiglu = (key, swiglu, first.qweight_data)
         return self._rollout_swiglu[1]
 
+    @property
+    def rollout_path_host_free(self) -> bool:
+        """Whether the expert path this rollout chose (at its first forward) runs without reading anything on the
+        host, so a CUDA graph can capture the block: a grouped path, not the per-expert reference, which reads
+        the token counts. False before the rollout's first forward."""
+        return self._rollout_swiglu is not None and self._rollout_swiglu[1] is not grouped_swiglu
+
     def forward(self, x: torch.Tensor, routing: ExpertRouting | None = None) -> torch.Tensor:
         """x [..., hidden] (e.g. [B, T, hidden], or [B, hidden] in a decode step) -> the same shape and dtype.
 

@@ -37,7 +37,7 @@ import torch
 from quarl.config import SAMPLERS
 from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.fallbacks import report_fallback
-from quarl.model.moe import ExpertRouting
+from quarl.model.moe import ExpertRouting, SparseMoeBlock
 from quarl.model.tokenizer import eos_token_ids
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _answer_seeds, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
@@ -92,9 +92,6 @@ class FastRolloutEngine(RolloutEngine):
         """
         super().__init__(model, tokenizer, max_batch_size, record_routing)
         moe = getattr(model, "is_moe", False)
-        if moe and use_cuda_graphs:
-            raise ValueError("use_cuda_graphs=True cannot serve a mixture-of-experts model: its expert grouping reads "
-                             "token counts on the host each step; pass use_cuda_graphs=None or False")
         if moe and fused_decode:
             raise ValueError("fused_decode=True does not cover mixture-of-experts MLPs; pass fused_decode=None or "
                              "False")
@@ -110,11 +107,7 @@ class FastRolloutEngine(RolloutEngine):
         self.max_seq_len = None if max_seq_len is None else int(max_seq_len)
         self.kv_token_scales = kv_cache_dtype == "fp8-token"
         self.kv_dtype = self._kv_dtype("fp8" if self.kv_token_scales else kv_cache_dtype)
-        self.use_cuda_graphs = (model.device.type == "cuda" and not moe) if use_cuda_graphs is None \
-            else bool(use_cuda_graphs)
-        if moe and model.device.type == "cuda":
-            report_fallback("moe_cuda_graphs", "a mixture-of-experts model decodes without CUDA graphs (its expert "
-                            "grouping reads token counts on the host)")
+        self.use_cuda_graphs = model.device.type == "cuda" if use_cuda_graphs is None else bool(use_cuda_graphs)
         if self.use_cuda_graphs and model.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs a model on a CUDA device")
         self.sync_every = int(sync_every)
@@ -336,6 +329,12 @@ class FastRolloutEngine(RolloutEngine):
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(self.state.counters(), saved):
             t.copy_(s)
+        host_bound = [layer.self_attn.layer_idx for layer in self.model.model.layers
+                      if isinstance(layer.mlp, SparseMoeBlock) and not layer.mlp.rollout_path_host_free]
+        if host_bound:  # the warm-up chose each MoE layer's expert path for this rollout
+            raise RuntimeError(
+                f"the mixture-of-experts layers {host_bound[:4]} take the per-expert path, which reads token counts "
+                "on the host (grouped paths: bf16 on Hopper, int8 / fp8 W8A8; docs/MOE.md)")
         self._restack()  # what the warm-up's fallbacks replaced, before capturing
         fingerprint = self._model_fingerprint()
         if fingerprint != self._graph_fingerprint:
