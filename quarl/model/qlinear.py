@@ -422,8 +422,9 @@ class QuantLinear(nn.Module):
     @property
     def trained_rollout_copy(self) -> bool:
         """Whether this linear has a rollout copy of a weight being trained: what every sync re-quantizes."""
-        return (self.qweight_data is not None and not self.frozen_base and self.weight is not None
-                and self.weight.requires_grad)
+        w = self._parameters.get("weight")  # the dicts themselves: a sync asks every linear, every step
+        return w is not None and w.requires_grad and not self.frozen_base and \
+            self._buffers.get("qweight_data") is not None
 
     def requantize_rollout_copy(self) -> None:
         """The device work of `refresh`: quantize the master weight (rounded to the compute dtype) into the rollout
@@ -435,8 +436,11 @@ class QuantLinear(nn.Module):
 
     def mark_rollout_copy_current(self) -> None:
         """Record that the rollout copy now holds the master weight as it is (after `requantize_rollout_copy`)."""
-        self._frozen_codes_key = None
-        self._rollout_source = self._weight_state()
+        # straight into the instance dict: nn.Module.__setattr__ checks parameters, buffers and submodules first,
+        # which a per-step sync of hundreds of linears pays in host time (both are plain attributes)
+        w = self._parameters["weight"]
+        self.__dict__["_frozen_codes_key"] = None
+        self.__dict__["_rollout_source"] = (weakref.ref(w), w._version)
 
     def _quantize_into_rollout_copy(self, w: torch.Tensor) -> QuantizedTensor:
         """Quantize w [out, in] into the rollout copy's buffers (in place) and return the copy. One Triton pass on

@@ -20,7 +20,8 @@ from quarl.model.qlinear import QuantLinear
 
 
 class RolloutSync:
-    """Callable: `sync()` brings every rollout copy of `model` up to date with its master weight.
+    """Callable: `sync()` brings every rollout copy of `model` up to date with its master weight (the model's
+    QuantLinears as of the first call: build or load every module before syncing).
 
     Weights being trained are re-quantized every call (through the CUDA graph on a GPU when `use_cuda_graph`);
     the others (a frozen LoRA base) only when they changed since their last quantization.
@@ -33,12 +34,18 @@ class RolloutSync:
         self._graph_key: tuple | None = None  # the buffers the captured graph reads and writes
         self._last_key: tuple | None = None  # the buffers of the previous call (capture once they are stable)
         self.captures = 0
+        # The model's QuantLinears, found once: quarl configures its linears in place and never swaps modules, and
+        # walking the module tree each step costs host time comparable to the sync itself on a small model.
+        self._linears: list[QuantLinear] | None = None
 
     def __call__(self) -> None:
-        linears = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
-        trained = [m for m in linears if m.trained_rollout_copy]
-        for m in linears:
-            if not m.trained_rollout_copy:
+        if self._linears is None:
+            self._linears = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
+        trained = []
+        for m in self._linears:
+            if m.trained_rollout_copy:
+                trained.append(m)
+            else:
                 m.refresh(only_if_changed=True)  # frozen: re-quantized only if changed, else a no-op
         if not trained:
             return
@@ -73,12 +80,20 @@ class RolloutSync:
         return True
 
 
+ROLLOUT_BUFFERS = ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant")
+
+
 def _buffers_key(trained: list[QuantLinear]) -> tuple:
-    """Addresses (and shapes) of what the sync reads and writes: each weight and its rollout copy's buffers."""
-    # the raw buffers, not `m.qweight`'s typed views of them (the same memory): building the views for every
-    # linear on every sync would cost more than the sync's own launches on a small model
-    return tuple(None if t is None else (t.data_ptr(), t.shape, t.dtype) for m in trained
-                 for t in (m.weight, m.qweight_data, m.qweight_scale, m.qweight_global_scale, m.weight_dequant))
+    """Addresses (and shapes, dtypes) of what the sync reads and writes: each weight and its rollout copy's
+    buffers."""
+    # read from the module's own dicts, not as attributes: nn.Module's attribute lookup, for five tensors of
+    # every linear on every sync, would cost more host time than the sync's graph replay on a small model
+    key = []
+    for m in trained:
+        buffers = m._buffers
+        for t in (m._parameters["weight"], *(buffers[name] for name in ROLLOUT_BUFFERS)):
+            key.append(None if t is None else (t.data_ptr(), t.shape, t.dtype))
+    return tuple(key)
 
 
 def _capture(trained: list[QuantLinear]) -> torch.cuda.CUDAGraph:
