@@ -260,8 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    rank_of_a_run = False  # `quarl train` as one rank under torchrun: ends through end_process, whatever happens
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "train":
+            from quarl.distributed import launched_by_torchrun
+
+            rank_of_a_run = launched_by_torchrun()
         from quarl.config import ConfigError
 
         try:
@@ -269,15 +274,21 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
             print(f"quarl {args.command}: error: {e}", file=sys.stderr)
             code = 2
-        if args.command == "train":
-            from quarl.distributed import end_process, launched_by_torchrun
-
-            if launched_by_torchrun():  # one rank of a distributed run: its files are closed, its group left
-                end_process(code)
-        return code
     except KeyboardInterrupt:  # Ctrl-C while loading, or a second Ctrl-C / SIGTERM during training
         print("[quarl] interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except Exception:
+        if not rank_of_a_run:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if rank_of_a_run:  # the run's files are closed and its process group left (Trainer.train's finally)
+        from quarl.distributed import end_process
+
+        end_process(code)
+    return code
 
 
 if __name__ == "__main__":

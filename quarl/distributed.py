@@ -79,12 +79,17 @@ def shutdown() -> None:
 
 def end_process(code: int) -> None:
     """End a torchrun-launched process with exit status `code` once its work is done (files closed, process group
-    left): flush stdout / stderr, then `os._exit`, skipping interpreter teardown. FSDP keeps the gloo process group
-    alive past `destroy_process_group`, and tearing down its worker threads while the interpreter finalizes can
-    abort a rank that finished cleanly ("terminate called without an active exception"), which torchrun reports as
-    a failed job."""
+    left): run the `atexit` handlers (user code's included), shut logging down, flush stdout / stderr, then
+    `os._exit`, skipping the interpreter's teardown. FSDP keeps the gloo process group alive past
+    `destroy_process_group`, and tearing down its worker threads while the interpreter finalizes can abort a rank
+    that finished cleanly ("terminate called without an active exception"), which torchrun reports as a failed
+    job."""
+    import atexit
+    import logging
     import sys
 
+    atexit._run_exitfuncs()  # what a normal exit runs first, while the interpreter is whole
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

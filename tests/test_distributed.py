@@ -299,8 +299,10 @@ def test_ctrl_c_stops_every_rank_after_saving_the_step(tmp_path):
     (tmp_path / "reward.py").write_text(REWARD)
     run = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "quarl", "train", "--nproc", "2", *overrides(tmp_path, run, 500)]
+    # its own process group, as a terminal's foreground job, with Ctrl-C's default action: a shell starts
+    # background jobs (a CI runner's, say) with SIGINT ignored, and Python keeps an inherited SIG_IGN
     job = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)  # its own process group, as a terminal's foreground job
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (run / "checkpoints" / "step_000002.dcp").is_dir():

@@ -217,6 +217,18 @@ def test_fused_decoder_logits_and_greedy_tokens_match_the_module_path(precision,
     close(got, want)
 
 
+def test_a_fused_decode_step_that_skips_a_layer_is_an_error():
+    """Each layer of a fused decode step hands its MLP output to the next layer's norm (`SlotDecode.carry`); a
+    forward that leaves one pending (not every layer ran) would drop it, so the step refuses to return."""
+    torch.manual_seed(0)
+    model = make_model("qwen2")
+    engine = FastRolloutEngine(model, None, max_batch_size=4, fused_decode=True)
+    engine.generate(rand_prompts([3]), max_new_tokens=2, temperature=0.0)  # allocates the slot cache
+    model.model.layers = model.model.layers[:-1]
+    with pytest.raises(RuntimeError, match="still pending"):
+        both_decode_logits(model, engine, torch.tensor([1]), torch.tensor([2]))
+
+
 def test_fused_decode_refuses_models_it_does_not_cover():
     model = make_model("qwen3")  # per-head q/k norms
     with pytest.raises(ValueError, match="q/k norms"):

@@ -72,19 +72,19 @@ def test_add_rms_norm_kernel(m, h, quant):
 
 
 @pytest.mark.parametrize("m,h", [(1, 576), (37, 3584)])
-def test_the_last_layers_residual_add_equals_the_norm_kernels(m, h):
-    """The fused decode's last layer adds its (unit-scale FP8) MLP output with `add_delta` before the model's final
-    norm; the norm kernel of every other layer adds it inside: both must give the same residual stream, bit for
-    bit."""
-    from quarl.kernels.decode_fused import rms_norm_rows
+def test_the_last_layers_residual_add_equals_the_torch_definition(m, h):
+    """The fused decode's last layer adds its MLP output (a unit-scale FP8 product, or not) with `add_delta` before
+    the model's final norm, through the norm kernel that adds it everywhere else: bit for bit the PyTorch
+    definition (scaled, rounded to bf16, added and rounded)."""
+    from quarl.model.layers import RMSNorm
     from quarl.rollout.fused_decode import add_delta
 
+    norm = RMSNorm(h).to(DEV, BF16)
     x, d = torch.randn(m, h, device=DEV, dtype=BF16) * 3, torch.randn(m, h, device=DEV, dtype=BF16) * 40
-    scales = (torch.rand(m, 1, device=DEV) / 50, torch.rand(h, device=DEV) / 50)
-    w = 1 + 0.3 * torch.randn(h, device=DEV, dtype=BF16)
-    r, _, _, _ = rms_norm_rows(x, d, w, None, 1e-6, None, delta_scales=scales)
-    assert torch.equal(add_delta(x, d, scales), r)
-    assert torch.equal(add_delta(x, d), x + d)
+    rows, cols = torch.rand(m, 1, device=DEV) / 50, torch.rand(h, device=DEV) / 50
+    scaled = (d.float() * rows * cols).to(BF16)
+    assert torch.equal(add_delta(norm, x, d, (rows, cols)), (x.float() + scaled.float()).to(BF16))
+    assert torch.equal(add_delta(norm, x, d), (x.float() + d.float()).to(BF16))
 
 
 @pytest.mark.parametrize("m,n", [(1, 1408), (300, 18944), (64, 1000), (3, 40000)])  # 40000: two-pass kernel

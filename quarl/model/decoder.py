@@ -231,7 +231,8 @@ class QuarlForCausalLM(nn.Module):
         Args:
             tokens, positions: long [B], each row's token and its rotary position.
             step_cache: a cache with `attend(layer_idx, q, k, v)` that stores the tokens' keys/values and attends
-                over the row's earlier ones (`quarl.rollout.fast_step.SlotDecode`).
+                over the row's earlier ones (`quarl.rollout.fast_step.SlotDecode`); one carrying a fused decoder
+                runs every layer on it (see `DecoderLayer.forward`).
             routing: an `ExpertRouting` for MoE models (record and/or replay), or None.
         Returns:
             logits [B, vocab] in the model dtype.

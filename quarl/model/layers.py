@@ -340,9 +340,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attn_mask, kv_cache=None, cache_start: int = 0,
                 decode_start: torch.Tensor | None = None, routing: ExpertRouting | None = None) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T, hidden]; arguments as in `Attention.forward`. A fast-engine decode step whose
-        cache carries a fused decoder (`SlotDecode.decoder`) runs this layer on its stacked projections and fused
-        kernels (`quarl.rollout.fused_decode.FusedDecoder.layer`): the same math in fewer launches."""
+        """x [B, T, hidden] -> [B, T, hidden]; arguments as in `Attention.forward`.
+
+        A fast-engine decode step whose cache carries a fused decoder (`SlotDecode.decoder`) runs this layer on its
+        stacked projections and fused kernels (`quarl.rollout.fused_decode.FusedDecoder.layer`): the same math in
+        fewer launches, with one difference in what passes between layers: each layer's MLP output waits in the
+        step cache (`SlotDecode.carry`) for the next layer's first norm kernel, so every layer but the last returns
+        the residual stream without it. Such a step must run every layer, in order (the model's decode forward).
+        """
         if getattr(kv_cache, "decoder", None) is not None:
             return kv_cache.fused_layer(self, x, cos, sin)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, cache_start, decode_start)

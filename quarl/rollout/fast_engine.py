@@ -311,8 +311,10 @@ class FastRolloutEngine(RolloutEngine):
 
     def _graph_key(self, batch: int, kv_len: int, params: SamplingParams) -> tuple:
         """What a captured step depends on besides the buffers: shapes, sampling, the decoder's mode and the
-        fast paths (a graph keeps the adapter path and codes handoff it was captured with)."""
-        return batch, kv_len, params, self._decoder is not None and self._decoder.deferred_scales, self.fast_paths
+        fast paths, the engine's and the model's (a graph keeps the adapter path, codes handoff and MoE expert path
+        it was captured with)."""
+        return (batch, kv_len, params, self._decoder is not None and self._decoder.deferred_scales, self.fast_paths,
+                fast_paths_of(self.model))
 
     def _capture(self, batch: int, kv_len: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         """Warm up (compiles kernels, builds lazy caches) and capture one step; the state is left unchanged.

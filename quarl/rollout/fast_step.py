@@ -69,7 +69,11 @@ def decode_logits(model, cache: SlotKVCache, tokens: torch.Tensor, positions: to
     experts of these tokens (MoE models), or None. decoder: a `FusedDecoder` whose fused projections and kernels
     the layers run on (the same values; dense models without q/k norms, `fused_decode_supported`), or None."""
     step = SlotDecode(cache, positions, attention, kv_len, decoder)
-    return model.decode_logits(tokens, positions, step, routing)
+    logits = model.decode_logits(tokens, positions, step, routing)
+    if step.carry[0] is not None:  # host-side: a layer's output never reached the next one
+        raise RuntimeError("the fused decode step ended with a layer's MLP output still pending; every decoder "
+                           "layer must run, in order, on a SlotDecode that carries a fused decoder")
+    return logits
 
 
 def gumbel_max(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

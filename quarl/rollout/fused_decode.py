@@ -569,14 +569,20 @@ class FusedDecoder:
         delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B, self.fast_paths)
         if idx == len(self.qkv) - 1:  # the last layer: the model's final norm takes the whole residual stream
             step.carry = (None, None)
-            return add_delta(x, delta, pending)[:, None]
+            return add_delta(self.model.model.norm, x, delta, pending)[:, None]
         step.carry = (delta, pending)
         return x[:, None]
 
 
-def add_delta(x: torch.Tensor, delta: torch.Tensor, scales=None) -> torch.Tensor:
-    """x + delta [M, H] in x's dtype; scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale
-    FP8 product, which is first scaled and rounded to x's dtype (as `add_norm` adds it)."""
+def add_delta(norm, x: torch.Tensor, delta: torch.Tensor, scales=None) -> torch.Tensor:
+    """The residual stream x + delta [M, H] in x's dtype exactly as `add_norm(norm, x, delta, None, scales)` adds
+    it, without the norm's output (on a GPU the same kernel, writing the sum only); scales: (per-token [M, 1],
+    per-channel [H]) float32 when delta is a unit-scale FP8 product, which is first scaled and rounded to x's
+    dtype."""
+    if x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype):
+        from quarl.kernels.decode_fused import rms_norm_rows
+
+        return rms_norm_rows(x, delta, norm.weight, None, norm.eps, None, write_h=False, delta_scales=scales)[0]
     if scales is not None:
         delta = _apply_scales(delta, *scales, x.dtype)
     return x + delta
