@@ -445,6 +445,47 @@ def test_a_moe_block_says_whether_its_rollout_path_runs_without_the_host():
     assert not any(b.rollout_path_host_free for b in blocks)
 
 
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="needs torch's grouped_mm")
+def test_packed_expert_weights_are_read_in_place_and_train_as_stacked_copies():
+    """The grouped GEMM reads packed expert weights through a view (no [E, out, in] copy per call) and computes
+    exactly what it computes from stacked copies, forward and backward; an optimizer step on the packed weights is
+    what the view reads, and a weight given new memory makes it stack copies again."""
+    from quarl.model.moe import PROJECTIONS, pack_expert_weights, stacked_weights
+
+    _, model = hf_and_ours("realish", dtype=torch.float32)
+    experts = model.model.layers[1].mlp.experts
+    params = [getattr(e, name).weight for e in experts for name in PROJECTIONS]
+    values = [p.detach().clone() for p in params]
+    counts = torch.tensor([9, 0, 3, 17, 1, 10])
+    x = torch.randn(int(counts.sum()), 160)
+
+    def run():
+        for p in params:
+            p.grad = None
+        xr = x.clone().requires_grad_(True)
+        y = grouped_gemm_swiglu(xr, counts, experts)
+        y.square().sum().backward()
+        return y.detach(), xr.grad, [p.grad.clone() for p in params]
+
+    gates = [e.gate_proj.weight for e in experts]
+    assert stacked_weights(gates).data_ptr() != gates[0].data_ptr()  # loaded apart: a stacked copy
+    want = run()
+    assert pack_expert_weights(experts) and not pack_expert_weights(experts)  # packed once
+    assert [getattr(e, name).weight for e in experts for name in PROJECTIONS] == params  # the same Parameters
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    view = stacked_weights(gates)
+    assert view.data_ptr() == gates[0].data_ptr() and torch.equal(view, torch.stack(gates))
+    got = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    torch.optim.AdamW(params, lr=1e-2).step()
+    assert not torch.equal(gates[3], values[3 * len(PROJECTIONS)])  # the step moved the packed weights
+    assert torch.equal(stacked_weights(gates), torch.stack(gates))
+    gates[2].data = gates[2].data + 1.0  # new memory for one expert
+    again = stacked_weights(gates)
+    assert again.data_ptr() != gates[0].data_ptr() and torch.equal(again, torch.stack(gates))
+
+
 def test_replay_of_another_batch_is_refused():
     _, model = hf_and_ours(dtype=torch.float32)
     with pytest.raises(ValueError, match="router replay covers tokens"):
@@ -668,6 +709,11 @@ def test_cuda_graph_decode_of_a_moe_model_equals_eager_decode(fmt):
         if graphs:
             assert engine.use_cuda_graphs and "graph_error" not in engine.last_stats
             assert engine.last_stats["graph_captures"] >= 1
+    if fmt is None:  # the bf16 rollout packed each layer's expert weights: the grouped GEMM reads them in place
+        from quarl.model.moe import stacked_weights
+
+        gates = [e.gate_proj.weight for e in model.model.layers[1].mlp.experts]
+        assert stacked_weights(gates).data_ptr() == gates[0].data_ptr()
     for a_out, b_out in zip(outs[True], outs[False]):
         for a, b in zip(a_out.completions, b_out.completions):
             assert a.token_ids == b.token_ids and torch.equal(a.routing, b.routing)

@@ -165,23 +165,71 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Mod
     return out
 
 
+def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights [out, in] as one [E, out, in] tensor: a view of their memory when they are consecutive
+    slices of one packed tensor (`pack_expert_weights`), else a stacked copy (E times out x in elements, at every
+    call: tens of GB per forward on a 30B MoE model)."""
+    w0 = weights[0]
+    n = w0.numel()
+    if w0.is_contiguous() and all(
+            w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+            and w.data_ptr() == w0.data_ptr() + e * n * w0.element_size() for e, w in enumerate(weights)):
+        # one storage holds them in order (a tensor's memory is its storage's: consecutive addresses of one
+        # allocation), so the view below reads exactly the weights' current values
+        return w0.detach().as_strided((len(weights), *w0.shape), (n, w0.shape[1], 1))
+    return torch.stack(weights)
+
+
+@torch.no_grad()
+def pack_expert_weights(experts: nn.ModuleList) -> bool:
+    """Move every expert's gate, up and down weights into one [E, out, in] tensor per projection, each expert's
+    weight becoming a view of its slice (same values, same Parameter objects, so optimizers and their states are
+    untouched), so the grouped GEMM reads them in place (`stacked_weights`). Skips projections already packed and
+    those whose weights are absent (a qlora base), distributed tensors (FSDP shards) or unlike in shape, dtype or
+    device. A later `.to()` or an assigned state dict gives the weights new memory again; `stacked_weights` then
+    stacks copies until the next packing. Returns whether anything moved. Not during CUDA-graph capture."""
+    moved = False
+    for name in PROJECTIONS:
+        weights = [getattr(e, name).weight for e in experts]
+        if any(w is None or type(w.data) is not torch.Tensor for w in weights):
+            continue
+        w0 = weights[0]
+        if any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device for w in weights):
+            continue
+        if stacked_weights(weights).data_ptr() == w0.data_ptr():
+            continue  # already packed
+        packed = torch.stack([w.detach() for w in weights])
+        for e, w in enumerate(weights):
+            w.data = packed[e]
+        moved = True
+    return moved
+
+
+def _packed_key(experts: nn.ModuleList) -> tuple:
+    """Where each projection's first and last expert weights live: changes when a `.to()` or an assigned state
+    dict gave the weights new memory (a cheap test for re-packing; `stacked_weights` checks every expert)."""
+    return tuple(None if getattr(experts[i], name).weight is None else getattr(experts[i], name).weight.data_ptr()
+                 for name in PROJECTIONS for i in (0, -1))
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of group e] = x[rows of group e] @ W_e^T for contiguous row groups, one grouped GEMM each way.
 
-    The experts' weights are stacked on the fly; backward keeps the weights themselves (parameters, no memory)
-    rather than their stacked copy, and stacks them again, so autograd holds no second copy of every expert.
+    The experts' weights are read in place when packed (`pack_expert_weights`), else stacked on the fly; backward
+    keeps the weights themselves (parameters, no memory) rather than a stacked copy, so autograd holds no second
+    copy of every expert.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, offsets, *weights)
-        return F.grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(x, stacked_weights(weights).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, offsets, *weights = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = F.grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_x = F.grouped_mm(grad, stacked_weights(weights), offs=offsets) if ctx.needs_input_grad[0] else None
         grad_w = [None] * len(weights)
         if any(ctx.needs_input_grad[2:]):
             # [out, M] @ [M, in] with groups along M -> [E, out, in]; an expert without rows gets zeros
@@ -465,6 +513,7 @@ class SparseMoeBlock(nn.Module):
         # set by a sharded trainer: every expert gets a gradient on every rank (see `grouped_swiglu`)
         self.every_expert_gradient = False
         self._rollout_swiglu: tuple | None = None  # (what it served, the SwiGLU chosen in this rollout, its copy)
+        self._packed_at: tuple | None = None  # where the expert weights were when last packed (`_pack_experts`)
 
     def set_rollout(self, on: bool) -> None:
         """Rollout mode on or off (`QuarlForCausalLM.set_rollout` calls every module's); either way the expert path
@@ -480,6 +529,8 @@ class SparseMoeBlock(nn.Module):
             swiglu = expert_path(self.experts, x, self.fast_paths)
             if swiglu is grouped_swiglu and self.every_expert_gradient:
                 return functools.partial(grouped_swiglu, every_expert_gradient=True)
+            if swiglu is grouped_gemm_swiglu:
+                self._pack_experts()
             return swiglu
         # the first projection's mode and rollout copy stand for all (full_precision() and configure() change every
         # one); the copy is kept referenced by the cache, so its id cannot pass to a new tensor
@@ -490,8 +541,21 @@ class SparseMoeBlock(nn.Module):
             swiglu = expert_path(self.experts, x, self.fast_paths)
             if swiglu is grouped_w8a8_swiglu:
                 swiglu = functools.partial(grouped_w8a8_swiglu, tables=_expert_tables(self.experts))
+            elif swiglu is grouped_gemm_swiglu:
+                self._pack_experts()
             self._rollout_swiglu = (key, swiglu, first.qweight_data)
         return self._rollout_swiglu[1]
+
+    def _pack_experts(self) -> None:
+        """`pack_expert_weights` unless the weights still sit where the last packing put them (or a CUDA graph is
+        being captured: its replays read the memory as it is)."""
+        key = _packed_key(self.experts)
+        if key == self._packed_at:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        pack_expert_weights(self.experts)
+        self._packed_at = _packed_key(self.experts)
 
     @property
     def rollout_path_host_free(self) -> bool:
