@@ -8,6 +8,8 @@ computes RMSNorm in float32 even in a float64 model); our own float64 invariants
 """
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -484,6 +486,85 @@ def test_packed_expert_weights_are_read_in_place_and_train_as_stacked_copies():
     gates[2].data = gates[2].data + 1.0  # new memory for one expert
     again = stacked_weights(gates)
     assert again.data_ptr() != gates[0].data_ptr() and torch.equal(again, torch.stack(gates))
+
+
+def _grouped_on_cpu(monkeypatch):
+    """Let MoE blocks take the grouped GEMM path on the CPU (torch's grouped_mm runs float32 there), as CUDA bf16
+    models on Hopper do."""
+    import quarl.model.moe as moe
+
+    monkeypatch.setattr(moe, "grouped_gemm_ok", lambda experts, x, fast_paths: moe.plain_experts(experts, x))
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="needs torch's grouped_mm")
+def test_a_block_on_the_grouped_path_packs_its_experts_again_after_they_moved(monkeypatch):
+    from quarl.model.moe import stacked_weights
+
+    _grouped_on_cpu(monkeypatch)
+    _, model = hf_and_ours("realish", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 9))
+    gates = lambda: [e.gate_proj.weight for e in model.model.layers[1].mlp.experts]  # noqa: E731
+    with torch.inference_mode():  # a rollout under inference mode packs normal tensors
+        want = model(ids)
+    assert stacked_weights(gates()).data_ptr() == gates()[0].data_ptr()
+    loss = model(ids).square().mean()
+    loss.backward()  # inference tensors could not be saved for backward
+    torch.testing.assert_close(model(ids).detach(), want, atol=0, rtol=0)
+    model.double().float()  # new memory for every weight
+    assert stacked_weights(gates()).data_ptr() != gates()[0].data_ptr()
+    torch.testing.assert_close(model(ids).detach(), want, atol=0, rtol=0)  # the forward packs them again
+    assert stacked_weights(gates()).data_ptr() == gates()[0].data_ptr()
+
+
+SHARDED_MOE = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import quarl.model.moe as moe
+from quarl.rl.sharding import shard_model
+from test_moe import hf_and_ours
+moe.grouped_gemm_ok = lambda experts, x, fast_paths: moe.plain_experts(experts, x)
+torch.manual_seed(0)
+_, plain = hf_and_ours("realish", dtype=torch.float32)
+_, sharded = hf_and_ours("realish", dtype=torch.float32)
+sharded.load_state_dict(plain.state_dict())
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+shard_model(sharded, torch.device("cpu"), torch.float32)
+blocks = [m for m in sharded.modules() if isinstance(m, moe.SparseMoeBlock)]
+assert blocks and not any(b.pack_experts for b in blocks)
+ids = torch.randint(0, 256, (2, 9))
+losses = {}
+for name, model in (("plain", plain), ("sharded", sharded)):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    losses[name] = []
+    for _ in range(4):
+        loss = model(ids).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses[name].append(float(loss))
+print(losses)
+assert all(abs(a - b) < 1e-5 for a, b in zip(losses["plain"], losses["sharded"])), losses
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # FSDP keeps gloo threads alive past destroy_process_group (see quarl.distributed.end_process)
+"""
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="needs torch's grouped_mm")
+def test_sharded_moe_blocks_do_not_pack_and_train_as_one_process(tmp_path):
+    """FSDP swaps each expert's unsharded weight in from its own gather buffer at every forward: a block that packed
+    them would keep training on the first step's weights. A one-rank FSDP model on the grouped path trains exactly
+    as the plain model."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sharded_moe.py"
+    script.write_text(SHARDED_MOE)
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": f"{Path(tests).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), tests], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 def test_replay_of_another_batch_is_refused():

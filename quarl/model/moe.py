@@ -170,24 +170,27 @@ def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     slices of one packed tensor (`pack_expert_weights`), else a stacked copy (E times out x in elements, at every
     call: tens of GB per forward on a 30B MoE model)."""
     w0 = weights[0]
-    n = w0.numel()
+    n, storage = w0.numel(), w0.untyped_storage().data_ptr()
     if w0.is_contiguous() and all(
             w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+            and w.untyped_storage().data_ptr() == storage
             and w.data_ptr() == w0.data_ptr() + e * n * w0.element_size() for e, w in enumerate(weights)):
-        # one storage holds them in order (a tensor's memory is its storage's: consecutive addresses of one
-        # allocation), so the view below reads exactly the weights' current values
+        # one storage holds them, in order, so the view below reads exactly the weights' current values
         return w0.detach().as_strided((len(weights), *w0.shape), (n, w0.shape[1], 1))
     return torch.stack(weights)
 
 
 @torch.no_grad()
+@torch.inference_mode(False)  # a packed weight must stay a normal tensor: training saves it for backward
 def pack_expert_weights(experts: nn.ModuleList) -> bool:
     """Move every expert's gate, up and down weights into one [E, out, in] tensor per projection, each expert's
     weight becoming a view of its slice (same values, same Parameter objects, so optimizers and their states are
     untouched), so the grouped GEMM reads them in place (`stacked_weights`). Skips projections already packed and
-    those whose weights are absent (a qlora base), distributed tensors (FSDP shards) or unlike in shape, dtype or
-    device. A later `.to()` or an assigned state dict gives the weights new memory again; `stacked_weights` then
-    stacks copies until the next packing. Returns whether anything moved. Not during CUDA-graph capture."""
+    those whose weights are absent (a qlora base), distributed tensors or unlike in shape, dtype or device. Never
+    for a model FSDP shards (`SparseMoeBlock.pack_experts`): its forward swaps in unsharded weights that are views
+    of FSDP's own gather buffers. A later `.to()` or an assigned state dict gives the weights new memory again;
+    `stacked_weights` then stacks copies until the next packing. Returns whether anything moved. Not during
+    CUDA-graph capture."""
     moved = False
     for name in PROJECTIONS:
         weights = [getattr(e, name).weight for e in experts]
@@ -513,6 +516,8 @@ class SparseMoeBlock(nn.Module):
         # set by a sharded trainer: every expert gets a gradient on every rank (see `grouped_swiglu`)
         self.every_expert_gradient = False
         self._rollout_swiglu: tuple | None = None  # (what it served, the SwiGLU chosen in this rollout, its copy)
+        # pack the experts' weights for the grouped GEMM (`pack_expert_weights`); off in a model FSDP shards
+        self.pack_experts = True
         self._packed_at: tuple | None = None  # where the expert weights were when last packed (`_pack_experts`)
 
     def set_rollout(self, on: bool) -> None:
@@ -547,12 +552,17 @@ class SparseMoeBlock(nn.Module):
         return self._rollout_swiglu[1]
 
     def _pack_experts(self) -> None:
-        """`pack_expert_weights` unless the weights still sit where the last packing put them (or a CUDA graph is
-        being captured: its replays read the memory as it is)."""
+        """`pack_expert_weights` where `pack_experts` allows, unless the weights still sit where the last packing
+        put them. Not while a CUDA graph is captured (its replays read the memory as it is) nor on a side stream
+        (the fast engine's warm-up: the packed tensor would belong to that stream's memory pool)."""
+        if not self.pack_experts:
+            return
         key = _packed_key(self.experts)
         if key == self._packed_at:
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if self.experts[0].gate_proj.weight is not None and self.experts[0].gate_proj.weight.is_cuda and (
+                torch.cuda.is_current_stream_capturing()
+                or torch.cuda.current_stream() != torch.cuda.default_stream()):
             return
         pack_expert_weights(self.experts)
         self._packed_at = _packed_key(self.experts)

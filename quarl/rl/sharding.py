@@ -51,10 +51,15 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
     `compute_dtype` for the forward and gradients reduced in float32; on the CPU everything stays float32.
     Frozen parameters (a LoRA base) are sharded like the others: FSDP gathers them for the forward and never
     reduces their (absent) gradients. A frozen quantized (qlora) base is a buffer, which FSDP leaves whole on
-    every rank.
+    every rank. MoE blocks stop packing their experts' weights (`SparseMoeBlock.pack_experts`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from quarl.model.moe import SparseMoeBlock
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):  # FSDP swaps the experts' weights in from its own buffers
+            module.pack_experts = False
     kwargs = {}
     if device.type == "cuda" and compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
