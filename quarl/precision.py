@@ -66,6 +66,11 @@ class PrecisionConfig:
     # fake-quantized values, and the rollout too wherever the tuning table prefers them, which round each
     # dequantized operand to bf16
     kernel_forward: bool = True
+    # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
+    # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first prompts) and
+    # the weights multiplied by s before quantization, flattening the outliers the per-token quantizer spends its
+    # range on; 0.5 is SmoothQuant's default
+    smooth_alpha: float = 0.0
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> "PrecisionConfig":
@@ -104,6 +109,14 @@ class PrecisionConfig:
                 f"precision.flow=unified with precision.format=fp8-block (W8A8), got flow={self.flow!r}, "
                 f"format={fmt!r}, weight_only={self.resolved_weight_only}"
             )
+        if not 0.0 <= self.smooth_alpha < 1.0:
+            raise ValueError(f"precision.smooth_alpha={self.smooth_alpha} must be in [0, 1) (0 = off; 0.5 is "
+                             "SmoothQuant's default)")
+        if self.smooth_alpha and (self.flow != "split" or fmt is None or self.resolved_weight_only):
+            raise ValueError(
+                "precision.smooth_alpha smooths the activations a W8A8 rollout quantizes; it needs "
+                f"precision.flow=split with activations quantized, got flow={self.flow!r}, format={fmt!r}, "
+                f"weight_only={self.resolved_weight_only}")
         if self.lora.rank < 0 or self.lora.dropout < 0 or self.lora.dropout >= 1:
             raise ValueError("lora.rank must be >= 0 and lora.dropout in [0, 1)")
         return self

@@ -48,23 +48,25 @@ def test_the_command_scores_every_format_and_writes_its_entry(tmp_path, monkeypa
     rows = {}
     real_measure = mismatch.measure
 
-    def spy(cfg, pairs, problems, seed=0, log=print):
-        result = real_measure(cfg, pairs, problems, seed, log)
+    def spy(cfg, pairs, problems, seed=0, log=print, smooth_alpha=0.0):
+        result = real_measure(cfg, pairs, problems, seed, log, smooth_alpha=smooth_alpha)
         rows["result"] = result
         return result
 
     monkeypatch.setattr(mismatch, "measure", spy)
     out = tmp_path / "mismatch.md"
     rc = main(["bench", "mismatch", "model.name=tiny-random-llama", "data.num_eval=6", "rollout.max_new_tokens=6",
-               "--problems", "6", "--formats", "int8,fp8-block", "--out", str(out)])
+               "--problems", "6", "--formats", "int8,fp8-block", "--smooth-alpha", "0.5", "--out", str(out)])
     assert rc == 0
     result = rows["result"]
-    assert [(r["format"], r["weight_only"]) for r in result["rows"]] == [
-        ("int8", False), ("int8", True), ("fp8-block", False), ("fp8-block", True)]
+    assert [(r["format"], r["weight_only"], r["smooth_alpha"]) for r in result["rows"]] == [
+        ("int8", False, 0.0), ("int8", True, 0.0), ("fp8-block", False, 0.0), ("fp8-block", True, 0.0),
+        ("int8", False, 0.5), ("fp8-block", False, 0.5)]  # the W8A8 settings again, smoothed
     for r in result["rows"]:
         assert r["kl_mean"] >= 0 and r["kl_p90"] <= r["kl_max"] + 1e-12 and 0 <= r["top1_agree"] <= 1
     text = out.read_text()
     assert "| int8 | quantized |" in text and "| fp8-block | weight-only |" in text and "model tiny-random-llama" in text
+    assert "| int8 | quantized, smoothed (alpha 0.5) |" in text
 
 
 def test_measure_equals_a_hand_built_comparison():

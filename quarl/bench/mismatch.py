@@ -41,6 +41,9 @@ def add_bench_mismatch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantized (W8A8 as the rollout runs it), weight-only (W8A16 / W4A16), or both; "
                              "formats that exist only weight-only (fp4) get that row alone")
     parser.add_argument("--problems", type=int, default=64, help="held-out prompts (one sampled answer each)")
+    parser.add_argument("--smooth-alpha", type=float, default=0.0,
+                        help="also measure each W8A8 setting with SmoothQuant smoothing of this strength in (0, 1) "
+                             "(precision.smooth_alpha; calibrated on the first training prompts); 0 = not")
     add_output_arguments(parser, DEFAULT_RESULTS)
 
 
@@ -108,12 +111,14 @@ def token_kl(rollout_logp: torch.Tensor, train_logp: torch.Tensor) -> torch.Tens
 
 
 def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, log=print,
-            micro_batch: int = 8) -> dict:
-    """Sample the answers in full precision, then score them with each (format, weight_only) rollout copy.
+            micro_batch: int = 8, smooth_alpha: float = 0.0) -> dict:
+    """Sample the answers in full precision, then score them with each (format, weight_only) rollout copy, and,
+    with smooth_alpha > 0, each W8A8 one again with its activations smoothed (`quarl.model.smoothing`).
 
-    Returns {"rows": [{format, weight_only, kl_mean, kl_p90, kl_max, top1_agree, seconds}], "tokens": N,
-    "answers": B, "mean_answer_tokens": float, "dtype": the models' dtype}.
+    Returns {"rows": [{format, weight_only, smooth_alpha, kl_mean, kl_p90, kl_max, top1_agree, seconds}],
+    "tokens": N, "answers": B, "mean_answer_tokens": float, "dtype": the models' dtype}.
     """
+    from quarl.model.smoothing import calibration_batches, calibration_sequences, smooth_rollout
     from quarl.devices import resolve_device, set_cpu_threads
     from quarl.model.loading import load_model
     from quarl.model.precision_apply import apply_precision, full_precision, rollout_mode
@@ -144,9 +149,16 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask, predicts = answer_batch([p for p, _ in kept], [a for _, a in kept], pad, device)
     rows = []
-    for fmt, weight_only in pairs:
+    settings = [(fmt, weight_only, 0.0) for fmt, weight_only in pairs]
+    if smooth_alpha:
+        settings += [(fmt, False, smooth_alpha) for fmt, weight_only in pairs if not weight_only]
+        calibration = calibration_sequences(task, tokenizer, problems)
+    for fmt, weight_only, alpha in settings:
         t0 = time.perf_counter()
-        apply_precision(model, PrecisionConfig(flow="split", format=fmt, weight_only=weight_only).validate())
+        apply_precision(model, PrecisionConfig(flow="split", format=fmt, weight_only=weight_only,
+                                               smooth_alpha=alpha).validate())
+        if alpha:
+            smooth_rollout(model, calibration_batches(calibration, device), alpha)
         # per micro-batch, both policies over the same tokens: only [tokens] results are kept, never [tokens, vocab]
         kls, agrees = [], []
         for i in range(0, ids.shape[0], micro_batch):
@@ -158,12 +170,11 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
             kls.append(token_kl(rollout_logp, train_logp).cpu())
             agrees.append((rollout_logp.argmax(-1) == train_logp.argmax(-1)).cpu())
         kl, agree = torch.cat(kls), torch.cat(agrees).float().mean().item()
-        row = dict(format=fmt, weight_only=weight_only, kl_mean=kl.mean().item(),
+        row = dict(format=fmt, weight_only=weight_only, smooth_alpha=alpha, kl_mean=kl.mean().item(),
                    kl_p90=torch.quantile(kl, 0.9).item(), kl_max=kl.max().item(), top1_agree=agree,
                    seconds=time.perf_counter() - t0)
         rows.append(row)
-        log(f"[quarl] {fmt} {'weight-only' if weight_only else 'quantized activations'}: "
-            f"KL {row['kl_mean']:.4f}, top-1 agreement {agree:.3f}")
+        log(f"[quarl] {fmt} {_activations_text(row)}: KL {row['kl_mean']:.4f}, top-1 agreement {agree:.3f}")
     return dict(rows=rows, tokens=int(predicts.sum()), answers=len(kept), dtype=str(dtype).replace("torch.", ""),
                 mean_answer_tokens=float(predicts.sum()) / max(len(kept), 1))
 
@@ -172,11 +183,17 @@ def _kl_text(x: float) -> str:
     return f"{x:.4f}" if x >= 1e-3 else f"{x:.1e}"
 
 
+def _activations_text(row: dict) -> str:
+    if row["weight_only"]:
+        return "weight-only"
+    return f"quantized, smoothed (alpha {row['smooth_alpha']})" if row.get("smooth_alpha") else "quantized"
+
+
 def format_table(result: dict) -> str:
     lines = ["| format | activations | mean KL(mu‖pi) per token | p90 | max | top-1 agreement |",
              "|---|---|---:|---:|---:|---:|"]
     for r in sorted(result["rows"], key=lambda r: r["kl_mean"]):
-        act = "weight-only" if r["weight_only"] else "quantized"
+        act = _activations_text(r)
         lines.append(f"| {r['format']} | {act} | {_kl_text(r['kl_mean'])} | {_kl_text(r['kl_p90'])} | "
                      f"{_kl_text(r['kl_max'])} | {r['top1_agree']:.3f} |")
     return "\n".join(lines)
@@ -187,7 +204,7 @@ def run_bench_mismatch(args) -> int:
 
     cfg = load_config(*config_and_overrides(args.config, args.overrides))
     pairs = settings_to_measure(parse_formats(args.formats), args.activations)
-    result = measure(cfg, pairs, args.problems, seed=args.seed)
+    result = measure(cfg, pairs, args.problems, seed=args.seed, smooth_alpha=args.smooth_alpha)
     table = format_table(result)
     print(table)
     if not args.no_save:

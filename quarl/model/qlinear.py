@@ -179,6 +179,9 @@ class QuantLinear(nn.Module):
         self.register_parameter("lora_B", None)
         for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
             self.register_buffer(name, None)
+        # SmoothQuant factors s [in] (float32) of a W8A8 rollout copy: it holds Q(W diag(s)) and the rollout forward
+        # quantizes x / s (`quarl.model.smoothing`); None = not smoothed. Derived from calibration, not saved.
+        self.register_buffer("rollout_smoothing", None, persistent=False)
         self._qdtypes: tuple[torch.dtype, torch.dtype] | None = None  # (code dtype, scale dtype) of qweight
         self._base_dtype = dtype if dtype is not None else self.weight.dtype
         self._frozen_by_lora = False
@@ -292,7 +295,7 @@ class QuantLinear(nn.Module):
     def _reset(self) -> None:
         """Forget a previous configuration: adapters, rollout buffers, LoRA freezing."""
         self._reset_lora()
-        for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant"):
+        for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant", "rollout_smoothing"):
             setattr(self, name, None)
         self._qdtypes = None
         self._rollout_source = None
@@ -427,12 +430,44 @@ class QuantLinear(nn.Module):
             self._buffers.get("qweight_data") is not None
 
     def requantize_rollout_copy(self) -> None:
-        """The device work of `refresh`: quantize the master weight (rounded to the compute dtype) into the rollout
-        copy and its dequantized cache, in place, without the bookkeeping. The GPU paths make no host
-        synchronisation, so `quarl.model.rollout_sync.RolloutSync` can capture it in a CUDA graph."""
-        qt = self._quantize_into_rollout_copy(self.weight.detach().to(self.compute_dtype))
+        """The device work of `refresh`: quantize the master weight (rounded to the compute dtype; times the
+        smoothing factors per input channel, rounded again, when smoothed) into the rollout copy and its
+        dequantized cache, in place, without the bookkeeping. The GPU paths make no host synchronisation, so
+        `quarl.model.rollout_sync.RolloutSync` can capture it in a CUDA graph."""
+        w = self.weight.detach().to(self.compute_dtype)
+        if self.rollout_smoothing is not None:
+            w = (w.float() * self.rollout_smoothing).to(self.compute_dtype)
+        qt = self._quantize_into_rollout_copy(w)
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+
+    @property
+    def smoothable(self) -> bool:
+        """Whether activation smoothing applies (`set_rollout_smoothing`): a trainable master weight with a W8A8
+        rollout copy (activations quantized) that training does not quantize (the split flow)."""
+        return (self.weight is not None and self.rollout_format is not None and not self.weight_only
+                and not self.frozen_base and self.train_format is None)
+
+    @torch.no_grad()
+    def set_rollout_smoothing(self, factors: torch.Tensor | None) -> None:
+        """Smooth the rollout copy with SmoothQuant factors s (float32 [in_features], > 0; None = stop): the copy
+        becomes Q(W diag(s)), re-quantized now and at every sync, and the rollout forward quantizes x / s."""
+        if factors is not None:
+            if not self.smoothable:
+                raise ValueError("activation smoothing needs a trainable weight with a W8A8 rollout copy that "
+                                 "training leaves unquantized (precision.flow=split, activations quantized)")
+            factors = factors.detach().to(device=self.weight.device, dtype=torch.float32).reshape(-1)
+            if factors.numel() != self.in_features or not bool(torch.isfinite(factors).all()) or \
+                    not bool((factors > 0).all()):
+                raise ValueError(f"smoothing factors must be {self.in_features} finite values > 0")
+        self.rollout_smoothing = factors
+        if self.qweight_data is not None:
+            self.refresh()
+
+    def smooth_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x / s in x's dtype (divided in float32, rounded once) when the rollout copy is smoothed, else x."""
+        s = self.rollout_smoothing
+        return x if s is None else (x.float() / s).to(x.dtype)
 
     def mark_rollout_copy_current(self) -> None:
         """Record that the rollout copy now holds the master weight as it is (after `requantize_rollout_copy`)."""
@@ -522,7 +557,7 @@ class QuantLinear(nn.Module):
         No gradient reaches the master weight here (the rollout copy is a buffer); the kernels have no
         backward, so they are skipped when autograd needs the input's gradient.
         """
-        x2d = x.reshape(-1, self.in_features)
+        x2d = self.smooth_input(x.reshape(-1, self.in_features))
         y = None
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if not needs_grad:

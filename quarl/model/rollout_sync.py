@@ -80,7 +80,7 @@ class RolloutSync:
         return True
 
 
-ROLLOUT_BUFFERS = ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant")
+ROLLOUT_BUFFERS = ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant", "rollout_smoothing")
 
 
 def _buffers_key(trained: list[QuantLinear]) -> tuple:

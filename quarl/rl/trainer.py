@@ -329,6 +329,8 @@ class Trainer:
             RolloutSync(self.model)
         self._routing_counts: dict[str, list[float]] = {}  # moe/* metric -> [differing decisions, decisions]
         self.task.set_tokenizer(self.tokenizer)
+        if cfg.precision.smooth_alpha:
+            self._smooth_rollout()
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
         self.log: RunLog | None = None
@@ -356,6 +358,22 @@ class Trainer:
         if self.reference is not None:
             self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
             shard_model(self.reference, self.device, self.dtype)
+
+    def _smooth_rollout(self) -> None:
+        """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
+        in full precision on the first step's prompts followed by their gold answers. Runs before a resumed run
+        loads its checkpoint, on the model as loaded, so a resumed run gets the factors the first run had."""
+        from quarl.model.smoothing import calibration_batches, calibration_sequences, smooth_rollout
+
+        if self.sharded:
+            raise ValueError("precision.smooth_alpha is not available on two or more ranks yet (their rollout copy is a "
+                             "separate quantized model); run on one process or set precision.smooth_alpha=0")
+        sequences = calibration_sequences(self.task, self.tokenizer, self.cfg.rollout.prompts_per_step)
+        count = smooth_rollout(self.model, calibration_batches(sequences, self.device),
+                               self.cfg.precision.smooth_alpha)
+        if self.is_main:
+            print(f"[quarl] smoothed the activations of {count} rollout linears (SmoothQuant, alpha "
+                  f"{self.cfg.precision.smooth_alpha}, calibrated on {len(sequences)} prompts)")
 
     def prepare_run_dir(self) -> None:
         """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.

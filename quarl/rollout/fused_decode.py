@@ -84,6 +84,7 @@ class FusedProjection:
         if fmt is None or any(
                 p.rollout_format != fmt or p.weight_only != first.weight_only or p.in_features != first.in_features
                 or p.qweight_data is None or p.qweight_global_scale is not None or p.qweight_scale.dim() != 2
+                or not _same_smoothing(p, first)  # one input: one x / s for all parts
                 for p in self.parts):
             return False
         if fmt == "fp8-block":
@@ -185,7 +186,8 @@ class FusedProjection:
         """"int8" / "fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take
         activation codes directly (see `kernels.codes_handoff`), else None (it wants the bf16 activations)."""
         qw = self.fused_qweight
-        if qw is None or (self.has_lora and not self.fast_paths.lora_codes_handoff):
+        if qw is None or (self.has_lora and not self.fast_paths.lora_codes_handoff) or \
+                self.parts[0].rollout_smoothing is not None:  # the GEMM quantizes x / s, not the norm's output
             return None
         return qw.fmt if _handoff(qw, self.parts[0], m) else None
 
@@ -213,6 +215,7 @@ class FusedProjection:
                 y = self._add_lora(y, x)
             return y
         p0 = self.parts[0]
+        x_in, x = x, p0.smooth_input(x)  # the adapters read the activations themselves
         # as QuantLinear._rollout_forward: a frozen (qlora) base, and a unified linear training on the kernel, take
         # the quantized kernel even where bf16 won
         matmul = kernels.quantized_matmul if p0.rollout_needs_kernel() else kernels.try_quantized_matmul
@@ -226,7 +229,7 @@ class FusedProjection:
             xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
             y = F.linear(xq, self._fused["weight_dequant"].to(dtype), bias)
         if self.has_lora:
-            y = self._add_lora(y, x)
+            y = self._add_lora(y, x_in)
         return y
 
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -296,6 +299,12 @@ class FusedProjection:
         return True
 
 
+def _same_smoothing(a: QuantLinear, b: QuantLinear) -> bool:
+    """Whether two linears divide their input by the same smoothing factors (the same memory, or neither)."""
+    sa, sb = a.rollout_smoothing, b.rollout_smoothing
+    return sa is sb or (sa is not None and sb is not None and sa.data_ptr() == sb.data_ptr())
+
+
 def linear_from(linear: QuantLinear, x: torch.Tensor | None, codes) -> torch.Tensor:
     """One linear on x [M, K], or on 8-bit activation codes when `linear_codes_handoff` allowed them."""
     if codes is None:
@@ -329,7 +338,8 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear_codes_handoff(linear: QuantLinear, m: int, fast_paths: FastPaths) -> str | None:
     """As `FusedProjection.codes_handoff` for a single linear in rollout mode (fast_paths: the decoder's)."""
     if not linear.rollout or linear.rollout_format not in ("int8", "fp8", "fp8-block") or \
-            (linear.lora_rank and not fast_paths.lora_codes_handoff) or linear.qweight_data is None:
+            (linear.lora_rank and not fast_paths.lora_codes_handoff) or linear.qweight_data is None or \
+            linear.rollout_smoothing is not None:
         return None
     return linear.rollout_format if _handoff(linear.qweight, linear, m) else None
 

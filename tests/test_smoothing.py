@@ -1,0 +1,202 @@
+"""SmoothQuant smoothing of W8A8 rollouts (quarl/model/smoothing.py, `precision.smooth_alpha`): the factors against
+their formula in float64, the smoothed rollout linear against a float64 reference of Q(x / s) @ Q(W diag(s))^T,
+the sync, the model-level calibration, the fused decoder, the config checks and a training run.
+
+Tolerances: the smoothed rollout linear takes the same reference quantizers as the check, so only the float32
+matmul's summation order differs (the bound of tests/test_qlinear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quarl.config import load_config
+from quarl.formats import quantize
+from quarl.model.precision_apply import apply_precision, full_precision, rollout_mode
+from quarl.model.qlinear import QuantLinear
+from quarl.model.smoothing import (calibration_batches, input_absmax, input_groups, smooth_rollout,
+                                   smoothing_factors)
+from quarl.precision import PrecisionConfig
+from quarl.rollout.fast_engine import FastRolloutEngine
+from quarl.rollout.fused_decode import both_decode_logits
+from tiny_models import make_model, rand_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def outlier_inputs(m: int, k: int, channels=(3, 100, 511)) -> torch.Tensor:
+    """Activations [m, k] with a few channels 60x larger than the rest, as small LLMs have."""
+    x = torch.randn(m, k)
+    x[:, [c for c in channels if c < k]] *= 60.0
+    return x
+
+
+def test_smoothing_factors_follow_the_formula_and_leave_dead_channels_alone():
+    k = 576
+    x_absmax = torch.rand(k, dtype=torch.float64) * 10
+    x_absmax[7] = 0.0  # a channel calibration never saw
+    weights = [torch.randn(200, k, dtype=torch.float64), torch.randn(64, k, dtype=torch.float64)]
+    weights[1][:, 9] = 0.0
+    weights[0][:, 9] = 0.0  # a column no weight reads
+    for alpha in (0.3, 0.5, 0.8):
+        s = smoothing_factors(x_absmax, weights, alpha)
+        w_absmax = torch.stack([w.abs().amax(0) for w in weights]).amax(0)
+        want = x_absmax ** alpha / w_absmax ** (1 - alpha)
+        want[7] = want[9] = 1.0
+        assert s.dtype == torch.float32
+        torch.testing.assert_close(s.double(), want, rtol=2e-6, atol=0)
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="alpha must be in"):
+            smoothing_factors(x_absmax, weights, bad)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
+def test_a_smoothed_rollout_linear_is_q_of_x_over_s_times_q_of_w_s(fmt):
+    k, n = 576, 300  # SmolLM2's hidden size: not a multiple of 128
+    torch.manual_seed(0)
+    layer = QuantLinear(k, n, bias=True)
+    layer.configure(rollout_format=fmt)
+    x = outlier_inputs(37, k)
+    s = smoothing_factors(x.abs().amax(0), [layer.weight], 0.5)
+    layer.set_rollout_smoothing(s)
+    layer.set_rollout(True)
+    with torch.no_grad():
+        got = layer(x)
+    w64, s64 = layer.weight.detach().double(), s.double()
+    xq = quantize((x.double() / s64).float(), fmt, "activation").dequantize(torch.float64)
+    wq = quantize((w64 * s64).float(), fmt, "weight").dequantize(torch.float64)
+    want = xq @ wq.T + layer.bias.detach().double()
+    bound = k * 2.0 ** -24 * (xq.abs() @ wq.abs().T) + 1e-6
+    assert bool(((got.double() - want).abs() <= bound).all())
+    # and the point of it: closer to the exact product than the unsmoothed W8A8 rollout
+    exact = x.double() @ w64.T + layer.bias.detach().double()
+    layer.set_rollout_smoothing(None)
+    with torch.no_grad():
+        plain = layer(x)
+    # (FP8's error is relative to each value, so outliers cost it less than INT8's uniform steps; fp8-block's
+    # 1x128 activation groups already confine an outlier to its group: no gain there)
+    gain = (plain.double() - exact).abs().mean() / (got.double() - exact).abs().mean()
+    assert gain > {"int8": 2.0, "fp8": 1.15, "fp8-block": 0.9}[fmt], gain
+
+
+def test_the_sync_quantizes_the_current_weight_times_s():
+    torch.manual_seed(1)
+    layer = QuantLinear(200, 64)
+    layer.configure(rollout_format="int8")
+    s = torch.rand(200) + 0.5
+    layer.set_rollout_smoothing(s)
+    with torch.no_grad():
+        layer.weight.add_(torch.randn_like(layer.weight) * 0.1)  # an optimizer step
+    layer.refresh(only_if_changed=True)
+    want = quantize((layer.weight.detach() * s).float(), "int8", "weight")
+    assert torch.equal(layer.qweight.data, want.data) and torch.equal(layer.qweight.scale, want.scale.reshape(
+        layer.qweight.scale.shape))
+    for bad in (torch.zeros(200), torch.ones(199), torch.full((200,), float("nan"))):
+        with pytest.raises(ValueError, match="smoothing factors must be"):
+            layer.set_rollout_smoothing(bad)
+    layer.configure(rollout_format="int8", weight_only=True)
+    with pytest.raises(ValueError, match="W8A8 rollout copy"):
+        layer.set_rollout_smoothing(s)
+
+
+def _with_outlier_channels(model) -> None:
+    """Give every norm a few large weights, so the linears after it see outlier channels."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[[1, 5]] *= 40.0
+
+
+def test_calibration_reads_each_groups_input_without_padding():
+    torch.manual_seed(2)
+    model = make_model("llama")
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    ids = torch.randint(0, model.config.vocab_size, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    groups = input_groups(model)
+    assert len(groups) == 4 * model.config.num_layers
+    maxima = input_absmax(model, groups, calibration_batches([ids[0, :9].tolist(), *ids[1:].tolist()], "cpu", 2))
+    with torch.no_grad(), full_precision(model):  # the first group's input: the first norm of the embeddings
+        first = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))[mask.bool()]
+    torch.testing.assert_close(maxima[0], first.abs().amax(0), rtol=0, atol=0)
+
+
+def test_calibrated_smoothing_brings_the_rollout_model_closer_to_full_precision():
+    """Summed over three random models with outlier channels, the INT8 W8A8 rollout's KL to full precision falls
+    by more than half (per model it fell to 0.07-0.71 of the unsmoothed value)."""
+    plain, smoothed = 0.0, 0.0
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = make_model("llama")
+        _with_outlier_channels(model)
+        apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+        ids = torch.randint(0, model.config.vocab_size, (4, 12))
+        with torch.no_grad(), full_precision(model):
+            exact = torch.log_softmax(model(ids), -1)
+
+        def rollout_kl():
+            with torch.no_grad(), rollout_mode(model):
+                lp = torch.log_softmax(model(ids), -1)
+            return (lp.exp() * (lp - exact)).sum(-1).mean().item()
+
+        plain += rollout_kl()
+        assert smooth_rollout(model, calibration_batches(ids.tolist(), "cpu"), 0.5) == 7 * model.config.num_layers
+        smoothed += rollout_kl()
+        with torch.no_grad(), full_precision(model):  # training never sees the factors
+            assert torch.equal(torch.log_softmax(model(ids), -1), exact)
+    assert smoothed < 0.5 * plain, (smoothed, plain)
+
+
+def test_the_fused_decoder_takes_the_smoothing_too():
+    torch.manual_seed(3)
+    model = make_model("qwen2")
+    _with_outlier_channels(model)
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    smooth_rollout(model, calibration_batches(rand_prompts([7, 9, 5]), "cpu"), 0.5)
+    plain = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=False)
+    fused = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=True)
+    prompts = rand_prompts([5, 3, 8])
+    want = plain.generate(prompts, n=2, max_new_tokens=8, temperature=0.0)
+    got = fused.generate(prompts, n=2, max_new_tokens=8, temperature=0.0)
+    for w, g in zip(want, got):
+        assert [c.token_ids for c in w.completions] == [c.token_ids for c in g.completions]
+    module_logits, fused_logits = both_decode_logits(model, fused, torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]))
+    torch.testing.assert_close(fused_logits, module_logits, atol=1e-5, rtol=1e-5)
+    model.set_rollout(True)
+    assert fused._decoder.qkv[0].fused_qweight is not None  # q/k/v share one s: still one stacked GEMM
+    model.set_rollout(False)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["precision.flow=unified", "precision.format=int8"], "needs precision.flow=split"),
+    (["precision.flow=split", "precision.format=int8", "precision.weight_only=true"], "activations quantized"),
+    (["precision.flow=bf16"], "needs precision.flow=split"),
+    (["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=1.5"], "must be in"),
+])
+def test_smoothing_is_refused_where_it_does_not_apply(overrides, match):
+    alpha = [] if any("smooth_alpha" in o for o in overrides) else ["precision.smooth_alpha=0.5"]
+    with pytest.raises(Exception, match=match):
+        load_config(None, [*overrides, *alpha])
+
+
+def test_a_run_with_smoothing_calibrates_once_and_trains(tmp_path):
+    from quarl.rl.trainer import Trainer
+
+    def trainer(name):
+        return Trainer(load_config(None, [
+            "model.name=tiny-random-llama", "model.device=cpu", "precision.flow=split", "precision.format=int8",
+            "precision.smooth_alpha=0.5", "data.train=arithmetic", "data.num_train=16", "data.num_eval=2",
+            "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=4",
+            "train.steps=1", "eval.before=false", "eval.after=false", "output.tensorboard=false",
+            "output.progress=false", f"output.dir={tmp_path / name}"]))
+
+    a = trainer("a")
+    factors = [m.rollout_smoothing for m in a.model.modules() if isinstance(m, QuantLinear) and m.smoothable]
+    assert factors and all(f is not None for f in factors)
+    assert any(not torch.equal(f, torch.ones_like(f)) for f in factors)
+    summary = a.train()
+    assert summary["step"] == 1
+    b = trainer("b")  # the same config calibrates to the same factors (a resumed run gets them too)
+    again = [m.rollout_smoothing for m in b.model.modules() if isinstance(m, QuantLinear) and m.smoothable]
+    assert all(torch.equal(x, y) for x, y in zip(factors, again))
