@@ -8,8 +8,8 @@ import pytest
 from quarl.rl.mismatch_alarms import AlarmConfig, MismatchAlarms
 
 
-def _run_cfg(flow="split", fmt="int8", correction="tis", guard="off"):
-    return SimpleNamespace(precision=SimpleNamespace(flow=flow, format=fmt),
+def _run_cfg(flow="split", fmt="int8", correction="tis", guard="off", **precision):
+    return SimpleNamespace(precision=SimpleNamespace(flow=flow, format=fmt, **precision),
                            loss=SimpleNamespace(correction=correction, is_cap=2.0, error_token_guard=guard))
 
 
@@ -50,6 +50,12 @@ def test_advice_follows_the_config():
     assert "loss.error_token_guard=mask" in out[0][0]
     out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(guard="mask")), [0.2], "error/flagged_frac")
     assert "error_token_guard" not in out[0][0]
+    # W8A8 INT8 split rollouts: smoothing the activations, unless already on
+    w8a8 = dict(resolved_weight_only=False)
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(smooth_alpha=0.0, **w8a8)), [0.5])
+    assert "precision.smooth_alpha=0.5" in out[0][0]
+    out, _ = _feed(MismatchAlarms(AlarmConfig(patience=1), _run_cfg(smooth_alpha=0.5, **w8a8)), [0.5])
+    assert "smooth_alpha" not in out[0][0]
 
 
 def test_below_threshold_missing_nan_disabled_and_zero_threshold_never_fire():
