@@ -61,6 +61,8 @@ SETTINGS: dict[str, list[str]] = {
     # weight-only rollouts: on small models the per-token activation quantizer makes most of the mismatch
     # (bench/results/mismatch.md); without it the unified flow's two forwards differ only in rounding order
     "split-int8-w8a16-tis": ["precision.flow=split", "precision.format=int8", "precision.weight_only=true", FULL_LR],
+    "split-int8-smooth-tis": ["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=0.5",
+                              FULL_LR],
     "unified-int8-w8a16": ["precision.flow=unified", "precision.format=int8", "precision.weight_only=true", FULL_LR],
     "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
