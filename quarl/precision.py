@@ -67,9 +67,9 @@ class PrecisionConfig:
     # dequantized operand to bf16
     kernel_forward: bool = True
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
-    # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first prompts) and
-    # the weights multiplied by s before quantization, flattening the outliers the per-token quantizer spends its
-    # range on; 0.5 is SmoothQuant's default
+    # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training
+    # prompts) and the weights multiplied by s before quantization, flattening the outlier channels the per-token
+    # quantizer spends its range on. For int8 (fp8 gains little); 0.5 is SmoothQuant's default
     smooth_alpha: float = 0.0
     lora: LoraConfig = field(default_factory=LoraConfig)
 

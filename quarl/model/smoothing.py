@@ -20,6 +20,9 @@ from torch import nn
 
 from quarl.model.qlinear import QuantLinear
 
+# Training prompts a run calibrates on (with their gold answers): a few full-precision forwards
+CALIBRATION_PROMPTS = 64
+
 
 def input_groups(model: nn.Module) -> list[list[QuantLinear]]:
     """The linears of each dense decoder layer grouped by the input they read: [q, k, v], [o], [gate, up], [down]

@@ -361,14 +361,15 @@ class Trainer:
 
     def _smooth_rollout(self) -> None:
         """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
-        in full precision on the first step's prompts followed by their gold answers. Runs before a resumed run
+        in full precision on the first `CALIBRATION_PROMPTS` training prompts followed by their gold answers. Runs before a resumed run
         loads its checkpoint, on the model as loaded, so a resumed run gets the factors the first run had."""
-        from quarl.model.smoothing import calibration_batches, calibration_sequences, smooth_rollout
+        from quarl.model.smoothing import (CALIBRATION_PROMPTS, calibration_batches, calibration_sequences,
+                                           smooth_rollout)
 
         if self.sharded:
             raise ValueError("precision.smooth_alpha is not available on two or more ranks yet (their rollout copy is a "
                              "separate quantized model); run on one process or set precision.smooth_alpha=0")
-        sequences = calibration_sequences(self.task, self.tokenizer, self.cfg.rollout.prompts_per_step)
+        sequences = calibration_sequences(self.task, self.tokenizer, CALIBRATION_PROMPTS)
         count = smooth_rollout(self.model, calibration_batches(sequences, self.device),
                                self.cfg.precision.smooth_alpha)
         if self.is_main:
