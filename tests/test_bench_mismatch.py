@@ -62,6 +62,8 @@ def test_the_command_scores_every_format_and_writes_its_entry(tmp_path, monkeypa
     assert [(r["format"], r["weight_only"], r["smooth_alpha"]) for r in result["rows"]] == [
         ("int8", False, 0.0), ("int8", True, 0.0), ("fp8-block", False, 0.0), ("fp8-block", True, 0.0),
         ("int8", False, 0.5), ("fp8-block", False, 0.5)]  # the W8A8 settings again, smoothed
+    kl = {(r["format"], r["weight_only"], r["smooth_alpha"]): r["kl_mean"] for r in result["rows"]}
+    assert kl[("int8", False, 0.5)] != kl[("int8", False, 0.0)]  # the smoothed rows measured a smoothed copy
     for r in result["rows"]:
         assert r["kl_mean"] >= 0 and r["kl_p90"] <= r["kl_max"] + 1e-12 and 0 <= r["top1_agree"] <= 1
     text = out.read_text()

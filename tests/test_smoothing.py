@@ -91,6 +91,13 @@ def test_the_sync_quantizes_the_current_weight_times_s():
     want = quantize((layer.weight.detach() * s).float(), "int8", "weight")
     assert torch.equal(layer.qweight.data, want.data) and torch.equal(layer.qweight.scale, want.scale.reshape(
         layer.qweight.scale.shape))
+    layer.set_rollout_smoothing(None)  # back to the plain copy, re-quantized at once
+    plain = quantize(layer.weight.detach().float(), "int8", "weight")
+    assert torch.equal(layer.qweight.data, plain.data)
+    layer.set_rollout_smoothing(s)
+    layer.to(torch.bfloat16)  # a dtype move keeps the factors float32, as the copy was made with them
+    assert layer.rollout_smoothing.dtype == torch.float32 and torch.equal(layer.rollout_smoothing, s)
+    layer.float()
     for bad in (torch.zeros(200), torch.ones(199), torch.full((200,), float("nan"))):
         with pytest.raises(ValueError, match="smoothing factors must be"):
             layer.set_rollout_smoothing(bad)
@@ -168,10 +175,54 @@ def test_the_fused_decoder_takes_the_smoothing_too():
     model.set_rollout(False)
 
 
+def _smoothed_qkv(dequant_cache: bool = True):
+    """A stacked q/k/v FusedProjection of a smoothed int8 rollout, in rollout mode, and an input with outliers;
+    dequant_cache=False: no part keeps a dequantized weight (as on a GPU, where kernels read the codes)."""
+    from quarl.rollout.fused_decode import FusedProjection
+
+    torch.manual_seed(4)
+    model = make_model("qwen2")
+    _with_outlier_channels(model)
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    smooth_rollout(model, calibration_batches(rand_prompts([7, 9, 5]), "cpu"), 0.5)
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if not dequant_cache:
+        for part in parts:
+            part.cache_dequantized, part.weight_dequant = False, None
+    model.set_rollout(True)
+    proj = FusedProjection(parts)
+    x = outlier_inputs(5, parts[0].in_features, channels=(1, 5))
+    return proj, parts, x
+
+
+def test_a_stacked_projection_falls_back_per_part_with_the_undivided_input(monkeypatch):
+    proj, parts, x = _smoothed_qkv(dequant_cache=False)
+    assert proj.fused_qweight is not None and "weight_dequant" not in proj._fused
+    with torch.no_grad():
+        want = torch.cat([p(x) for p in parts], dim=-1)
+        # inside a CUDA-graph capture, no kernel and no stacked dequantized weight: each part runs on its own, on
+        # the undivided x (each divides by s itself)
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            torch.testing.assert_close(proj(x), want, atol=0, rtol=0)
+        torch.testing.assert_close(proj(x), want, atol=1e-5, rtol=1e-5)  # the stacked GEMM, dividing once
+
+
+def test_a_stacked_projection_stops_stacking_when_its_parts_factors_differ():
+    proj, parts, x = _smoothed_qkv()
+    parts[1].set_rollout_smoothing(parts[1].rollout_smoothing * 2.0)  # k alone, after stacking
+    assert proj.fused_qweight is None
+    with torch.no_grad():
+        torch.testing.assert_close(proj(x), torch.cat([p(x) for p in parts], dim=-1), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["precision.flow=unified", "precision.format=int8"], "needs precision.flow=split"),
     (["precision.flow=split", "precision.format=int8", "precision.weight_only=true"], "activations quantized"),
     (["precision.flow=bf16"], "needs precision.flow=split"),
+    (["precision.flow=qlora", "lora.rank=8"], "needs precision.flow=split"),
     (["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=1.5"], "must be in"),
 ])
 def test_smoothing_is_refused_where_it_does_not_apply(overrides, match):

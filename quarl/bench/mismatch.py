@@ -118,7 +118,7 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
     Returns {"rows": [{format, weight_only, smooth_alpha, kl_mean, kl_p90, kl_max, top1_agree, seconds}],
     "tokens": N, "answers": B, "mean_answer_tokens": float, "dtype": the models' dtype}.
     """
-    from quarl.model.smoothing import calibration_batches, calibration_sequences, smooth_rollout
+    from quarl.model.smoothing import CALIBRATION_PROMPTS, calibration_batches, calibration_sequences, smooth_rollout
     from quarl.devices import resolve_device, set_cpu_threads
     from quarl.model.loading import load_model
     from quarl.model.precision_apply import apply_precision, full_precision, rollout_mode
@@ -128,6 +128,8 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
 
     if problems < 1:
         raise ValueError(f"--problems={problems} must be >= 1")
+    if smooth_alpha:
+        PrecisionConfig(flow="split", format="int8", smooth_alpha=smooth_alpha).validate()  # before the slow part
     device = resolve_device(cfg.model.device)
     set_cpu_threads(device)
     dtype = cfg.precision.torch_dtype(device)
@@ -150,9 +152,9 @@ def measure(cfg, pairs: list[tuple[str, bool]], problems: int, seed: int = 0, lo
     ids, mask, predicts = answer_batch([p for p, _ in kept], [a for _, a in kept], pad, device)
     rows = []
     settings = [(fmt, weight_only, 0.0) for fmt, weight_only in pairs]
-    if smooth_alpha:
-        settings += [(fmt, False, smooth_alpha) for fmt, weight_only in pairs if not weight_only]
-        calibration = calibration_sequences(task, tokenizer, problems)
+    settings += [(fmt, False, smooth_alpha) for fmt, weight_only in pairs if smooth_alpha and not weight_only]
+    if any(alpha for _, _, alpha in settings):  # as a training run calibrates
+        calibration = calibration_sequences(task, tokenizer, CALIBRATION_PROMPTS)
     for fmt, weight_only, alpha in settings:
         t0 = time.perf_counter()
         apply_precision(model, PrecisionConfig(flow="split", format=fmt, weight_only=weight_only,

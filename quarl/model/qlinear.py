@@ -443,8 +443,9 @@ class QuantLinear(nn.Module):
 
     @property
     def smoothable(self) -> bool:
-        """Whether activation smoothing applies (`set_rollout_smoothing`): a trainable master weight with a W8A8
-        rollout copy (activations quantized) that training does not quantize (the split flow)."""
+        """Whether activation smoothing applies (`set_rollout_smoothing`): a master weight (trained, or frozen under
+        LoRA) with a rollout copy whose activations are quantized, which training does not quantize (the split
+        flow)."""
         return (self.weight is not None and self.rollout_format is not None and not self.weight_only
                 and not self.frozen_base and self.train_format is None)
 
@@ -685,7 +686,11 @@ class QuantLinear(nn.Module):
         # .to() / .cuda() / .half(): drop the frozen-weight FP8 codes (a plain attribute, not a buffer, so they
         # would stay behind on the old device); the next training forward rebuilds them.
         self._frozen_codes = self._frozen_codes_key = None
-        return super()._apply(fn, recurse)
+        smoothing = self.rollout_smoothing
+        out = super()._apply(fn, recurse)
+        if smoothing is not None and self.rollout_smoothing.dtype != torch.float32:  # s stays float32 (the copy's)
+            self.rollout_smoothing = smoothing.to(self.rollout_smoothing.device, torch.float32)
+        return out
 
     def _frozen_base_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ deq(base)^T + b; under autograd without keeping deq(base) alive until backward."""

@@ -9,8 +9,8 @@ arithmetic but flattens the activations the quantizer sees:
 
 with max|x_j| measured once on calibration inputs (the run's first prompts, in full precision) and max|W[:, j]|
 over every linear that reads the same input (q/k/v share one s, gate/up another). Only the rollout copy is
-smoothed (`QuantLinear.rollout_smoothing`): the training forward and the master weights never see s, so the
-optimizer's trajectory is the bf16 flow's; the rollout copy's sync quantizes W diag(s) from the current weights.
+smoothed (`QuantLinear.rollout_smoothing`): the training forward and the master weights never see s; the rollout
+copy's sync quantizes W diag(s) from the current weights.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from quarl.model.qlinear import QuantLinear
 
 # Training prompts a run calibrates on (with their gold answers): a few full-precision forwards
 CALIBRATION_PROMPTS = 64
+MIN_FACTOR = 1e-5  # smoothing factors stay within [1e-5, 1e5]
 
 
 def input_groups(model: nn.Module) -> list[list[QuantLinear]]:
@@ -58,7 +59,7 @@ def input_absmax(model: nn.Module, groups: list[list[QuantLinear]], batches) -> 
         with full_precision(model):
             for ids, mask in batches:
                 batch["real"] = mask.to(torch.bool).reshape(-1)
-                model(ids, attention_mask=mask)
+                model.hidden_states(ids, attention_mask=mask)  # the linears' inputs; no vocabulary-wide logits
     finally:
         for h in handles:
             h.remove()
@@ -69,13 +70,15 @@ def input_absmax(model: nn.Module, groups: list[list[QuantLinear]], batches) -> 
 
 def smoothing_factors(x_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
     """s [in] float32 = max|x_j|^alpha / max_i |W[i, j]|^(1 - alpha) over all `weights` [out_k, in] (one input);
-    channels where either maximum is 0 keep s = 1."""
+    channels where either maximum is 0 keep s = 1; s is kept within [MIN_FACTOR, 1 / MIN_FACTOR]."""
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"smoothing alpha must be in (0, 1), got {alpha}")
     w_absmax = torch.stack([w.detach().abs().amax(0).float() for w in weights]).amax(0)
     x_absmax = x_absmax.float().to(w_absmax.device)
     s = x_absmax.pow(alpha) / w_absmax.pow(1.0 - alpha)
-    return torch.where((x_absmax > 0) & (w_absmax > 0) & torch.isfinite(s), s, torch.ones_like(s))
+    s = torch.where((x_absmax > 0) & (w_absmax > 0) & torch.isfinite(s), s, torch.ones_like(s))
+    # bounded as SmoothQuant bounds it: a channel tiny in calibration must not blow x / s up later
+    return s.clamp(min=MIN_FACTOR, max=1.0 / MIN_FACTOR)
 
 
 def smooth_rollout(model: nn.Module, batches, alpha: float) -> int:

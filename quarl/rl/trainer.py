@@ -268,6 +268,10 @@ class Trainer:
             self.device = qdist.local_device(cfg.model.device)
             qdist.init_from_env(self.device)
             self.sharded = qdist.world_size() > 1
+            if self.sharded and cfg.precision.smooth_alpha:
+                raise ValueError("precision.smooth_alpha is not available on two or more ranks yet (their rollout "
+                                 "copy is a separate quantized model); run on one process or set "
+                                 "precision.smooth_alpha=0")
         else:
             self.device = resolve_device(cfg.model.device)
             self.sharded = False
@@ -366,15 +370,13 @@ class Trainer:
         from quarl.model.smoothing import (CALIBRATION_PROMPTS, calibration_batches, calibration_sequences,
                                            smooth_rollout)
 
-        if self.sharded:
-            raise ValueError("precision.smooth_alpha is not available on two or more ranks yet (their rollout copy is a "
-                             "separate quantized model); run on one process or set precision.smooth_alpha=0")
         sequences = calibration_sequences(self.task, self.tokenizer, CALIBRATION_PROMPTS)
         count = smooth_rollout(self.model, calibration_batches(sequences, self.device),
                                self.cfg.precision.smooth_alpha)
         if self.is_main:
+            distinct = len({tuple(seq) for seq in sequences})
             print(f"[quarl] smoothed the activations of {count} rollout linears (SmoothQuant, alpha "
-                  f"{self.cfg.precision.smooth_alpha}, calibrated on {len(sequences)} prompts)")
+                  f"{self.cfg.precision.smooth_alpha}, calibrated on {distinct} training prompts)")
 
     def prepare_run_dir(self) -> None:
         """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.

@@ -158,8 +158,9 @@ class FusedProjection:
     @property
     def fused_qweight(self):
         """The concatenated rollout weight as a QuantizedTensor [sum N, K]; None when the parts run apart (not
-        stackable, not in rollout mode, or their buffers changed since the last `prepare()`)."""
-        if not self._views_current() or not all(p.rollout for p in self.parts):
+        stackable, not in rollout mode, their buffers changed since the last `prepare()`, or their smoothing factors
+        no longer shared)."""
+        if not self._views_current() or not all(p.rollout and _same_smoothing(p, self.parts[0]) for p in self.parts):
             return None
         return self._stacked_qweight()
 
@@ -224,7 +225,7 @@ class FusedProjection:
             if "weight_dequant" not in self._fused:
                 if p0.rollout_needs_kernel() or (torch.cuda.is_available() and
                                                  torch.cuda.is_current_stream_capturing()):
-                    return torch.cat([p(x) for p in self.parts], dim=-1)
+                    return torch.cat([p(x_in) for p in self.parts], dim=-1)  # each part smooths its own input
                 self._build_dequant_cache(dtype)  # no kernel serves the stacked shape: keep bf16 GEMM speed
             xq = x if p0.weight_only else kernels.fake_quantize_activation(x, p0.rollout_format)
             y = F.linear(xq, self._fused["weight_dequant"].to(dtype), bias)
