@@ -365,8 +365,9 @@ class Trainer:
 
     def _smooth_rollout(self) -> None:
         """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
-        in full precision on the first `CALIBRATION_PROMPTS` training prompts followed by their gold answers. Runs before a resumed run
-        loads its checkpoint, on the model as loaded, so a resumed run gets the factors the first run had."""
+        in full precision on the first `CALIBRATION_PROMPTS` training prompts followed by their gold answers. Runs
+        before a resumed run loads its checkpoint, on the model as loaded, so a resumed run gets the factors the
+        first run had."""
         from quarl.model.smoothing import (CALIBRATION_PROMPTS, calibration_batches, calibration_sequences,
                                            smooth_rollout)
 
