@@ -231,23 +231,24 @@ def test_smoothing_is_refused_where_it_does_not_apply(overrides, match):
         load_config(None, [*overrides, *alpha])
 
 
-def test_a_run_with_smoothing_calibrates_once_and_trains(tmp_path):
+def test_a_run_with_smoothing_trains_and_resumes_with_the_same_factors(tmp_path):
     from quarl.rl.trainer import Trainer
 
-    def trainer(name):
+    def trainer(steps, *extra):
         return Trainer(load_config(None, [
             "model.name=tiny-random-llama", "model.device=cpu", "precision.flow=split", "precision.format=int8",
             "precision.smooth_alpha=0.5", "data.train=arithmetic", "data.num_train=16", "data.num_eval=2",
             "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=4",
-            "train.steps=1", "eval.before=false", "eval.after=false", "output.tensorboard=false",
-            "output.progress=false", f"output.dir={tmp_path / name}"]))
+            f"train.steps={steps}", "eval.before=false", "eval.after=false", "output.tensorboard=false",
+            "output.progress=false", f"output.dir={tmp_path / 'run'}", *extra]))
 
-    a = trainer("a")
-    factors = [m.rollout_smoothing for m in a.model.modules() if isinstance(m, QuantLinear) and m.smoothable]
-    assert factors and all(f is not None for f in factors)
-    assert any(not torch.equal(f, torch.ones_like(f)) for f in factors)
-    summary = a.train()
-    assert summary["step"] == 1
-    b = trainer("b")  # the same config calibrates to the same factors (a resumed run gets them too)
-    again = [m.rollout_smoothing for m in b.model.modules() if isinstance(m, QuantLinear) and m.smoothable]
-    assert all(torch.equal(x, y) for x, y in zip(factors, again))
+    def factors(t):
+        return [m.rollout_smoothing for m in t.model.modules() if isinstance(m, QuantLinear) and m.smoothable]
+
+    first = trainer(1)
+    assert factors(first) and all(f is not None for f in factors(first))
+    assert any(not torch.equal(f, torch.ones_like(f)) for f in factors(first))
+    assert first.train()["step"] == 1
+    resumed = trainer(2, f"resume={tmp_path / 'run'}")  # calibrates on the model as loaded, as the first run did
+    assert all(torch.equal(a, b) for a, b in zip(factors(first), factors(resumed)))
+    assert resumed.train()["step"] == 2
