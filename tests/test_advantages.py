@@ -28,7 +28,12 @@ def test_group_advantages_match_float64_reference(scale, g):
     got = group_advantages(rewards, g, scale)
     assert got.shape == rewards.shape and got.dtype == torch.float32
     want = _reference_advantages(rewards, g, scale)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # float32 rounds r - mean to about 2^-24 max|r| of the group, and "std" divides that error by the group's spread:
+    # two close rewards (G = 2) amplify it, so the bound scales with max|r| / std, not with the result
+    grouped = rewards.double().view(-1, g)
+    spread = grouped.std(1, keepdim=True) + 1e-6 if scale == "std" and g > 1 else torch.ones(grouped.shape[0], 1)
+    bound = 16 * 2.0 ** -24 * (grouped.abs().amax(1, keepdim=True) / spread + 1)
+    assert bool(((got.double() - want).view(-1, g).abs() <= bound).all())
     assert (got[:g] == 0).all()  # no signal from an all-equal group
     # float64 in, float64 out, to rounding
     torch.testing.assert_close(group_advantages(rewards.double(), g, scale), want, rtol=1e-12, atol=1e-12)
