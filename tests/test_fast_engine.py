@@ -36,14 +36,32 @@ def tok():
 
 
 
-def float64_logprobs(model, prompt, completion, params: SamplingParams):
-    """log q(token) of every completion token under the filtered distribution, from one float64 forward."""
+def float64_logprobs(model, prompt, completion, params: SamplingParams, with_cut_margin: bool = False):
+    """log q(token) of every completion token under the filtered distribution, from one float64 forward; with
+    with_cut_margin, also bool [T]: the steps whose top-k / top-p cut is clear of float32 rounding (`clear_cuts`)."""
     m64 = _double(model)
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logits = m64(ids)[0, len(prompt) - 1:-1]
-    lp = filtered_logprobs(logits, params)
-    return lp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+    lp = filtered_logprobs(logits, params).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+    return (lp, clear_cuts(logits, params)) if with_cut_margin else lp
+
+
+def clear_cuts(logits64: torch.Tensor, params: SamplingParams, margin: float = 1e-5) -> torch.Tensor:
+    """bool [T]: steps whose filter keeps the same tokens in float32 as in float64. The engine filters float32
+    logits, the reference float64 ones: where the k-th and (k+1)-th scaled logits, or top-p and the mass ranked
+    above some token, lie within `margin` (100x float32's error on them), the two may keep different tokens, which
+    moves every log-prob by the boundary token's probability. Such steps are left out of the comparison."""
+    scaled = logits64 / params.temperature
+    clear = torch.ones(scaled.shape[0], dtype=torch.bool)
+    if 0 < params.top_k < scaled.shape[-1]:
+        top = torch.topk(scaled, params.top_k + 1, dim=-1).values
+        clear &= (top[:, -2] - top[:, -1]) >= margin
+        scaled = scaled.masked_fill(scaled < top[:, -2:-1], float("-inf"))
+    if params.top_p < 1.0:
+        probs = torch.softmax(torch.sort(scaled, dim=-1, descending=True).values, dim=-1)
+        clear &= ~((probs.cumsum(-1) - probs - params.top_p).abs() < margin).any(-1)
+    return clear
 
 
 _DOUBLE: list = []  # [(model, its float64 copy)] for the last model asked about
@@ -99,9 +117,10 @@ def test_sampled_behaviour_logprobs_equal_float64_forward(tok, params):
         assert len(out.completions) == 3
         for c in out.completions:
             assert 0 < len(c.token_ids) == len(c.logprobs) <= 10
-            ref = float64_logprobs(model, pr, c.token_ids, params)
-            assert torch.isfinite(ref).all(), "a sampled token lies outside the filtered support"
-            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+            ref, clear = float64_logprobs(model, pr, c.token_ids, params, with_cut_margin=True)
+            assert torch.isfinite(ref[clear]).all(), "a sampled token lies outside the filtered support"
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64)[clear], ref[clear], atol=1e-4,
+                                       rtol=0)
 
 
 @pytest.mark.parametrize("case", range(8))
