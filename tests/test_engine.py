@@ -150,7 +150,8 @@ def test_greedy_logprobs_are_raw_log_softmax_and_batches_equal_one_by_one(tok):
         single = RolloutEngine(model, tok).generate([p], max_new_tokens=10, temperature=0.0)[0].completions[0]
         for c in batched[i].completions + chunked[i].completions:
             assert c.token_ids == single.token_ids
-            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(single.logprobs), atol=1e-5, rtol=0)
+            # padding changes the float32 sums: differences reach 1.1e-5 over a few hundred draws (median 4e-6)
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(single.logprobs), atol=5e-5, rtol=0)
         ref = full_logprobs(model, p, single.token_ids, 1.0)  # raw logits: temperature 1 in the forward
         torch.testing.assert_close(torch.tensor(single.logprobs), ref, atol=1e-4, rtol=0)
 
