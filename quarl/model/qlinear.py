@@ -138,6 +138,10 @@ class _KernelLinear(torch.autograd.Function):
         return None, grad_x, grad_w, grad_b, None
 
 
+# Every buffer of a rollout copy: its codes and scales, the dequantized cache, the smoothing factors
+ROLLOUT_BUFFERS = ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant", "rollout_smoothing")
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with a master weight W [out_features, in_features]; quantized modes via `configure`.
 
@@ -295,7 +299,7 @@ class QuantLinear(nn.Module):
     def _reset(self) -> None:
         """Forget a previous configuration: adapters, rollout buffers, LoRA freezing."""
         self._reset_lora()
-        for name in ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant", "rollout_smoothing"):
+        for name in ROLLOUT_BUFFERS:
             setattr(self, name, None)
         self._qdtypes = None
         self._rollout_source = None

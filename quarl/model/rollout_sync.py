@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quarl.fallbacks import report_fallback
-from quarl.model.qlinear import QuantLinear
+from quarl.model.qlinear import ROLLOUT_BUFFERS, QuantLinear
 
 
 class RolloutSync:
@@ -78,9 +78,6 @@ class RolloutSync:
             self.captures += 1
         self.graph.replay()
         return True
-
-
-ROLLOUT_BUFFERS = ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant", "rollout_smoothing")
 
 
 def _buffers_key(trained: list[QuantLinear]) -> tuple:

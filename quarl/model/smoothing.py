@@ -101,14 +101,10 @@ def smooth_rollout(model: nn.Module, batches, alpha: float) -> int:
 def calibration_batches(sequences: list[list[int]], device, batch_size: int = 8):
     """(input_ids long [B, T], attention_mask long [B, T]) batches of `sequences` (token-id lists), right-padded
     with 0s: what `input_absmax` reads."""
+    from quarl.model.tokenizer import right_padded
+
     for i in range(0, len(sequences), batch_size):
-        part = sequences[i:i + batch_size]
-        width = max(len(s) for s in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros(len(part), width, dtype=torch.long)
-        for row, seq in enumerate(part):
-            ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, :len(seq)] = 1
+        ids, mask = right_padded(sequences[i:i + batch_size])
         yield ids.to(device), mask.to(device)
 
 

@@ -80,6 +80,20 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return ids
 
 
+def right_padded(sequences: list[list[int]]):
+    """(input_ids long [B, T], attention_mask long [B, T]) on the CPU: token-id lists right-padded with 0s to the
+    longest (T >= 1), mask 1 on real tokens."""
+    import torch
+
+    width = max([len(seq) for seq in sequences] + [1])
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, :len(seq)] = 1
+    return ids, mask
+
+
 def eos_token_ids(tokenizer, config=None) -> list[int]:
     """The ids that end a completion: the tokenizer's eos plus the model config's eos ids (deduplicated)."""
     ids: list[int] = []

@@ -1043,8 +1043,8 @@ class Trainer:
         try:
             summary = self._train()
             if self.distributed:
-                # every rank finishes its collectives before any leaves the group: a rank tearing its gloo pairs
-                # down while another still talks to it can abort the process at exit
+                # every rank finishes its collectives before any leaves the group (the process ends later, through
+                # quarl.distributed.end_process, in `quarl train`)
                 qdist.barrier()
             return summary
         except Exception as e:

@@ -38,7 +38,7 @@ from quarl.config import SAMPLERS
 from quarl.fast_paths import FastPaths, fast_paths_of
 from quarl.fallbacks import report_fallback
 from quarl.model.moe import ExpertRouting, SparseMoeBlock
-from quarl.model.tokenizer import eos_token_ids
+from quarl.model.tokenizer import eos_token_ids, right_padded
 from quarl.rollout.engine import Completion, RequestOutput, RolloutEngine, _answer_seeds, _Sequence
 from quarl.rollout.fast_attention import FP8_KV_DTYPE, make_decode_attention
 from quarl.rollout.fast_cache import PrefillCacheWriter, SlotKVCache
@@ -358,12 +358,7 @@ class FastRolloutEngine(RolloutEngine):
         bodies = [p[:-1] for p in prompts]
         rows = [(i, s) for i, group in enumerate(slots) for s in group if bodies[i]]
         if rows:
-            T = max(len(b) for b in bodies)
-            ids = torch.zeros(len(bodies), T, dtype=torch.long)
-            mask = torch.zeros(len(bodies), T, dtype=torch.long)
-            for i, b in enumerate(bodies):
-                ids[i, :len(b)] = torch.tensor(b, dtype=torch.long)
-                mask[i, :len(b)] = 1
+            ids, mask = right_padded(bodies)
             keep = [i for i, b in enumerate(bodies) if b]  # 1-token prompts have nothing to prefill
             row_of = {i: r for r, i in enumerate(keep)}
             ids, mask = ids[keep], mask[keep]

@@ -30,7 +30,8 @@ class SlotDecode:
     kv_len: static number of cache columns the attention may read (>= positions.max() + 1).
     decoder: a `quarl.rollout.fused_decode.FusedDecoder` of the model, or None. With one, every decoder layer's
     forward runs as `FusedDecoder.layer` (stacked projections, fused norm / rotary / SiLU kernels); `carry` holds
-    what one layer hands the next (its MLP output, added by the next layer's first norm kernel).
+    what one layer hands the next (its MLP output, added by the next layer's first norm kernel), `scales` the
+    decoder's deferred FP8 scales for the step (`FusedDecoder.step_scales`).
     """
 
     cache: SlotKVCache
@@ -42,6 +43,7 @@ class SlotDecode:
     def __post_init__(self):
         self.lengths = self.positions + 1  # columns each row attends over, its own token included
         self.carry: tuple = (None, None)
+        self.scales = self.decoder.step_scales() if self.decoder is not None else None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, 1, D], k, v [B, Hkv, 1, D] (after rotary) -> attention output [B, Hq, 1, D]."""

@@ -528,12 +528,14 @@ class FusedDecoder:
             self._unit = torch.ones((), dtype=torch.float32, device=device)
         return self._unit
 
-    def step_scales(self, x: torch.Tensor) -> tuple[frozenset, torch.Tensor | None]:
-        """(the linears whose FP8 GEMMs defer their scales in this decode step, the float32 unit scale or None):
-        `deferred_scales`, less all of them where the scaled fused kernels failed their self-check."""
+    def step_scales(self) -> tuple[frozenset, torch.Tensor | None]:
+        """(the linears whose FP8 GEMMs defer their scales in a decode step, the float32 unit scale or None):
+        `deferred_scales`, less all of them where the scaled fused kernels failed their self-check. Asked once
+        per step (`SlotDecode`)."""
         deferred = self.deferred_scales
-        if deferred and x.is_cuda and kernels.decode_fused_ok(x.device, x.dtype) \
-                and not kernels.decode_fused_scaled_ok(x.device, x.dtype):
+        weight = self.model.model.embed_tokens.weight
+        if deferred and weight.is_cuda and kernels.decode_fused_ok(weight.device, weight.dtype) \
+                and not kernels.decode_fused_scaled_ok(weight.device, weight.dtype):
             deferred = frozenset()  # the scaled kernels failed their check: keep the GEMMs that apply the scales
         return deferred, (self._unit_scale() if deferred else None)
 
@@ -550,7 +552,7 @@ class FusedDecoder:
         B = x.shape[0]
         x = x.reshape(B, -1)
         cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
-        deferred, unit = self.step_scales(x)
+        deferred, unit = step.scales
         delta, pending = step.carry
         idx = layer.self_attn.layer_idx
         attn, mlp, qkv_proj, gate_up = layer.self_attn, layer.mlp, self.qkv[idx], self.gate_up[idx]
