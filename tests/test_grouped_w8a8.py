@@ -435,7 +435,7 @@ def test_cuda_unified_training_forward_takes_the_grouped_kernel_and_equals_the_p
         (y.float() * g.float()).sum().backward()
         # an expert without rows: no gradient on the per-expert path, zeros on the grouped one
         grads = [torch.zeros_like(lin.weight) if lin.weight.grad is None else lin.weight.grad for lin in linears]
-        return y.detach(), xi.grad, torch.stack(grads).float()
+        return y.detach(), xi.grad, torch.cat([grad.float().flatten() for grad in grads])  # gate/up and down differ
 
     calls = []
     original = moe.grouped_w8a8_training_swiglu

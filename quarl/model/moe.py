@@ -170,18 +170,23 @@ def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     slices of one packed tensor (`pack_expert_weights`), else a stacked copy (E times out x in elements, at every
     call: tens of GB per forward on a 30B MoE model)."""
     w0 = weights[0]
-    n, storage = w0.numel(), w0.untyped_storage().data_ptr()
-    if w0.is_contiguous() and all(
-            w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
-            and w.untyped_storage().data_ptr() == storage
-            and w.data_ptr() == w0.data_ptr() + e * n * w0.element_size() for e, w in enumerate(weights)):
-        # one storage holds them, in order, so the view below reads exactly the weights' current values
-        return w0.detach().as_strided((len(weights), *w0.shape), (n, w0.shape[1], 1))
+    if packed(weights):  # one storage holds them, in order: the view reads exactly the weights' current values
+        return w0.detach().as_strided((len(weights), *w0.shape), (w0.numel(), w0.shape[1], 1))
     return torch.stack(weights)
 
 
-@torch.no_grad()
+def packed(weights: list[torch.Tensor]) -> bool:
+    """Whether the [out, in] weights are consecutive slices of one storage, in order (`pack_expert_weights`)."""
+    w0 = weights[0]
+    n, storage = w0.numel(), w0.untyped_storage().data_ptr()
+    return w0.is_contiguous() and all(
+        w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+        and w.untyped_storage().data_ptr() == storage
+        and w.data_ptr() == w0.data_ptr() + e * n * w0.element_size() for e, w in enumerate(weights))
+
+
 @torch.inference_mode(False)  # a packed weight must stay a normal tensor: training saves it for backward
+@torch.no_grad()  # (inside: inference_mode(False) would turn grad mode back on)
 def pack_expert_weights(experts: nn.ModuleList) -> bool:
     """Move every expert's gate, up and down weights into one [E, out, in] tensor per projection, each expert's
     weight becoming a view of its slice (same values, same Parameter objects, so optimizers and their states are
@@ -199,11 +204,11 @@ def pack_expert_weights(experts: nn.ModuleList) -> bool:
         w0 = weights[0]
         if any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device for w in weights):
             continue
-        if stacked_weights(weights).data_ptr() == w0.data_ptr():
-            continue  # already packed
-        packed = torch.stack([w.detach() for w in weights])
+        if packed(weights):
+            continue
+        together = torch.stack([w.detach() for w in weights])
         for e, w in enumerate(weights):
-            w.data = packed[e]
+            w.data = together[e]
         moved = True
     return moved
 
@@ -275,8 +280,15 @@ def plain_experts(experts: nn.ModuleList, x: torch.Tensor) -> bool:
 def grouped_gemm_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
     """Whether `grouped_gemm_swiglu` serves x: `fast_paths.grouped_experts`, a CUDA bf16 x on a Hopper-or-newer GPU
     (grouped_mm's kernels), torch with grouped_mm, and plain experts."""
-    return fast_paths.grouped_experts and x.is_cuda and x.dtype == torch.bfloat16 and \
-        hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0) and plain_experts(experts, x)
+    return fast_paths.grouped_experts and x.dtype == torch.bfloat16 and grouped_mm_device(x.device) and \
+        plain_experts(experts, x)
+
+
+def grouped_mm_device(device: torch.device) -> bool:
+    """Whether torch's grouped_mm runs its own kernels on `device`: a CUDA GPU of compute capability 9.x (Hopper) or
+    10.x (datacenter Blackwell). Elsewhere torch loops over the groups after reading their sizes on the host, which
+    a CUDA graph cannot capture."""
+    return device.type == "cuda" and hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 # Rollout formats the grouped W8A8 kernel computes: 8-bit codes with one scale per output channel and per token.
@@ -314,8 +326,7 @@ def _grouped_training_device(experts: nn.ModuleList, x: torch.Tensor) -> bool:
     """Whether x and the experts' sizes suit the grouped training path's backward (torch's grouped_mm): CUDA bf16 on
     a Hopper-or-newer GPU, every projection's rows a multiple of 16 bytes."""
     e = experts[0]
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm") and \
-        torch.cuda.get_device_capability(x.device) >= (9, 0) and \
+    return x.dtype == torch.bfloat16 and grouped_mm_device(x.device) and \
         all((n * 2) % 16 == 0 for lin in (e.gate_proj, e.down_proj) for n in (lin.in_features, lin.out_features))
 
 
@@ -482,7 +493,11 @@ def moe_experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
     token = order // k
     y = swiglu(x.index_select(0, token), counts, experts)
     y = y * weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None]
-    return x.new_zeros(N, y.shape[-1], dtype=y.dtype).index_add(0, token, y).to(x.dtype)
+    # back to (token, slot) order, then one sum over the k slots (at least float32): the same sum in the same order
+    # on every call (an index_add over tokens accumulates with atomics on a GPU, in whichever order they land, so eager
+    # and graph-replayed decoding, or two rollouts, could differ in the last bit)
+    pairs = y.new_empty(N * k, y.shape[-1]).index_copy(0, order, y)
+    return pairs.reshape(N, k, -1).sum(1, dtype=torch.promote_types(y.dtype, torch.float32)).to(x.dtype)
 
 
 class Expert(nn.Module):
