@@ -127,6 +127,16 @@ def sum_over_ranks(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return moved.to(t.device)
 
 
+def max_over_ranks(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The elementwise maximum of every rank's `t` (same shape everywhere), on t's device; `t` itself without a
+    group."""
+    if not is_initialized() or world_size() == 1:
+        return t
+    moved = t.to(device, copy=True)
+    dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+    return moved.to(t.device)
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's `obj` (picklable), in rank order; [obj] without a group."""
     if not is_initialized() or world_size() == 1:

@@ -209,6 +209,27 @@ def test_a_mixture_of_experts_trains_on_two_ranks_as_on_one(tmp_path):
     assert two["metrics"][2]["train/optimizer_steps"] == 1
 
 
+def test_smoothed_int8_rollouts_on_two_ranks_equal_one_rank(tmp_path):
+    """SmoothQuant on many ranks: each rank calibrates the whole model before sharding (maximum over ranks), the
+    rollout copy is made as Q(W diag(s)) and every sync quantizes the gathered weights times s. Rollouts, behaviour
+    log-probs, the rollout/training mismatch and the weights equal the one-rank run's; a run without smoothing
+    has another mismatch, so the comparison sees whether the factors reached the copy."""
+    (tmp_path / "reward.py").write_text(REWARD)
+    split = ("precision.flow=split", "precision.format=int8")
+    smooth = (*split, "precision.smooth_alpha=0.5")
+    one = torchrun(1, tmp_path / "one.pt", overrides(tmp_path, tmp_path / "one", 2, *smooth))
+    two = torchrun(2, tmp_path / "two.pt", overrides(tmp_path, tmp_path / "two", 2, *smooth))
+    plain = torchrun(1, tmp_path / "plain.pt", overrides(tmp_path, tmp_path / "plain", 1, *split))
+    for step in (1, 2):
+        assert tokens(one["rollouts"][step]) == tokens(two["rollouts"][step]), f"step {step}"
+        assert torch.allclose(logprobs(one["rollouts"][step]), logprobs(two["rollouts"][step]), atol=1e-5, rtol=0)
+        assert two["metrics"][step]["mismatch/kl"] == pytest.approx(one["metrics"][step]["mismatch/kl"], rel=1e-3,
+                                                                    abs=1e-7)
+        assert max_weight_diff(one["weights"][step], two["weights"][step]) < 1e-5, f"step {step}"
+    assert abs(plain["metrics"][1]["mismatch/kl"] - one["metrics"][1]["mismatch/kl"]) > \
+        1e-3 * one["metrics"][1]["mismatch/kl"]
+
+
 def test_a_damaged_sharded_checkpoint_is_not_intact(runs, tmp_path):
     import shutil
 

@@ -252,3 +252,37 @@ def test_a_run_with_smoothing_trains_and_resumes_with_the_same_factors(tmp_path)
     resumed = trainer(2, f"resume={tmp_path / 'run'}")  # calibrates on the model as loaded, as the first run did
     assert all(torch.equal(a, b) for a, b in zip(factors(first), factors(resumed)))
     assert resumed.train()["step"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sharded_runs_rollout_copy_holds_the_smoothed_codes(dtype):
+    """Many ranks: `make_rollout_copy` turns each linear into a frozen quantized base, which forgets the factors
+    unless kept. The copy keeps them (float32, one tensor per input group as in the model) and its codes are
+    Q(W diag(s)) as the one-process rollout copy's; a sync's `load_frozen_base` quantizes W diag(s) again."""
+    from quarl.rl.sharding import make_rollout_copy
+
+    torch.manual_seed(4)
+    model = make_model("llama")
+    _with_outlier_channels(model)
+    apply_precision(model, PrecisionConfig(flow="split", format="int8"))
+    model = model.to(dtype)  # as the trainer has it: in its compute dtype before calibration
+    ids = torch.randint(0, model.config.vocab_size, (4, 12))
+    smooth_rollout(model, calibration_batches(ids.tolist(), "cpu"), 0.5)
+    copy = make_rollout_copy(model, dtype)
+    pairs = [(a, b) for a, b in zip(model.modules(), copy.modules()) if isinstance(a, QuantLinear)
+             and a.rollout_smoothing is not None]
+    assert len(pairs) == 7 * model.config.num_layers
+    for a, b in pairs:
+        assert b.frozen_base and b.weight is None and b.rollout_smoothing.dtype == torch.float32
+        assert torch.equal(b.rollout_smoothing, a.rollout_smoothing)
+        assert torch.equal(b.qweight_data, a.qweight_data) and torch.equal(b.qweight_scale, a.qweight_scale)
+    attn = copy.model.layers[0].self_attn
+    assert attn.q_proj.rollout_smoothing.data_ptr() == attn.v_proj.rollout_smoothing.data_ptr()  # one s to stack
+    a, b = pairs[0]
+    with torch.no_grad():
+        a.weight.add_(0.01 * torch.randn_like(a.weight))
+        a.refresh()
+        b.load_frozen_base(a.weight)
+    assert torch.equal(b.qweight_data, a.qweight_data) and torch.equal(b.qweight_scale, a.qweight_scale)
+    with torch.no_grad(), rollout_mode(model), rollout_mode(copy):
+        torch.testing.assert_close(copy(ids), model(ids), rtol=0, atol=0)

@@ -426,6 +426,12 @@ class QuantLinear(nn.Module):
         self.requantize_rollout_copy()
         self.mark_rollout_copy_current()
 
+    def _smoothed(self, w: torch.Tensor) -> torch.Tensor:
+        """w [out, in] (compute dtype) times the smoothing factors per input channel (in float32, rounded once)
+        when the rollout copy is smoothed, else w."""
+        s = self.rollout_smoothing
+        return w if s is None else (w.float() * s).to(w.dtype)
+
     @property
     def trained_rollout_copy(self) -> bool:
         """Whether this linear has a rollout copy of a weight being trained: what every sync re-quantizes."""
@@ -438,10 +444,7 @@ class QuantLinear(nn.Module):
         smoothing factors per input channel, rounded again, when smoothed) into the rollout copy and its
         dequantized cache, in place, without the bookkeeping. The GPU paths make no host synchronisation, so
         `quarl.model.rollout_sync.RolloutSync` can capture it in a CUDA graph."""
-        w = self.weight.detach().to(self.compute_dtype)
-        if self.rollout_smoothing is not None:
-            w = (w.float() * self.rollout_smoothing).to(self.compute_dtype)
-        qt = self._quantize_into_rollout_copy(w)
+        qt = self._quantize_into_rollout_copy(self._smoothed(self.weight.detach().to(self.compute_dtype)))
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
 
@@ -501,11 +504,12 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def load_frozen_base(self, w: torch.Tensor) -> None:
-        """Quantize w [out, in] (any float dtype, rounded to the compute dtype first) into a frozen base, in place:
-        how a rollout-only copy whose master weight lives elsewhere (a sharded trainer) takes each update."""
+        """Quantize w [out, in] (any float dtype, rounded to the compute dtype first; times the smoothing factors
+        when smoothed) into a frozen base, in place: how a rollout-only copy whose master weight lives elsewhere (a
+        sharded trainer) takes each update."""
         if not self.frozen_base:
             raise RuntimeError("load_frozen_base needs a frozen base (configure(frozen_base=True))")
-        qt = self._quantize_into_rollout_copy(w.to(self.compute_dtype))
+        qt = self._quantize_into_rollout_copy(self._smoothed(w.to(self.compute_dtype)))
         if self.weight_dequant is not None:
             self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
 

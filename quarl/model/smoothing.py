@@ -81,14 +81,17 @@ def smoothing_factors(x_absmax: torch.Tensor, weights: list[torch.Tensor], alpha
     return s.clamp(min=MIN_FACTOR, max=1.0 / MIN_FACTOR)
 
 
-def smooth_rollout(model: nn.Module, batches, alpha: float) -> int:
+def smooth_rollout(model: nn.Module, batches, alpha: float, combine=None) -> int:
     """Calibrate on `batches` (see `input_absmax`) and give every dense decoder linear with a W8A8 rollout copy its
-    group's smoothing factors (`QuantLinear.set_rollout_smoothing`, which re-quantizes the copy). Returns the
-    number of linears smoothed."""
+    group's smoothing factors (`QuantLinear.set_rollout_smoothing`, which re-quantizes the copy). combine: maps
+    each group's max|x| (float32 [in]) to the one to use, e.g. the maximum over ranks, so that every rank smooths
+    alike; None = as measured. Returns the number of linears smoothed."""
     groups = [g for g in input_groups(model) if all(lin.smoothable for lin in g)]
     if not groups:
         return 0
     maxima = input_absmax(model, groups, batches)
+    if combine is not None:
+        maxima = [combine(m) for m in maxima]
     for group, x_absmax in zip(groups, maxima):
         # one tensor on the weights' device for the whole group: its linears share the factors' memory, which the
         # fused decoder's stacked projections check

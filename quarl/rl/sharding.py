@@ -89,11 +89,15 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
             for b in (m.qweight_data, m.qweight_scale, m.qweight_global_scale):
                 if b is not None:
                     memo[id(b)] = b
-    for name, b in model.named_buffers():
-        if b.is_floating_point() and id(b) not in memo:
-            # AQN noise stays float32 as RMSNorm keeps it (noise is added to the norm weight in float32)
-            dtype = torch.float32 if name.rsplit(".", 1)[-1] == "rollout_noise" else compute_dtype
-            memo[id(b)] = b.to(dtype, copy=True)
+    factors = {}  # smoothing factors by address: the linears of one input group share one tensor's memory
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if not b.is_floating_point() or id(b) in memo:
+            continue
+        kind = name.rsplit(".", 1)[-1]
+        if kind == "rollout_smoothing":  # float32, as the rollout divides by them, and shared as in the model
+            memo[id(b)] = factors.setdefault(b.data_ptr(), b.to(torch.float32, copy=True))
+        else:  # AQN noise stays float32 as RMSNorm keeps it (noise is added to the norm weight in float32)
+            memo[id(b)] = b.to(torch.float32 if kind == "rollout_noise" else compute_dtype, copy=True)
     rollout = copy.deepcopy(model, memo).requires_grad_(False)
     for m, source in zip(rollout.modules(), model.modules()):
         if isinstance(m, QuantLinear) and source.frozen_base:  # a qlora base never changes: share its codes
@@ -102,11 +106,15 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
         if not isinstance(m, QuantLinear) or m.weight is None or m.rollout_format is None:
             continue
         lora = {k: getattr(m, k) for k in ("lora_A", "lora_B")}
+        smoothing, weight = m.rollout_smoothing, m.weight.detach()
         settings = dict(m._settings, frozen_base=True, train_format=None, quantized_backward=False)
         m.configure(**settings)  # re-quantizes from the compute-dtype weight, then drops it
         for k, p in lora.items():  # configure re-initialised the adapters: keep the trained ones
             if p is not None:
                 setattr(m, k, p)
+        if smoothing is not None:  # configure forgot the factors (SmoothQuant): the base is Q(W diag(s))
+            m.rollout_smoothing = smoothing
+            m.load_frozen_base(weight)
     return rollout.requires_grad_(False)
 
 
@@ -117,6 +125,7 @@ def drop_unused_rollout_buffers(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.weight is not None and not m.frozen_base:
             m.qweight_data = m.qweight_scale = m.qweight_global_scale = m.weight_dequant = None
+            m.rollout_smoothing = None
             m._qdtypes = m._rollout_source = None
 
 

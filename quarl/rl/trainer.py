@@ -268,10 +268,6 @@ class Trainer:
             self.device = qdist.local_device(cfg.model.device)
             qdist.init_from_env(self.device)
             self.sharded = qdist.world_size() > 1
-            if self.sharded and cfg.precision.smooth_alpha:
-                raise ValueError("precision.smooth_alpha is not available on two or more ranks yet (their rollout "
-                                 "copy is a separate quantized model); run on one process or set "
-                                 "precision.smooth_alpha=0")
         else:
             self.device = resolve_device(cfg.model.device)
             self.sharded = False
@@ -310,6 +306,9 @@ class Trainer:
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.task.set_tokenizer(self.tokenizer)
+        if cfg.precision.smooth_alpha:  # before sharding: the rollout copy made there takes the factors along
+            self._smooth_rollout()
         self.rollout_model = self.model  # what the rollout engine reads: the model itself on one process
         if self.sharded:
             self._shard()
@@ -332,9 +331,6 @@ class Trainer:
         self.rollout_sync = ShardedRolloutSync(self.model, self.rollout_model) if self.sharded else \
             RolloutSync(self.model)
         self._routing_counts: dict[str, list[float]] = {}  # moe/* metric -> [differing decisions, decisions]
-        self.task.set_tokenizer(self.tokenizer)
-        if cfg.precision.smooth_alpha:
-            self._smooth_rollout()
         self.run_dir = Path(cfg.output.dir)
         self.start_step = 0
         self.log: RunLog | None = None
@@ -367,13 +363,16 @@ class Trainer:
         """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
         in full precision on the first `CALIBRATION_PROMPTS` training prompts followed by their gold answers. Runs
         before a resumed run loads its checkpoint, on the model as loaded, so a resumed run gets the factors the
-        first run had."""
+        first run had, and before sharding, so a sharded run's rollout copy (`make_rollout_copy`) takes them."""
         from quarl.model.smoothing import (CALIBRATION_PROMPTS, calibration_batches, calibration_sequences,
                                            smooth_rollout)
 
         sequences = calibration_sequences(self.task, self.tokenizer, CALIBRATION_PROMPTS)
+        # every rank calibrates the whole (not yet sharded) model on the same prompts; the maximum over ranks makes
+        # their factors equal to the last bit
+        combine = (lambda m: qdist.max_over_ranks(m, self.device)) if self.sharded else None
         count = smooth_rollout(self.model, calibration_batches(sequences, self.device),
-                               self.cfg.precision.smooth_alpha)
+                               self.cfg.precision.smooth_alpha, combine)
         if self.is_main:
             distinct = len({tuple(seq) for seq in sequences})
             print(f"[quarl] smoothed the activations of {count} rollout linears (SmoothQuant, alpha "
