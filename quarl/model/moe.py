@@ -278,7 +278,7 @@ def plain_experts(experts: nn.ModuleList, x: torch.Tensor) -> bool:
 
 
 def grouped_gemm_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPaths) -> bool:
-    """Whether `grouped_gemm_swiglu` serves x: `fast_paths.grouped_experts`, a CUDA bf16 x on a Hopper-or-newer GPU
+    """Whether `grouped_gemm_swiglu` serves x: `fast_paths.grouped_experts`, a CUDA bf16 x on a `grouped_mm_device`
     (grouped_mm's kernels), torch with grouped_mm, and plain experts."""
     return fast_paths.grouped_experts and x.dtype == torch.bfloat16 and grouped_mm_device(x.device) and \
         plain_experts(experts, x)
@@ -288,7 +288,9 @@ def grouped_mm_device(device: torch.device) -> bool:
     """Whether torch's grouped_mm runs its own kernels on `device`: a CUDA GPU of compute capability 9.x (Hopper) or
     10.x (datacenter Blackwell). Elsewhere torch loops over the groups after reading their sizes on the host, which
     a CUDA graph cannot capture."""
-    return device.type == "cuda" and hasattr(F, "grouped_mm") and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    from quarl.kernels.availability import capability
+
+    return device.type == "cuda" and hasattr(F, "grouped_mm") and capability(device)[0] in (9, 10)
 
 
 # Rollout formats the grouped W8A8 kernel computes: 8-bit codes with one scale per output channel and per token.
@@ -324,7 +326,7 @@ def _w8a8_rollout_copies(experts: nn.ModuleList, fmt: str | None, device: torch.
 
 def _grouped_training_device(experts: nn.ModuleList, x: torch.Tensor) -> bool:
     """Whether x and the experts' sizes suit the grouped training path's backward (torch's grouped_mm): CUDA bf16 on
-    a Hopper-or-newer GPU, every projection's rows a multiple of 16 bytes."""
+    a `grouped_mm_device`, every projection's rows a multiple of 16 bytes."""
     e = experts[0]
     return x.dtype == torch.bfloat16 and grouped_mm_device(x.device) and \
         all((n * 2) % 16 == 0 for lin in (e.gate_proj, e.down_proj) for n in (lin.in_features, lin.out_features))
@@ -389,7 +391,7 @@ def grouped_w8a8_training_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths
     """Whether `grouped_w8a8_training_swiglu` serves x: the unified flow's training forward on the rollout's int8 /
     fp8 W8A8 kernel (`QuantLinear.kernel_forward`) for every expert projection (same format, no bias, no LoRA
     adapter, no quantized backward, its rollout copy on x's device), `fast_paths.grouped_experts`, a CUDA bf16 x
-    on a Hopper-or-newer GPU (the backward's grouped_mm) with sizes grouped_mm can align, and the kernels."""
+    on a `grouped_mm_device` (the backward's grouped_mm) with sizes grouped_mm can align, and the kernels."""
     if not (fast_paths.grouped_experts and _grouped_training_device(experts, x)):
         return False
     fmt = experts[0].gate_proj.train_format
@@ -494,8 +496,9 @@ def moe_experts(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
     y = swiglu(x.index_select(0, token), counts, experts)
     y = y * weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None]
     # back to (token, slot) order, then one sum over the k slots (at least float32): the same sum in the same order
-    # on every call (an index_add over tokens accumulates with atomics on a GPU, in whichever order they land, so eager
-    # and graph-replayed decoding, or two rollouts, could differ in the last bit)
+    # on every call (an index_add over tokens accumulates with atomics on a GPU, in whichever order they land, so
+    # eager and graph-replayed decoding, or two rollouts, could differ in the last bit). In bf16 this rounds once,
+    # where transformers' index_add rounds after each expert: the two differ in the last bits.
     pairs = y.new_empty(N * k, y.shape[-1]).index_copy(0, order, y)
     return pairs.reshape(N, k, -1).sum(1, dtype=torch.promote_types(y.dtype, torch.float32)).to(x.dtype)
 

@@ -95,7 +95,9 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
             continue
         kind = name.rsplit(".", 1)[-1]
         if kind == "rollout_smoothing":  # float32, as the rollout divides by them, and shared as in the model
-            memo[id(b)] = factors.setdefault(b.data_ptr(), b.to(torch.float32, copy=True))
+            if b.data_ptr() not in factors:
+                factors[b.data_ptr()] = b.to(torch.float32, copy=True)
+            memo[id(b)] = factors[b.data_ptr()]
         else:  # AQN noise stays float32 as RMSNorm keeps it (noise is added to the norm weight in float32)
             memo[id(b)] = b.to(torch.float32 if kind == "rollout_noise" else compute_dtype, copy=True)
     rollout = copy.deepcopy(model, memo).requires_grad_(False)

@@ -363,7 +363,8 @@ class Trainer:
         """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
         in full precision on the first `CALIBRATION_PROMPTS` training prompts followed by their gold answers. Runs
         before a resumed run loads its checkpoint, on the model as loaded, so a resumed run gets the factors the
-        first run had, and before sharding, so a sharded run's rollout copy (`make_rollout_copy`) takes them."""
+        first run had (on as many ranks), and before sharding, so a sharded run's rollout copy (`make_rollout_copy`)
+        takes them. Sharded, it reads the float32 masters; on one GPU process the compute-dtype model."""
         from quarl.model.smoothing import (CALIBRATION_PROMPTS, calibration_batches, calibration_sequences,
                                            smooth_rollout)
 

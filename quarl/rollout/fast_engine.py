@@ -366,7 +366,8 @@ class FastRolloutEngine(RolloutEngine):
                                         torch.tensor([row_of[i] for i, _ in rows], device=device))
             routing = ExpertRouting(record=True) if self.record_routing else None
             model.hidden_states(ids.to(device), attention_mask=mask.to(device), kv_cache=writer, routing=routing)
-            if self._graphs and self._model_fingerprint() != self._graph_fingerprint:
+            if self._graphs and getattr(model, "is_moe", False) and \
+                    self._model_fingerprint() != self._graph_fingerprint:
                 self._drop_graphs()  # this forward moved weights (a MoE block packed its experts'): stale graphs
             if routing is not None:  # each prompt's experts (right-padded rows) into each of its slots
                 used = routing.stacked().to(self.state.out_experts.dtype)
