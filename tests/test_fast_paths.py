@@ -71,7 +71,7 @@ def test_a_runs_fast_paths_reach_every_reader_and_its_saved_config(tmp_path, mon
     training LoRA, the FP8 training linear, the answer log-probs, the fused decode's codes handoff), the model's
     modules and the fast engine's decoder hold them, the engine's CUDA-graph key contains them, and the run's
     config.yaml records them."""
-    from quarl.model import decoder, fp8_training, layers, qlinear, shared_input
+    from quarl.model import decoder, fp8_training, layers, qlinear
     from quarl.rl import batch
     from quarl.rollout import fused_decode
     from quarl.rollout.sampling import SamplingParams

@@ -356,7 +356,6 @@ def test_matmul_from_codes_checks_its_inputs_and_serves_int8_on_the_cpu():
 def _deferred_setup(monkeypatch, dtype):
     """A tiny fp8 Qwen2 model with a filled cache, and the fused decoder with codes handed over as on a GPU."""
     from quarl import kernels
-    from quarl.rollout import fused_decode
 
     torch.manual_seed(0)
     model = make_model("qwen2", dtype=dtype)
@@ -399,7 +398,6 @@ def test_deferred_scales_match_the_module_path(monkeypatch, which):
     apply their own scales get the handed codes too; cuBLAS rounds their output to bf16, so here they compute in
     float32 (dequantized codes times the dequantized weight) to keep the comparison at float32's precision."""
     from quarl import kernels
-    from quarl.rollout import fused_decode
 
     model, engine, decoder = _deferred_setup(monkeypatch, torch.float32)
 
@@ -425,7 +423,6 @@ def test_plans_without_unit_scales_take_the_codes_with_their_own_scales(monkeypa
     deferral requested, each GEMM takes the codes with its own scales, and float32 logits equal the module
     path's to 1e-5 of the largest."""
     from quarl import kernels
-    from quarl.rollout import fused_decode
 
     model, engine, decoder = _deferred_setup(monkeypatch, torch.float32)
     monkeypatch.setattr(kernels, "unit_scales_ok", lambda qweight, m: False)
@@ -597,7 +594,6 @@ def test_lora_adapters_keep_the_codes_handoff_with_the_same_logits(monkeypatch, 
     from quarl import kernels
     from quarl.fast_paths import FastPaths
     from quarl.precision import LoraConfig
-    from quarl.rollout import fused_decode
 
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
     model = make_model("qwen2", dtype=torch.float32)

@@ -1,6 +1,5 @@
 """UAQ keeps the network's function; AQN perturbs exactly the rollout model's targeted norms with the scheduled σ."""
 
-import copy
 import textwrap
 
 import pytest

@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib")
 from matplotlib.ticker import PercentFormatter  # noqa: E402
 
 from quarl.cli import main  # noqa: E402
-from quarl.plot import overview_figure, plot_run  # noqa: E402
+from quarl.plot import overview_figure  # noqa: E402
 
 
 def _records(steps=5):
