@@ -427,10 +427,10 @@ class QuantLinear(nn.Module):
         self.mark_rollout_copy_current()
 
     def _smoothed(self, w: torch.Tensor) -> torch.Tensor:
-        """w [out, in] (compute dtype) times the smoothing factors per input channel (in float32, rounded once)
-        when the rollout copy is smoothed, else w."""
+        """w [out, in] (compute dtype) times the smoothing factors per input channel (in float32 or wider, rounded
+        once) when the rollout copy is smoothed, else w."""
         s = self.rollout_smoothing
-        return w if s is None else (w.float() * s).to(w.dtype)
+        return w if s is None else (w * s).to(w.dtype)  # s is float32: the product is taken in float32
 
     @property
     def trained_rollout_copy(self) -> bool:
@@ -473,9 +473,10 @@ class QuantLinear(nn.Module):
             self.refresh()
 
     def smooth_input(self, x: torch.Tensor) -> torch.Tensor:
-        """x / s in x's dtype (divided in float32, rounded once) when the rollout copy is smoothed, else x."""
+        """x / s in x's dtype (divided in float32, or float64 for a float64 x, rounded once) when the rollout copy is
+        smoothed, else x."""
         s = self.rollout_smoothing
-        return x if s is None else (x.float() / s).to(x.dtype)
+        return x if s is None else (x / s).to(x.dtype)  # s is float32: the quotient is taken in float32
 
     def mark_rollout_copy_current(self) -> None:
         """Record that the rollout copy now holds the master weight as it is (after `requantize_rollout_copy`)."""
