@@ -657,10 +657,10 @@ def config_to_dict(cfg: RunConfig) -> dict:
 def effective_config_dict(cfg: RunConfig) -> dict:
     """`config_to_dict(cfg)` with the values left unset (null) filled in as validate() and the trainer resolve them:
 
-    precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, lora.alpha (= rank),
-    loss.aggregation (by loss_type), loss.epsilon_high (0.28 for dapo, else epsilon_low), loss.max_new_tokens and
-    eval.max_new_tokens (= rollout.max_new_tokens), train.mini_batch_size (= the step's batch) and data.eval (= the
-    train source, whose held-out split is used). Values that depend on the machine (model.device, rollout.engine,
+    precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, precision.smooth_alpha,
+    lora.alpha (= rank), loss.aggregation (by loss_type), loss.epsilon_high (0.28 for dapo, else epsilon_low),
+    loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens), train.mini_batch_size (= the step's
+    batch) and data.eval (= the train source, whose held-out split is used). Values that depend on the machine (model.device, rollout.engine,
     precision.compute_dtype "auto") and on the data (data.gold_format, detected from the answers) stay as given.
 
     Args:
@@ -672,6 +672,7 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     p, loss = cfg.precision, cfg.loss
     data["precision"]["format"] = p.resolved_format or "bf16"
     data["precision"]["weight_only"] = p.resolved_weight_only if p.flow != "bf16" else False
+    data["precision"]["smooth_alpha"] = p.resolved_smooth_alpha
     data["lora"]["alpha"] = cfg.lora.alpha if cfg.lora.alpha is not None else float(cfg.lora.rank)
     data["loss"]["aggregation"] = loss.resolved_aggregation
     data["loss"]["epsilon_high"] = loss.resolved_epsilon_high

@@ -215,8 +215,8 @@ def test_smoothed_int8_rollouts_on_two_ranks_equal_one_rank(tmp_path):
     log-probs, the rollout/training mismatch and the weights equal the one-rank run's; a run without smoothing
     has another mismatch, so the comparison sees whether the factors reached the copy."""
     (tmp_path / "reward.py").write_text(REWARD)
-    split = ("precision.flow=split", "precision.format=int8")
-    smooth = (*split, "precision.smooth_alpha=0.5")
+    split = ("precision.flow=split", "precision.format=int8", "precision.smooth_alpha=0")
+    smooth = ("precision.flow=split", "precision.format=int8")  # int8 W8A8 rollouts smooth by default
     one = torchrun(1, tmp_path / "one.pt", overrides(tmp_path, tmp_path / "one", 2, *smooth))
     two = torchrun(2, tmp_path / "two.pt", overrides(tmp_path, tmp_path / "two", 2, *smooth))
     plain = torchrun(1, tmp_path / "plain.pt", overrides(tmp_path, tmp_path / "plain", 1, *split))

@@ -231,13 +231,53 @@ def test_smoothing_is_refused_where_it_does_not_apply(overrides, match):
         load_config(None, [*overrides, *alpha])
 
 
+def test_calibration_takes_prompts_rendered_to_token_ids_as_they_are():
+    """A task whose prompts render to token ids (the step benchmark's) calibrates on those ids, with no answer;
+    text prompts are encoded and followed by their gold answer."""
+    from types import SimpleNamespace
+
+    from quarl.model.smoothing import calibration_sequences
+    from quarl.model.tiny import tiny_tokenizer
+
+    examples = [SimpleNamespace(gold="42", meta={"ids": [5, 9, 11]}), SimpleNamespace(gold=None, meta={"ids": [7]})]
+    by_ids = SimpleNamespace(train_batch=lambda step, attempt, n: examples[:n], render=lambda ex: ex.meta["ids"])
+    assert calibration_sequences(by_ids, None, 2) == [[5, 9, 11], [7]]
+    tok = tiny_tokenizer()
+    by_text = SimpleNamespace(train_batch=lambda step, attempt, n: examples[:n], render=lambda ex: "What is 2+2?")
+    from quarl.model.tokenizer import encode_prompt
+
+    prompt = encode_prompt(tok, "What is 2+2?")
+    assert calibration_sequences(by_text, tok, 2) == [prompt + list(tok("42", add_special_tokens=False).input_ids),
+                                                       prompt]
+
+
+@pytest.mark.parametrize("overrides,alpha", [
+    (["precision.flow=split", "precision.format=int8"], 0.5),
+    (["precision.flow=split"], 0.5),  # the split flow's default format is int8
+    (["precision.flow=split", "precision.format=int8", "precision.weight_only=true"], 0.0),
+    (["precision.flow=split", "precision.format=fp8"], 0.0),
+    (["precision.flow=split", "precision.format=fp8-block"], 0.0),
+    (["precision.flow=unified", "precision.format=int8"], 0.0),
+    (["precision.flow=qlora", "precision.format=int8", "lora.rank=8"], 0.0),
+    (["precision.flow=bf16"], 0.0),
+    (["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=0"], 0.0),
+    (["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=0.7"], 0.7),
+])
+def test_int8_w8a8_split_rollouts_are_smoothed_by_default(overrides, alpha):
+    from quarl.config import effective_config_dict
+
+    cfg = load_config(None, overrides)
+    assert cfg.precision.resolved_smooth_alpha == alpha
+    assert effective_config_dict(cfg)["precision"]["smooth_alpha"] == alpha
+
+
 def test_a_run_with_smoothing_trains_and_resumes_with_the_same_factors(tmp_path):
     from quarl.rl.trainer import Trainer
 
     def trainer(steps, *extra):
         return Trainer(load_config(None, [
             "model.name=tiny-random-llama", "model.device=cpu", "precision.flow=split", "precision.format=int8",
-            "precision.smooth_alpha=0.5", "data.train=arithmetic", "data.num_train=16", "data.num_eval=2",
+            "data.train=arithmetic", "data.num_train=16", "data.num_eval=2",  # smoothed: int8 W8A8's default
             "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=4",
             f"train.steps={steps}", "eval.before=false", "eval.after=false", "output.tensorboard=false",
             "output.progress=false", f"output.dir={tmp_path / 'run'}", *extra]))

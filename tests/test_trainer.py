@@ -229,7 +229,8 @@ def test_evaluation_uses_fresh_weights_without_noise(tmp_path, monkeypatch):
         layer = trainer.model.model.layers[0].self_attn.q_proj
         from quarl.formats import quantize
 
-        fresh = quantize(layer.weight.detach(), "int8")
+        w = layer.weight.detach()  # times the SmoothQuant factors, int8 W8A8's default
+        fresh = quantize(w if layer.rollout_smoothing is None else w * layer.rollout_smoothing, "int8")
         seen["stale"] = float((layer.qweight.dequantize() - fresh.dequantize()).abs().max())
         return {"accuracy": 0.0}
 

@@ -289,10 +289,10 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
         model = make_model(args.model_size, device, args.seed,
                            precision=cfg.precision if cfg.precision.flow == "qlora" else None,
                            mean_answer_len=mean_answer_len(args))
-        trainer = Trainer(cfg, model=model, tokenizer=TokenIdTokenizer())
+        task = synthetic_task(args.prompts * (args.warmup + args.steps), args.prompt_len, model.config.vocab_size,
+                              args.seed)
+        trainer = Trainer(cfg, model=model, tokenizer=TokenIdTokenizer(), task=task)
         trainer.engine.tokenizer = None  # the engine's token-id mode: completions carry ids, no text is decoded
-        trainer.task = synthetic_task(args.prompts * (args.warmup + args.steps), args.prompt_len,
-                                      model.config.vocab_size, args.seed)
         trainer.prepare_run_dir()
         for step in range(args.warmup):
             trainer.step(step)

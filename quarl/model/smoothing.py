@@ -113,11 +113,16 @@ def calibration_batches(sequences: list[list[int]], device, batch_size: int = 8)
 
 def calibration_sequences(task, tokenizer, count: int) -> list[list[int]]:
     """Token ids of the first `count` training prompts (rendered as the rollout renders them), each followed by its
-    gold answer: calibration inputs that cover prompt and answer positions without generating."""
+    gold answer: calibration inputs that cover prompt and answer positions without generating. A task that renders
+    its prompts to token ids (as the engine also accepts them) gives them as they are, without an answer."""
     from quarl.model.tokenizer import encode_prompt
 
     sequences = []
     for ex in task.train_batch(0, 0, count):
+        prompt = task.render(ex)
+        if not isinstance(prompt, str):
+            sequences.append([int(t) for t in prompt])
+            continue
         answer = list(tokenizer(str(ex.gold), add_special_tokens=False).input_ids) if ex.gold else []
-        sequences.append(encode_prompt(tokenizer, task.render(ex)) + answer)
+        sequences.append(encode_prompt(tokenizer, prompt) + answer)
     return sequences

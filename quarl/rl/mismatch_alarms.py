@@ -62,7 +62,7 @@ def _advice(key: str, run_cfg) -> str:
         if flow == "split" and fmt not in ("fp8-block", None):
             tips.append(f"a finer rollout format (precision.format=fp8-block instead of {fmt})")
         if flow == "split" and getattr(precision, "resolved_format", fmt) == "int8" \
-                and not getattr(precision, "smooth_alpha", 1.0) \
+                and not getattr(precision, "resolved_smooth_alpha", getattr(precision, "smooth_alpha", 1.0)) \
                 and getattr(precision, "resolved_weight_only", True) is False:
             tips.append("smoothing the activations' outlier channels (precision.smooth_alpha=0.5, SmoothQuant)")
         if flow in ("split", "unified") and getattr(precision, "resolved_weight_only", True) is False:

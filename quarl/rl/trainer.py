@@ -245,10 +245,11 @@ class Trainer:
     """Owns the model, the rollout engine, the optimizer and the run directory of one training run."""
 
     def __init__(self, cfg: RunConfig, model=None, tokenizer=None, *, reward_fns=None, reward_weights=None,
-                 dataset=None, eval_dataset=None):
+                 dataset=None, eval_dataset=None, task: TaskData | None = None):
         """cfg: a validated RunConfig; model / tokenizer: an already loaded model (else cfg.model.name is loaded).
         reward_fns, reward_weights, dataset, eval_dataset: Python callables and data in place of the config's
-        reward and data sources (see `quarl.tasks.task.load_task` and `quarl.train`)."""
+        reward and data sources (see `quarl.tasks.task.load_task` and `quarl.train`). task: a ready TaskData in
+        place of all of these, rendering its own prompts (e.g. to token ids, as the step benchmark does)."""
         from quarl.model.loading import load_model
 
         self.cfg = cfg
@@ -279,8 +280,9 @@ class Trainer:
         # The data and a user reward function are checked before the (slow) model load; prompts render later.
         if cfg.reward.function and self.is_main:  # user code: say so before importing and trying it on one example
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
-        self.task: TaskData = load_task(cfg.data, cfg.reward, None, seed=cfg.train.seed, reward_fns=reward_fns,
-                                        reward_weights=reward_weights, dataset=dataset, eval_dataset=eval_dataset)
+        self.task: TaskData = task if task is not None else load_task(
+            cfg.data, cfg.reward, None, seed=cfg.train.seed, reward_fns=reward_fns, reward_weights=reward_weights,
+            dataset=dataset, eval_dataset=eval_dataset)
         if cfg.reward.function and self.is_main:
             print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
@@ -306,8 +308,9 @@ class Trainer:
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
-        self.task.set_tokenizer(self.tokenizer)
-        if cfg.precision.smooth_alpha:  # before sharding: the rollout copy made there takes the factors along
+        if task is None:  # a given task renders its prompts itself
+            self.task.set_tokenizer(self.tokenizer)
+        if cfg.precision.resolved_smooth_alpha:  # before sharding: the rollout copy made there takes them along
             self._smooth_rollout()
         self.rollout_model = self.model  # what the rollout engine reads: the model itself on one process
         if self.sharded:
@@ -373,11 +376,11 @@ class Trainer:
         # their factors equal to the last bit
         combine = (lambda m: qdist.max_over_ranks(m, self.device)) if self.sharded else None
         count = smooth_rollout(self.model, calibration_batches(sequences, self.device),
-                               self.cfg.precision.smooth_alpha, combine)
+                               self.cfg.precision.resolved_smooth_alpha, combine)
         if self.is_main:
             distinct = len({tuple(seq) for seq in sequences})
             print(f"[quarl] smoothed the activations of {count} rollout linears (SmoothQuant, alpha "
-                  f"{self.cfg.precision.smooth_alpha}, calibrated on {distinct} training prompts)")
+                  f"{self.cfg.precision.resolved_smooth_alpha}, calibrated on {distinct} training prompts)")
 
     def prepare_run_dir(self) -> None:
         """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.
