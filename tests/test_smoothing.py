@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from quarl.config import load_config
 from quarl.formats import quantize
@@ -289,6 +290,8 @@ def test_a_run_with_smoothing_trains_and_resumes_with_the_same_factors(tmp_path)
     assert factors(first) and all(f is not None for f in factors(first))
     assert any(not torch.equal(f, torch.ones_like(f)) for f in factors(first))
     assert first.train()["step"] == 1
+    # saved resolved: a later default cannot change what a resume computes
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["precision"]["smooth_alpha"] == 0.5
     resumed = trainer(2, f"resume={tmp_path / 'run'}")  # calibrates on the model as loaded, as the first run did
     assert all(torch.equal(a, b) for a, b in zip(factors(first), factors(resumed)))
     assert resumed.train()["step"] == 2

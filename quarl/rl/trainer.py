@@ -414,6 +414,8 @@ class Trainer:
         # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
         saved = config_to_dict(self.cfg)
         saved.pop("resume", None)
+        # defaults that depend on the rest of the config are saved resolved: a resume or re-run computes as this run
+        saved["precision"]["smooth_alpha"] = self.cfg.precision.resolved_smooth_alpha
         atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
 
     def _claim_run_dir(self) -> None:
