@@ -31,6 +31,7 @@ from quarl.config import (
     config_to_dict,
     read_config_file,
     resolve_aliases,
+    saved_run_defaults,
 )
 
 
@@ -107,7 +108,9 @@ def _resumed(config, overrides: dict) -> tuple[Any, dict]:
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"resume={run_dir}: {saved} not found (is it a quarl run directory?)")
-    return (saved if config is None else config), {**overrides, "output.dir": str(run_dir)}
+    if config is None:  # the saved config, with the values an earlier quarl used for keys added since
+        return saved, {**saved_run_defaults(saved), **overrides, "output.dir": str(run_dir)}
+    return config, {**overrides, "output.dir": str(run_dir)}
 
 
 def train(config: str | os.PathLike | dict | RunConfig | None = None, *,

@@ -481,6 +481,25 @@ REMOVED_KEYS = {
 }
 
 
+# Keys added to the config after runs were saved without them, with the value that reproduces what such a run
+# computed (a resumed run must not change behaviour halfway). Key -> value for a saved config.yaml that lacks it.
+ADDED_KEYS = {
+    "precision.smooth_alpha": 0.0,  # SmoothQuant: off before it existed; now on by default for int8 W8A8
+}
+
+
+def saved_run_defaults(path) -> dict[str, Any]:
+    """{dotted key: value} for each `ADDED_KEYS` key that the saved run config at `path` (a run's config.yaml) does
+    not set: what resuming that run must use instead of today's default."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    out = {}
+    for key, value in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if not isinstance(data.get(section), dict) or name not in data[section]:
+            out[key] = value
+    return out
+
+
 def _alias_hint(key: str) -> str | None:
     """"; did you mean loss.kl_coef (TRL's beta)?" for a TRL name, the explanation for a TRL name without one
     quarl key, else None."""
@@ -660,8 +679,9 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, precision.smooth_alpha,
     lora.alpha (= rank), loss.aggregation (by loss_type), loss.epsilon_high (0.28 for dapo, else epsilon_low),
     loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens), train.mini_batch_size (= the step's
-    batch) and data.eval (= the train source, whose held-out split is used). Values that depend on the machine (model.device, rollout.engine,
-    precision.compute_dtype "auto") and on the data (data.gold_format, detected from the answers) stay as given.
+    batch) and data.eval (= the train source, whose held-out split is used). Values that depend on the machine
+    (model.device, rollout.engine, precision.compute_dtype "auto") and on the data (data.gold_format, detected from
+    the answers) stay as given.
 
     Args:
         cfg: a validated RunConfig.

@@ -43,8 +43,11 @@ def test_two_settings_give_full_rows_whose_shares_sum_to_the_step():
     assert bf16["speedup"] is None
     assert split["speedup"] == pytest.approx(bf16["step_s"] / split["step_s"], rel=1e-12)
 
+    # int8 W8A8 rollouts smooth by default, calibrated on the benchmark's own token-id prompts
+    assert (bf16["smooth_alpha"], split["smooth_alpha"]) == (0.0, 0.5)
     lines = table.splitlines()
     assert len(lines) == 4 and lines[2].startswith("| bf16 |") and lines[3].startswith("| split:int8 |")
+    assert "SmoothQuant (alpha 0.5)" in lines[3] and "SmoothQuant" not in lines[2]
     assert all(line.count("|") == 14 for line in lines)  # 13 columns in every row
     assert f"{split['speedup']:.2f}x" in lines[3]
     assert "split:int8: sync" in summary and "x bf16" in summary
@@ -263,3 +266,13 @@ def test_profile_writes_each_settings_top_operators(tmp_path):
     for name in ("bf16", "split_int8"):
         text = (tmp_path / "prof" / f"{name}.txt").read_text()
         assert "Self CPU" in text and "aten::" in text  # a key_averages table of the profiled step's operators
+
+
+def test_a_trainer_given_a_task_refuses_other_data_or_rewards():
+    from quarl.bench.step import synthetic_task
+    from quarl.config import load_config
+    from quarl.rl.trainer import Trainer
+
+    task = synthetic_task(4, 6, 100, seed=0)
+    with pytest.raises(ValueError, match="takes its data and rewards from the task"):
+        Trainer(load_config(None, ["model.device=cpu"]), task=task, reward_fns=[lambda **kw: [0.0]])

@@ -80,6 +80,31 @@ def test_a_smoothed_rollout_linear_is_q_of_x_over_s_times_q_of_w_s(fmt):
     assert gain > {"int8": 2.0, "fp8": 1.15, "fp8-block": 0.9}[fmt], gain
 
 
+def test_a_smoothed_rollout_linear_with_a_lora_adapter_feeds_the_adapter_the_unsmoothed_input():
+    """Split flow + LoRA (smoothing is int8 W8A8's default there too): the base computes Q(x / s) Q(W diag(s))^T and
+    the adapter reads x itself, scaling * (x A^T) B^T, against float64."""
+    k, n, r = 576, 96, 8
+    torch.manual_seed(5)
+    layer = QuantLinear(k, n)
+    layer.configure(rollout_format="int8", lora_rank=r, lora_alpha=16)
+    with torch.no_grad():
+        layer.lora_B.normal_()  # B starts at zero: give the adapter a term to get wrong
+    x = outlier_inputs(21, k)
+    s = smoothing_factors(x.abs().amax(0), [layer.weight], 0.5)
+    layer.set_rollout_smoothing(s)
+    layer.set_rollout(True)
+    with torch.no_grad():
+        got = layer(x).double()
+    s64, x64 = s.double(), x.double()
+    xq = quantize((x64 / s64).float(), "int8", "activation").dequantize(torch.float64)
+    wq = quantize((layer.weight.detach().double() * s64).float(), "int8", "weight").dequantize(torch.float64)
+    lora = layer.scaling * (x64 @ layer.lora_A.detach().double().T) @ layer.lora_B.detach().double().T
+    want = xq @ wq.T + lora
+    bound = k * 2.0 ** -24 * (xq.abs() @ wq.abs().T + (x64.abs() @ layer.lora_A.detach().double().abs().T)
+                              @ layer.lora_B.detach().double().abs().T * layer.scaling) + 1e-5
+    assert bool(((got - want).abs() <= bound).all()), float((got - want).abs().max())
+
+
 def test_the_sync_quantizes_the_current_weight_times_s():
     torch.manual_seed(1)
     layer = QuantLinear(200, 64)
@@ -290,8 +315,6 @@ def test_a_run_with_smoothing_trains_and_resumes_with_the_same_factors(tmp_path)
     assert factors(first) and all(f is not None for f in factors(first))
     assert any(not torch.equal(f, torch.ones_like(f)) for f in factors(first))
     assert first.train()["step"] == 1
-    # saved resolved: a later default cannot change what a resume computes
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["precision"]["smooth_alpha"] == 0.5
     resumed = trainer(2, f"resume={tmp_path / 'run'}")  # calibrates on the model as loaded, as the first run did
     assert all(torch.equal(a, b) for a, b in zip(factors(first), factors(resumed)))
     assert resumed.train()["step"] == 2
@@ -329,3 +352,22 @@ def test_a_sharded_runs_rollout_copy_holds_the_smoothed_codes(dtype):
     assert torch.equal(b.qweight_data, a.qweight_data) and torch.equal(b.qweight_scale, a.qweight_scale)
     with torch.no_grad(), rollout_mode(model), rollout_mode(copy):
         torch.testing.assert_close(copy(ids), model(ids), rtol=0, atol=0)
+
+
+def test_a_run_saved_before_smoothing_existed_resumes_without_it(tmp_path):
+    """A config.yaml written before `precision.smooth_alpha` existed resumes with smoothing off, as that run computed
+    (today's default would turn it on halfway); a saved null, or a value, stays as saved."""
+    from quarl.api import _resumed
+    from quarl.config import config_to_dict, saved_run_defaults
+
+    data = config_to_dict(load_config(None, ["precision.flow=split", "precision.format=int8"]))
+    assert data["precision"]["smooth_alpha"] is None  # saved unresolved: a copied config follows its own flow
+    old = {**data, "precision": {k: v for k, v in data["precision"].items() if k != "smooth_alpha"}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert saved_run_defaults(tmp_path / "config.yaml") == {"precision.smooth_alpha": 0.0}
+    config, overrides = _resumed(None, {"resume": str(tmp_path)})
+    assert load_config(config, [f"{k}={v}" for k, v in overrides.items()]).precision.resolved_smooth_alpha == 0.0
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    assert saved_run_defaults(tmp_path / "config.yaml") == {}
+    config, overrides = _resumed(None, {"resume": str(tmp_path)})
+    assert load_config(config, [f"{k}={v}" for k, v in overrides.items()]).precision.resolved_smooth_alpha == 0.5

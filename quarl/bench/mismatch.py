@@ -12,7 +12,8 @@ answer tokens where both models' most likely next token agree.
 Large values mean a rollout policy far from the trained one (BRIEF §4): more truncated importance weights, slower
 learning (bench/results/quality.md). W8A8 rows quantize activations per token as the rollout does; weight-only
 rows (W8A16, W4A16) keep activations in the compute dtype, which on small models with activation outliers is
-often most of the difference.
+often most of the difference. W8A8 rows are unsmoothed unless --smooth-alpha adds smoothed ones; an int8 training
+run smooths by default (`precision.smooth_alpha`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def add_bench_mismatch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--problems", type=int, default=64, help="held-out prompts (one sampled answer each)")
     parser.add_argument("--smooth-alpha", type=float, default=0.0,
                         help="also measure each W8A8 setting with SmoothQuant smoothing of this strength in (0, 1) "
-                             "(precision.smooth_alpha; calibrated on the first training prompts); 0 = not")
+                             "(precision.smooth_alpha; calibrated on the first training prompts); 0 = not. The "
+                             "plain rows are unsmoothed; an int8 training run smooths by default, so pass 0.5 to "
+                             "see the setting it trains with")
     add_output_arguments(parser, DEFAULT_RESULTS)
 
 

@@ -314,6 +314,7 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
         trainer.log.close()
         del trainer, model
     row = phase_row(setting, timed, args, peak)
+    row["smooth_alpha"] = cfg.precision.resolved_smooth_alpha  # int8 W8A8 rollouts smooth by default
     row["setup_s"] = setup_s
     row["rollout_roofline_s"] = roofline
     row["rollout_roofline_pct"] = None if roofline is None else 100.0 * roofline / row["rollout_s"]
@@ -480,6 +481,8 @@ def format_row(r: dict) -> str:
         notes.append(f"answers {r['answer_len_mean']:.0f} tokens on average")
     if r["steps_timed"] < r["steps_asked"]:
         notes.append(f"{r['steps_timed']} of {r['steps_asked']} timed steps (time budget)")
+    if r.get("smooth_alpha"):
+        notes.append(f"SmoothQuant (alpha {r['smooth_alpha']})")
     roof = "-" if r.get("rollout_roofline_pct") is None else f"{r['rollout_roofline_pct']:.0f}%"
     return (f"| {r['setting']} | {r['step_s']:.2f} | {phases} | {r['rollout_tok_s']:,.0f} | {roof} | "
             f"{r['step_tok_s']:,.0f} | {peak} | {vs} | {'; '.join(notes)} |")

@@ -430,7 +430,7 @@ class QuantLinear(nn.Module):
         """w [out, in] (compute dtype) times the smoothing factors per input channel (in float32 or wider, rounded
         once) when the rollout copy is smoothed, else w."""
         s = self.rollout_smoothing
-        return w if s is None else (w * s).to(w.dtype)  # s is float32: the product is taken in float32
+        return w if s is None else (w * s).to(w.dtype)  # s is float32: the product promotes to float32 or wider
 
     @property
     def trained_rollout_copy(self) -> bool:
@@ -476,7 +476,7 @@ class QuantLinear(nn.Module):
         """x / s in x's dtype (divided in float32, or float64 for a float64 x, rounded once) when the rollout copy is
         smoothed, else x."""
         s = self.rollout_smoothing
-        return x if s is None else (x / s).to(x.dtype)  # s is float32: the quotient is taken in float32
+        return x if s is None else (x / s).to(x.dtype)  # s is float32: the quotient promotes to float32 or wider
 
     def mark_rollout_copy_current(self) -> None:
         """Record that the rollout copy now holds the master weight as it is (after `requantize_rollout_copy`)."""

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from quarl import distributed as qdist
-from quarl.config import RunConfig, config_to_dict, load_config
+from quarl.config import RunConfig, config_to_dict, load_config, saved_run_defaults
 from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
 from quarl.kernels.tuning import TUNING_FILE_ENV, current_tables
@@ -249,7 +249,8 @@ class Trainer:
         """cfg: a validated RunConfig; model / tokenizer: an already loaded model (else cfg.model.name is loaded).
         reward_fns, reward_weights, dataset, eval_dataset: Python callables and data in place of the config's
         reward and data sources (see `quarl.tasks.task.load_task` and `quarl.train`). task: a ready TaskData in
-        place of all of these, rendering its own prompts (e.g. to token ids, as the step benchmark does)."""
+        place of the config's data and reward and of all of these, whose prompts render without this trainer's
+        tokenizer (to token ids, as the step benchmark's, or text from a renderer already bound)."""
         from quarl.model.loading import load_model
 
         self.cfg = cfg
@@ -277,13 +278,17 @@ class Trainer:
         self.is_main = qdist.is_main()
         # Sharded masters are the parameters themselves (float32); the compute dtype is FSDP's mixed precision.
         master_dtype = torch.float32 if self.sharded else self.dtype
-        # The data and a user reward function are checked before the (slow) model load; prompts render later.
-        if cfg.reward.function and self.is_main:  # user code: say so before importing and trying it on one example
+        if task is not None and any(x is not None for x in (reward_fns, reward_weights, dataset, eval_dataset)):
+            raise ValueError("Trainer(task=...) takes its data and rewards from the task; pass reward_fns, "
+                             "reward_weights, dataset and eval_dataset only without it")
+        # The data and a user reward function are checked before the (slow) model load; prompts render later. A
+        # reward function is user code: say so before importing it and trying it on one example.
+        if cfg.reward.function and self.is_main and task is None:
             print(f"[quarl] loading the reward function {cfg.reward.function} (user code, runs in this process)")
         self.task: TaskData = task if task is not None else load_task(
             cfg.data, cfg.reward, None, seed=cfg.train.seed, reward_fns=reward_fns, reward_weights=reward_weights,
             dataset=dataset, eval_dataset=eval_dataset)
-        if cfg.reward.function and self.is_main:
+        if cfg.reward.function and self.is_main and task is None:
             print(f"[quarl] reward function: {cfg.reward.function} (from {reward_source(cfg.reward.function)})")
         torch.manual_seed(cfg.train.seed)
         if model is None:
@@ -414,8 +419,6 @@ class Trainer:
         # `resume` is not saved: re-running (or copying) this file would otherwise silently continue this run.
         saved = config_to_dict(self.cfg)
         saved.pop("resume", None)
-        # defaults that depend on the rest of the config are saved resolved: a resume or re-run computes as this run
-        saved["precision"]["smooth_alpha"] = self.cfg.precision.resolved_smooth_alpha
         atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
 
     def _claim_run_dir(self) -> None:
@@ -1202,7 +1205,8 @@ def train_from_config(config_path: str | None, overrides: list[str]) -> dict:
         if not saved.is_file():
             raise FileNotFoundError(f"resume={run_dir}: {saved} not found (is it a quarl run directory?)")
         rest = [o for o in overrides if not o.startswith("resume=")]
-        cfg = load_config(saved, rest + [f"resume={run_dir}", f"output.dir={run_dir}"])
+        earlier = [f"{key}={value}" for key, value in saved_run_defaults(saved).items()]
+        cfg = load_config(saved, earlier + rest + [f"resume={run_dir}", f"output.dir={run_dir}"])
     else:
         cfg = load_config(config_path, overrides)
     return Trainer(cfg).train()
