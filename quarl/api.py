@@ -31,7 +31,7 @@ from quarl.config import (
     config_to_dict,
     read_config_file,
     resolve_aliases,
-    saved_run_defaults,
+    saved_run,
 )
 
 
@@ -105,11 +105,9 @@ def _resumed(config, overrides: dict) -> tuple[Any, dict]:
     run_dir = overrides.get("resume")
     if not run_dir:
         return config, overrides
-    saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        raise FileNotFoundError(f"resume={run_dir}: {saved} not found (is it a quarl run directory?)")
+    saved, earlier = saved_run(run_dir)
     if config is None:  # the saved config, with the values an earlier quarl used for keys added since
-        return saved, {**saved_run_defaults(saved), **overrides, "output.dir": str(run_dir)}
+        return saved, {**earlier, **overrides, "output.dir": str(run_dir)}
     return config, {**overrides, "output.dir": str(run_dir)}
 
 

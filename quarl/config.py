@@ -500,6 +500,15 @@ def saved_run_defaults(path) -> dict[str, Any]:
     return out
 
 
+def saved_run(run_dir) -> tuple[Path, dict[str, Any]]:
+    """What `resume=RUN_DIR` loads: the run's config.yaml and the overrides that go under the caller's own
+    (`saved_run_defaults`). Raises FileNotFoundError when RUN_DIR holds no saved config."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(f"resume={run_dir}: {saved} not found (is it a quarl run directory?)")
+    return saved, saved_run_defaults(saved)
+
+
 def _alias_hint(key: str) -> str | None:
     """"; did you mean loss.kl_coef (TRL's beta)?" for a TRL name, the explanation for a TRL name without one
     quarl key, else None."""

@@ -120,20 +120,21 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 def sum_over_ranks(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The sum of every rank's `t` (same shape everywhere), returned on t's device; `t` itself without a group."""
-    if not is_initialized() or world_size() == 1:
-        return t
-    moved = t.to(device, copy=True)
-    dist.all_reduce(moved, op=dist.ReduceOp.SUM)
-    return moved.to(t.device)
+    return _reduced(t, device, dist.ReduceOp.SUM)
 
 
 def max_over_ranks(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The elementwise maximum of every rank's `t` (same shape everywhere), on t's device; `t` itself without a
     group."""
+    return _reduced(t, device, dist.ReduceOp.MAX)
+
+
+def _reduced(t: torch.Tensor, device: torch.device, op) -> torch.Tensor:
+    """all_reduce(op) of a copy of t on `device` (where the backend reduces), returned on t's device."""
     if not is_initialized() or world_size() == 1:
         return t
     moved = t.to(device, copy=True)
-    dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+    dist.all_reduce(moved, op=op)
     return moved.to(t.device)
 
 

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from quarl import distributed as qdist
-from quarl.config import RunConfig, config_to_dict, load_config, saved_run_defaults
+from quarl.config import RunConfig, config_to_dict, load_config, saved_run
 from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
 from quarl.kernels.tuning import TUNING_FILE_ENV, current_tables
@@ -1201,12 +1201,10 @@ def train_from_config(config_path: str | None, overrides: list[str]) -> dict:
     resume = [o for o in overrides if o.startswith("resume=")]
     if resume:
         run_dir = resume[-1].split("=", 1)[1]
-        saved = Path(run_dir) / "config.yaml"
-        if not saved.is_file():
-            raise FileNotFoundError(f"resume={run_dir}: {saved} not found (is it a quarl run directory?)")
+        saved, earlier = saved_run(run_dir)
         rest = [o for o in overrides if not o.startswith("resume=")]
-        earlier = [f"{key}={value}" for key, value in saved_run_defaults(saved).items()]
-        cfg = load_config(saved, earlier + rest + [f"resume={run_dir}", f"output.dir={run_dir}"])
+        cfg = load_config(saved, [f"{key}={value}" for key, value in earlier.items()] + rest +
+                          [f"resume={run_dir}", f"output.dir={run_dir}"])
     else:
         cfg = load_config(config_path, overrides)
     return Trainer(cfg).train()
