@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quarl.model.qlinear import QuantLinear
+from quarl.model.qlinear import ROLLOUT_BUFFERS, QuantLinear
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -126,8 +126,8 @@ def drop_unused_rollout_buffers(model: nn.Module) -> None:
     which the training forward does read, keeps its buffers)."""
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.weight is not None and not m.frozen_base:
-            m.qweight_data = m.qweight_scale = m.qweight_global_scale = m.weight_dequant = None
-            m.rollout_smoothing = None
+            for name in ROLLOUT_BUFFERS:
+                setattr(m, name, None)
             m._qdtypes = m._rollout_source = None
 
 
