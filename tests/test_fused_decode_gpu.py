@@ -47,6 +47,7 @@ def test_the_self_check_accepts_the_kernels():
     assert kernels.decode_fused_ok(torch.device(DEV), BF16)
     assert kernels.decode_fused_scaled_ok(torch.device(DEV), BF16)  # the scaled-input variants too
     assert kernels.decode_fused_group_ok(torch.device(DEV))  # and the fp8-block group codes
+    assert kernels.decode_fused_smooth_ok(torch.device(DEV))  # and the smoothed codes
 
 
 @pytest.mark.parametrize("m,h", [(1, 896), (37, 3584), (512, 5000)])
@@ -98,6 +99,58 @@ def test_silu_mul_kernel_on_the_halves_of_a_fused_output(m, n, quant):
     one_rounding_apart(h, F.silu(g) * u)
     if quant:
         assert_codes_of(h, codes, scales, quant)
+
+
+@pytest.mark.parametrize("m,h,n", [(1, 576, 1536), (128, 576, 1536), (37, 3584, 18944), (3, 896, 40000)])
+@pytest.mark.parametrize("quant", ["int8", "fp8", "fp8-block"])
+def test_smoothed_codes_of_the_norm_and_silu_mul_kernels(m, h, n, quant):
+    """With a smoothed next linear (SmoothQuant factors s), the kernels' codes are bit for bit those of their own
+    bf16 values divided by s as `QuantLinear.smooth_input` divides (float32, rounded once), and the values they
+    write stay undivided (SmolLM2's 576 / 1536, a 7B MLP's 18944, the two-pass 40000)."""
+    from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
+
+    x, d = torch.randn(m, h, device=DEV, dtype=BF16) * 3, torch.randn(m, h, device=DEV, dtype=BF16)
+    w = 1 + 0.3 * torch.randn(h, device=DEV, dtype=BF16)
+    s_h, s_n = torch.rand(h, device=DEV) * 8 + 0.01, torch.rand(n, device=DEV) * 8 + 0.01
+    _, hh, codes, scales = rms_norm_rows(x, d, w, None, 1e-6, quant, smooth=s_h)
+    _, plain, _, _ = rms_norm_rows(x, d, w, None, 1e-6, quant)
+    assert torch.equal(hh, plain)
+    assert_codes_of((hh / s_h).to(BF16), codes, scales, quant)
+    gu = torch.randn(m, 2 * n, device=DEV, dtype=BF16) * 4
+    a, codes, scales = silu_mul_rows(gu[:, :n], gu[:, n:], quant, smooth=s_n)
+    assert torch.equal(a, silu_mul_rows(gu[:, :n], gu[:, n:], quant)[0])
+    assert_codes_of((a / s_n).to(BF16), codes, scales, quant)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_smoothed_fused_decode_hands_codes_and_matches_the_module_path(monkeypatch, fmt):
+    """A smoothed split-flow rollout (SmoothQuant factors on every dense linear) decodes through the fused
+    kernels' smoothed codes at a small batch (q/k/v, gate/up and down take handed codes) with the module path's
+    logits: within 3e-2 of the largest, argmaxes agreeing (the bound of the unsmoothed test above)."""
+    from quarl.model.smoothing import calibration_batches, smooth_rollout
+    from quarl.rollout.fused_decode import FusedDecoder
+    from tiny_models import rand_prompts
+
+    torch.manual_seed(0)
+    model = small_qwen2()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[[1, 5]] *= 40.0  # outlier channels
+    apply_precision(model, PrecisionConfig(flow="split", format=fmt, smooth_alpha=0.5))
+    assert smooth_rollout(model, calibration_batches(rand_prompts([7, 9, 5]), DEV), 0.5) > 0
+    FusedDecoder.for_model(model).deferred_scales = False
+    engine = FastRolloutEngine(model, None, max_batch_size=64)
+    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=4, temperature=0.0)  # allocates the cache
+    handed = []
+    from_codes = kernels.matmul_from_codes
+    monkeypatch.setattr(kernels, "matmul_from_codes", lambda *a: handed.append(1) or from_codes(*a))
+    tokens, positions = torch.randint(0, 4096, (3,), device=DEV), torch.randint(0, 60, (3,), device=DEV)
+    want, got = both_decode_logits(model, engine, tokens, positions)
+    assert len(handed) == 3 * len(model.model.layers)
+    scale = float(want.float().abs().max())
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
+    assert bool((got.argmax(-1) == want.argmax(-1)).all())
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(28, 4, 128), (8, 2, 64), (3, 3, 32)])

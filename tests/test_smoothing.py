@@ -201,6 +201,101 @@ def test_the_fused_decoder_takes_the_smoothing_too():
     model.set_rollout(False)
 
 
+@pytest.mark.parametrize("fmt,deferred", [("int8", False), ("fp8", False), ("fp8", True)])
+def test_handed_codes_of_a_smoothed_linear_are_those_of_the_divided_activations(monkeypatch, fmt, deferred):
+    """Where the fused norm and SiLU·mul kernels hand 8-bit codes to the next GEMM (forced here, as on a GPU; the
+    torch pieces make the codes), a smoothed linear gets the codes of x / s, and o_proj's unit-scale path (fp8,
+    deferred scales) quantizes x / s: float32 logits equal the module path's to 1e-5 of the largest logit, every
+    q/k/v, gate/up and down GEMM took handed codes, and codes of the undivided activations would give other
+    logits."""
+    from quarl import kernels
+    from quarl.rollout import fused_decode
+    from quarl.rollout.fused_decode import DEFAULT_DEFERRED, FusedDecoder
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = make_model("qwen2", dtype=torch.float32)
+    _with_outlier_channels(model)
+    apply_precision(model, PrecisionConfig(flow="split", format=fmt, smooth_alpha=0.5))
+    smooth_rollout(model, calibration_batches(rand_prompts([7, 9, 5]), "cpu"), 0.5)
+    engine = FastRolloutEngine(model, None, max_batch_size=8, fused_decode=True)
+    engine.generate(rand_prompts([5, 3, 8]), n=1, max_new_tokens=6, temperature=0.0)  # fill the cache
+    decoder = FusedDecoder.for_model(model)
+    decoder.prepare()
+    monkeypatch.setattr(fused_decode, "_handoff", lambda qweight, linear, m: True)
+    handed = []
+
+    def codes_matmul(codes, scales, qweight, bias, out_dtype):  # float32: cuBLAS would round to bf16
+        handed.append(tuple(qweight.shape))
+        y = (codes.float() * scales) @ qweight.dequantize(torch.float32).T
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(kernels, "matmul_from_codes", codes_matmul)
+    monkeypatch.setattr(kernels, "unit_scales_ok", lambda qweight, m: True)
+
+    def step_logits():
+        decoder.deferred_scales = frozenset(("o",)) if deferred else frozenset()
+        try:
+            return both_decode_logits(model, engine, torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]))
+        finally:
+            decoder.deferred_scales = DEFAULT_DEFERRED
+
+    want, got = step_logits()
+    assert len(handed) == 3 * model.config.num_layers  # q/k/v, gate/up, down
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    monkeypatch.setattr(fused_decode, "_divided", lambda h, smooth: h)  # codes of x, not x / s
+    monkeypatch.setattr(QuantLinear, "smooth_input", lambda self, x: x)
+    undivided = step_logits()[1]
+    assert float((undivided - want).abs().max()) > 1e-3 * float(want.abs().max())
+
+
+_SMOOTHED_CODES_CHECK = """
+import torch
+from quarl.formats import quantize
+from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
+torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+
+def check(h, s, codes, scales):
+    ref = quantize((h / s).to(h.dtype), "int8", "activation")
+    assert torch.equal(codes, ref.data) and torch.equal(scales, ref.scale), (codes.int() - ref.data.int()).abs().max()
+    plain = quantize(h, "int8", "activation")
+    assert not torch.equal(codes, plain.data)  # the division shows
+
+for m, h in [(3, 576), (2, 200)]:  # SmolLM2's hidden size; a row shorter than the kernel's block
+    x, d = torch.randn(m, h).bfloat16() * 3, torch.randn(m, h).bfloat16()
+    w = (1 + 0.3 * torch.randn(h)).bfloat16()
+    s = torch.rand(h) * 4 + 0.05
+    _, hh, codes, scales = rms_norm_rows(x, d, w, None, 1e-6, "int8", smooth=s)
+    check(hh, s, codes, scales)
+for m, n in [(2, 1536), (3, 300), (2, 40000)]:  # SmolLM2's MLP width (row pieces); two-pass kernel
+    gu = (torch.randn(m, 2 * n) * 4).bfloat16()
+    s = torch.rand(n) * 4 + 0.05
+    hh, codes, scales = silu_mul_rows(gu[:, :n], gu[:, n:], "int8", smooth=s)
+    check(hh, s, codes, scales)
+print("ok")
+"""
+
+
+def test_the_fused_kernels_smoothed_codes_in_the_interpreter():
+    """The fused norm and SiLU·mul kernels' int8 codes with smoothing factors, run by Triton's CPU interpreter:
+    bit for bit `quarl.formats.quantize` of their own bf16 values divided by s (in float32, rounded to bf16) on
+    SmolLM2's shapes, the row-pieces and the two-pass kernel; the written values stay undivided. (The GPU test
+    checks FP8 and fp8-block codes too.)"""
+    from interpreter import INTERPRETER_PATCH, run_in_interpreter
+
+    run_in_interpreter(INTERPRETER_PATCH + _SMOOTHED_CODES_CHECK)
+
+
+def test_the_fused_kernels_refuse_smoothing_factors_they_cannot_use():
+    pytest.importorskip("triton")
+    from quarl.kernels.decode_fused import rms_norm_rows
+
+    x, w = torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16()
+    with pytest.raises(ValueError, match="without a quant format"):
+        rms_norm_rows(x, None, w, None, 1e-6, None, smooth=torch.ones(64))
+    with pytest.raises(ValueError, match=r"float32 \[64\]"):
+        rms_norm_rows(x, None, w, None, 1e-6, "int8", smooth=torch.ones(32))
+
+
 def _smoothed_qkv(dequant_cache: bool = True):
     """A stacked q/k/v FusedProjection of a smoothed int8 rollout, in rollout mode, and an input with outliers;
     dequant_cache=False: no part keeps a dequantized weight (as on a GPU, where kernels read the codes)."""

@@ -22,7 +22,8 @@ patch of a name in the module that defines it reaches every caller here. Code ou
 
 from quarl.kernels.availability import fp8_kernels_available, kernels_available
 from quarl.kernels.capabilities import (TRAINING_KERNELS, decode_fused_group_ok, decode_fused_ok,
-                                        decode_fused_scaled_ok, kernel_passes_check, training_kernel_ok)
+                                        decode_fused_scaled_ok, decode_fused_smooth_ok, kernel_passes_check,
+                                        training_kernel_ok)
 from quarl.kernels.codes import codes_handoff, matmul_from_codes, unit_scales_ok
 from quarl.kernels.fake_quant import (fake_quantize_activation, fake_quantize_columns, fake_quantize_weight,
                                       try_quantize_fp8_block_weight, try_quantize_weight)
@@ -33,4 +34,4 @@ __all__ = ["try_quantized_matmul", "quantized_matmul", "try_dequantize", "dequan
            "fake_quantize_activation", "fake_quantize_weight", "fake_quantize_columns", "try_quantize_fp8_block_weight", "kernels_available",
            "fp8_kernels_available", "plan_for", "codes_handoff", "matmul_from_codes", "unit_scales_ok",
            "decode_fused_ok", "try_quantize_weight", "kernel_passes_check", "training_kernel_ok", "TRAINING_KERNELS",
-           "decode_fused_group_ok", "decode_fused_scaled_ok", "PRE_HOPPER_STAGE_BYTES"]
+           "decode_fused_group_ok", "decode_fused_scaled_ok", "decode_fused_smooth_ok", "PRE_HOPPER_STAGE_BYTES"]

@@ -186,6 +186,40 @@ def _group_codes_agree(device: torch.device) -> bool:
     return same(h, c, s) and same(a, c2, s2)
 
 
+def decode_fused_smooth_ok(device: torch.device) -> bool:
+    """Whether the fused norm and SiLU·mul kernels may hand over the codes of h / s for a smoothed linear
+    (SmoothQuant, `QuantLinear.rollout_smoothing`): `decode_fused_ok` for bf16, and on first use their smoothed
+    int8 codes (and FP8 / fp8-block codes where the FP8 kernels run) equal `quarl.formats.quantize` of their own
+    values divided as `QuantLinear.smooth_input` divides. A separate check: a failure turns only this handoff off
+    (a smoothed linear then quantizes its own divided input)."""
+    return CAPABILITIES.check(
+        "decode_fused_smooth", str(device), lambda: _smoothed_codes_agree(device),
+        requires=lambda: decode_fused_ok(device, torch.bfloat16), what="the fused decode kernels' smoothed codes")
+
+
+def _smoothed_codes_agree(device: torch.device) -> bool:
+    from quarl.formats import quantize
+    from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
+
+    randn = _seeded_randn(device, torch.bfloat16)
+    quants = ("int8", "fp8", "fp8-block") if availability.fp8_kernels_available(device) else ("int8",)
+
+    def same(h, s, c, sc, quant) -> bool:
+        ref = quantize((h / s).to(h.dtype), quant, "activation")
+        return torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)[:, :h.shape[1]]) and \
+            torch.equal(sc, ref.scale)
+
+    x, w = randn(5, 300), randn(300)
+    gu = randn(5, 2 * 700)
+    s_norm, s_mlp = randn(300).float().abs() + 0.05, randn(700).float().abs() + 0.05
+    for quant in quants:
+        _, h, c, sc = rms_norm_rows(x, None, w, None, 1e-6, quant, write_h=True, smooth=s_norm)
+        a, c2, sc2 = silu_mul_rows(gu[:, :700], gu[:, 700:], quant, smooth=s_mlp)
+        if not (same(h, s_norm, c, sc, quant) and same(a, s_mlp, c2, sc2, quant)):
+            return False
+    return True
+
+
 def decode_fused_scaled_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused decode kernels may also take unit-scale FP8 products (`FusedDecoder.deferred_scales`):
     `decode_fused_ok`, and on first use their scaled-input variants agreeing with scaling in torch first. A

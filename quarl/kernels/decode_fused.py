@@ -6,8 +6,8 @@ share of a decode step (bench/results/rollout.md). Here each group is one pass:
 
   rms_norm_rows   (x + delta) -> residual, RMSNorm(residual) * (w + noise) -> h (w + noise in float32), and
                   optionally h's 8-bit codes and scales, per token or (fp8-block) per 1x128 group: the next
-                  linear's activation quantization;
-  silu_mul_rows   silu(gate) * up -> h, optionally with its codes and scales;
+                  linear's activation quantization (of h / s when the linear is smoothed, `smooth`);
+  silu_mul_rows   silu(gate) * up -> h, optionally with its codes and scales (of h / s, `smooth`);
   rope_rows       rotary embedding of the q and k heads of the fused q/k/v projection output.
 
 Every kernel rounds where the PyTorch modules round (bf16 after the residual add, after the norm, after silu,
@@ -52,10 +52,22 @@ def _store_codes(q_ptr, s_ptr, row, offs, mask, h, amax, QUANT_INT8: tl.constexp
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, H, eps, stride_x,
-                     stride_d, stride_sg, HAS_DELTA: tl.constexpr, DELTA_SCALED: tl.constexpr,
+def _to_quantize(h, sm_ptr, cols, ok, SMOOTH: tl.constexpr):
+    """The float32 values whose codes are stored for h (columns cols of a row, in the activations' dtype): h, or,
+    SMOOTH, h / s (s float32 at sm_ptr + cols) divided in float32 with IEEE rounding and rounded to h's dtype, as
+    `QuantLinear.smooth_input` computes it."""
+    if SMOOTH:
+        s = tl.load(sm_ptr + cols, mask=ok, other=1.0)
+        return tl.math.div_rn(h.to(tl.float32), s).to(h.dtype).to(tl.float32)
+    else:
+        return h.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q_ptr, s_ptr, sm_ptr, H, eps,
+                     stride_x, stride_d, stride_sg, HAS_DELTA: tl.constexpr, DELTA_SCALED: tl.constexpr,
                      HAS_NOISE: tl.constexpr, WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr,
-                     GROUPED: tl.constexpr, BLOCK: tl.constexpr):
+                     GROUPED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row; the whole row stays in registers (BLOCK >= H). DELTA_SCALED: delta is a unit-scale
     FP8 product, multiplied here by its per-token (ds [M]) and per-channel (dc [H]) scales and rounded. GROUPED:
     fp8-block codes (1x128 groups, scales at stride_sg per group, see `_store_codes`)."""
@@ -79,7 +91,7 @@ def _rms_norm_kernel(x_ptr, d_ptr, ds_ptr, dc_ptr, w_ptr, n_ptr, r_ptr, h_ptr, q
     if WRITE_H:
         tl.store(h_ptr + row * H + offs, h, mask=ok)
     if QUANT:
-        hf = h.to(tl.float32)
+        hf = _to_quantize(h, sm_ptr, offs, ok, SMOOTH)
         _store_codes(q_ptr + row * H, s_ptr, row, offs, ok, hf, tl.max(tl.abs(hf), axis=0), QUANT_INT8, GROUPED, 0,
                      H, stride_sg)
 
@@ -118,12 +130,12 @@ def _sigmoid(g):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u, stride_sg,
-                     WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr,
-                     GROUPED: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, sm_ptr, N, stride_g, stride_u,
+                     stride_sg, WRITE_H: tl.constexpr, QUANT: tl.constexpr, QUANT_INT8: tl.constexpr,
+                     SCALED: tl.constexpr, GROUPED: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row, BLOCK columns at a time; with QUANT a first pass finds the row's amax (the second
     pass recomputes h from the L2-resident inputs rather than storing and re-reading it). GROUPED: fp8-block
-    codes, one pass (a group's scale needs only its own 128 columns)."""
+    codes, one pass (a group's scale needs only its own 128 columns). SMOOTH: codes of h / s (`_to_quantize`)."""
     row = tl.program_id(0).to(tl.int64)
     ar = tl.arange(0, BLOCK)
     g_row = g_ptr + row * stride_g
@@ -135,24 +147,26 @@ def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, 
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
             h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
-            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(_to_quantize(h, sm_ptr, start + ar, ok, SMOOTH)))
         row_amax = tl.max(amax, axis=0)
     for start in range(0, N, BLOCK):
         h, ok = _silu_mul_block(g_row, u_row, start, ar, N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
         if WRITE_H:
             tl.store(h_ptr + row * N + start + ar, h, mask=ok)
         if QUANT:
-            _store_codes(q_ptr + row * N, s_ptr, row, start + ar, ok, h.to(tl.float32), row_amax, QUANT_INT8,
-                         GROUPED, start, N, stride_sg)
+            _store_codes(q_ptr + row * N, s_ptr, row, start + ar, ok, _to_quantize(h, sm_ptr, start + ar, ok, SMOOTH),
+                         row_amax, QUANT_INT8, GROUPED, start, N, stride_sg)
 
 
 @triton.jit
-def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, N, stride_g, stride_u,
+def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_ptr, sm_ptr, N, stride_g, stride_u,
                          stride_sg, WRITE_H: tl.constexpr, QUANT_INT8: tl.constexpr, SCALED: tl.constexpr,
-                         GROUPED: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
+                         GROUPED: tl.constexpr, SMOOTH: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
+                         C2: tl.constexpr):
     """One program per row, the whole row on chip in up to three power-of-two pieces (C0 >= C1 >= C2, 0 = none;
     C0 + C1 + C2 >= N): each product is computed once, then the row's scale and codes. Used with quantization,
-    where `_silu_mul_kernel` would compute every product twice (one pass for the amax, one for the codes)."""
+    where `_silu_mul_kernel` would compute every product twice (one pass for the amax, one for the codes).
+    SMOOTH: codes of h / s (`_to_quantize`)."""
     row = tl.program_id(0).to(tl.int64)
     g_row = g_ptr + row * stride_g
     u_row = u_ptr + row * stride_u
@@ -160,34 +174,39 @@ def _silu_mul_row_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, rs_ptr, cg_ptr, cu_p
     rs = tl.load(rs_ptr + row) if SCALED else 1.0
     # Every piece's loads are issued before the first reduction: a reduction's barriers would otherwise hold
     # the next piece's loads back, one memory latency per piece.
-    h0, ok0 = _silu_mul_block(g_row, u_row, 0, tl.arange(0, C0), N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
+    cols0 = tl.arange(0, C0)
+    h0, ok0 = _silu_mul_block(g_row, u_row, 0, cols0, N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
     if C1 > 0:
+        cols1 = C0 + tl.arange(0, C1)
         h1, ok1 = _silu_mul_block(g_row, u_row, C0, tl.arange(0, C1), N, out_dtype, rs, cg_ptr, cu_ptr, SCALED)
     if C2 > 0:
+        cols2 = C0 + C1 + tl.arange(0, C2)
         h2, ok2 = _silu_mul_block(g_row, u_row, C0 + C1, tl.arange(0, C2), N, out_dtype, rs, cg_ptr, cu_ptr,
                                   SCALED)
-    amax = tl.max(tl.abs(h0.to(tl.float32)), axis=0)
+    v0 = _to_quantize(h0, sm_ptr, cols0, ok0, SMOOTH)
+    amax = tl.max(tl.abs(v0), axis=0)
     if C1 > 0:
-        amax = tl.maximum(amax, tl.max(tl.abs(h1.to(tl.float32)), axis=0))
+        v1 = _to_quantize(h1, sm_ptr, cols1, ok1, SMOOTH)
+        amax = tl.maximum(amax, tl.max(tl.abs(v1), axis=0))
     if C2 > 0:
-        amax = tl.maximum(amax, tl.max(tl.abs(h2.to(tl.float32)), axis=0))
-    _store_piece(q_ptr, h_ptr, s_ptr, row, N, 0, tl.arange(0, C0), ok0, h0, amax, WRITE_H, QUANT_INT8, GROUPED,
-                 stride_sg)
+        v2 = _to_quantize(h2, sm_ptr, cols2, ok2, SMOOTH)
+        amax = tl.maximum(amax, tl.max(tl.abs(v2), axis=0))
+    _store_piece(q_ptr, h_ptr, s_ptr, row, N, 0, cols0, ok0, h0, v0, amax, WRITE_H, QUANT_INT8, GROUPED, stride_sg)
     if C1 > 0:
-        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0, C0 + tl.arange(0, C1), ok1, h1, amax, WRITE_H, QUANT_INT8,
-                     GROUPED, stride_sg)
+        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0, cols1, ok1, h1, v1, amax, WRITE_H, QUANT_INT8, GROUPED,
+                     stride_sg)
     if C2 > 0:
-        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + C1, C0 + C1 + tl.arange(0, C2), ok2, h2, amax, WRITE_H,
-                     QUANT_INT8, GROUPED, stride_sg)
+        _store_piece(q_ptr, h_ptr, s_ptr, row, N, C0 + C1, cols2, ok2, h2, v2, amax, WRITE_H, QUANT_INT8, GROUPED,
+                     stride_sg)
 
 
 @triton.jit
-def _store_piece(q_ptr, h_ptr, s_ptr, row, N, start, cols, ok, h, amax, WRITE_H: tl.constexpr,
+def _store_piece(q_ptr, h_ptr, s_ptr, row, N, start, cols, ok, h, v, amax, WRITE_H: tl.constexpr,
                  QUANT_INT8: tl.constexpr, GROUPED: tl.constexpr, stride_sg):
-    """One piece of a row (columns cols = start + arange, values h) -> its codes under the row's amax (GROUPED:
-    under each 128-column group's own), and h itself with WRITE_H."""
-    _store_codes(q_ptr + row * N, s_ptr, row, cols, ok, h.to(tl.float32), amax, QUANT_INT8, GROUPED, start, N,
-                 stride_sg)
+    """One piece of a row (columns cols = start + arange, values h; v: the float32 values to quantize, h or
+    h / s) -> v's codes under the row's amax (GROUPED: under each 128-column group's own), and h itself with
+    WRITE_H."""
+    _store_codes(q_ptr + row * N, s_ptr, row, cols, ok, v, amax, QUANT_INT8, GROUPED, start, N, stride_sg)
     if WRITE_H:
         tl.store(h_ptr + row * N + cols, h, mask=ok)
 
@@ -318,7 +337,7 @@ def _group_stride(quant: str | None, scales: torch.Tensor | None) -> int:
 
 def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, noise: torch.Tensor | None,
                   eps: float, quant: str | None = None, write_h: bool = True, num_warps: int | None = None,
-                  delta_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                  delta_scales: tuple[torch.Tensor, torch.Tensor] | None = None, smooth: torch.Tensor | None = None):
     """x, delta: [M, H] (bf16/fp16, rows contiguous); weight, noise: [H] -> (residual, h, codes, scales).
 
     residual = x + delta ([M, H], new tensor; x itself when delta is None); h = RMSNorm(residual) with weight
@@ -330,9 +349,12 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     else None, None. num_warps: per row (default by row length).
     delta_scales: (per-token float32 [M, 1], per-channel float32 [H]) when delta is a unit-scale FP8 product:
     delta * both scales, rounded to x's dtype, is what gets added.
+    smooth: the next linear's SmoothQuant factors s (float32 [H], `QuantLinear.rollout_smoothing`): the codes are
+    those of h / s (divided in float32, rounded to x's dtype), h itself is written undivided.
     """
     _check_quant(quant)
     M, H = x.shape
+    smooth = _check_smooth(smooth, H, quant)
     if x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
         raise ValueError(f"rms_norm_rows needs x and delta [M, H] with contiguous rows, got {tuple(x.shape)}")
     if delta is None and delta_scales is not None:
@@ -347,10 +369,11 @@ def rms_norm_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
             x, delta if delta is not None else x, ds if ds is not None else x, dc if dc is not None else x, weight,
             noise if noise is not None else weight, residual, h if h is not None else x,
             codes if codes is not None else x, scales if scales is not None else x,
+            smooth if smooth is not None else x,
             H, eps, x.stride(0), delta.stride(0) if delta is not None else 0, _group_stride(quant, scales),
             HAS_DELTA=delta is not None, DELTA_SCALED=ds is not None, HAS_NOISE=noise is not None,
             WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8", GROUPED=quant == "fp8-block",
-            BLOCK=block,
+            SMOOTH=smooth is not None, BLOCK=block,
             num_warps=num_warps or min(16, max(4, block // 256)))
     return residual, h, _typed(codes, quant), scales
 
@@ -361,14 +384,16 @@ SILU_ROW_WARPS = 32
 
 
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None, write_h: bool = True,
-                  in_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                  in_scales: tuple[torch.Tensor, torch.Tensor] | None = None, smooth: torch.Tensor | None = None):
     """gate, up: [M, N] (rows contiguous; may be the two halves of one fused projection output) ->
     (h = silu(gate) * up [M, N] or None unless write_h, codes [M, N] or None, scales float32 [M, 1] or None;
     quant as `rms_norm_rows`, "fp8-block" giving scales [M, ceil(N/128)] column-major).
     in_scales: (per-token float32 [M, 1], per-channel float32 [2N] for gate then up) when gate and up are the
-    halves of a unit-scale FP8 product: each is first multiplied by its scales and rounded to up's dtype."""
+    halves of a unit-scale FP8 product: each is first multiplied by its scales and rounded to up's dtype.
+    smooth: float32 [N], the codes are those of h / s (as `rms_norm_rows`)."""
     _check_quant(quant)
     M, N = gate.shape
+    smooth = _check_smooth(smooth, N, quant)
     if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1:
         raise ValueError(f"silu_mul_rows needs gate and up [M, N] with contiguous rows, got {tuple(gate.shape)} "
                          f"and {tuple(up.shape)}")
@@ -381,16 +406,29 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None
     if M and quant is not None and 0 < N <= ROW_ON_CHIP_MAX:
         c0, c1, c2 = row_pieces(N)
         _silu_mul_row_kernel[(M,)](
-            gate, up, h if h is not None else up, codes, scales, *scale_args, N, gate.stride(0), up.stride(0),
-            _group_stride(quant, scales), WRITE_H=write_h, QUANT_INT8=quant == "int8", SCALED=rs is not None,
-            GROUPED=quant == "fp8-block", C0=c0, C1=c1, C2=c2, num_warps=SILU_ROW_WARPS)
+            gate, up, h if h is not None else up, codes, scales, *scale_args, smooth if smooth is not None else up, N,
+            gate.stride(0), up.stride(0), _group_stride(quant, scales), WRITE_H=write_h, QUANT_INT8=quant == "int8",
+            SCALED=rs is not None, GROUPED=quant == "fp8-block", SMOOTH=smooth is not None, C0=c0, C1=c1, C2=c2,
+            num_warps=SILU_ROW_WARPS)
     elif M:
         _silu_mul_kernel[(M,)](
             gate, up, h if h is not None else up, codes if codes is not None else up,
-            scales if scales is not None else up, *scale_args, N, gate.stride(0), up.stride(0),
-            _group_stride(quant, scales), WRITE_H=write_h, QUANT=quant is not None, QUANT_INT8=quant == "int8",
-            SCALED=rs is not None, GROUPED=quant == "fp8-block", BLOCK=2048, num_warps=8)
+            scales if scales is not None else up, *scale_args, smooth if smooth is not None else up, N,
+            gate.stride(0), up.stride(0), _group_stride(quant, scales), WRITE_H=write_h, QUANT=quant is not None,
+            QUANT_INT8=quant == "int8", SCALED=rs is not None, GROUPED=quant == "fp8-block",
+            SMOOTH=smooth is not None, BLOCK=2048, num_warps=8)
     return h, _typed(codes, quant), scales
+
+
+def _check_smooth(smooth: torch.Tensor | None, n: int, quant: str | None) -> torch.Tensor | None:
+    """The smoothing factors as the kernels read them (float32 [n], contiguous), or None."""
+    if smooth is None:
+        return None
+    if quant is None:
+        raise ValueError("smoothing factors given without a quant format: they divide only the codes' values")
+    if smooth.dtype != torch.float32 or smooth.numel() != n:
+        raise ValueError(f"smoothing factors must be float32 [{n}], got {smooth.dtype} {tuple(smooth.shape)}")
+    return smooth.reshape(n).contiguous()
 
 
 def _check_scales(pair, m: int, col_shape: tuple, name: str):

@@ -11,8 +11,9 @@ square sums in another order):
 Where the next linear's 8-bit GEMM takes codes (`kernels.codes_handoff`: cuBLAS FP8 rowwise, or fp8-block with K
 a multiple of 512, or an int8 / fp8 W8A8 Triton GEMM or GEMV on prequantized codes), the norm or SiLU·mul kernel
 hands it the activation codes and scales (per token, or per 1x128 group) directly, so no separate quantization
-pass reads the activations again. The codes are those `quarl.formats` makes from the kernel's bf16 output, so the
-GEMM computes what it would have computed from the bf16 activations.
+pass reads the activations again. The codes are those `quarl.formats` makes from the kernel's bf16 output (divided
+by the linear's SmoothQuant factors when it is smoothed, as the linear divides its input), so the GEMM computes
+what it would have computed from the bf16 activations.
 
 On a CPU, or where a kernel does not apply, every piece has a PyTorch definition with the modules' exact math;
 the fast engine takes the fused decoder when `fused_decode_supported(model)`, and tests hold the decode step with
@@ -187,10 +188,15 @@ class FusedProjection:
         """"int8" / "fp8" (per-token codes) or "fp8-block" (1x128 groups) when the fused GEMM at m rows can take
         activation codes directly (see `kernels.codes_handoff`), else None (it wants the bf16 activations)."""
         qw = self.fused_qweight
-        if qw is None or (self.has_lora and not self.fast_paths.lora_codes_handoff) or \
-                self.parts[0].rollout_smoothing is not None:  # the GEMM quantizes x / s, not the norm's output
+        if qw is None or (self.has_lora and not self.fast_paths.lora_codes_handoff):
             return None
         return qw.fmt if _handoff(qw, self.parts[0], m) else None
+
+    @property
+    def smoothing(self) -> torch.Tensor | None:
+        """The parts' shared SmoothQuant factors (float32 [K]; `fused_qweight` is None unless they share them), or
+        None: the handed codes must be those of x / s."""
+        return self.parts[0].rollout_smoothing
 
     @property
     def has_lora(self) -> bool:
@@ -339,28 +345,30 @@ def _activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear_codes_handoff(linear: QuantLinear, m: int, fast_paths: FastPaths) -> str | None:
     """As `FusedProjection.codes_handoff` for a single linear in rollout mode (fast_paths: the decoder's)."""
     if not linear.rollout or linear.rollout_format not in ("int8", "fp8", "fp8-block") or \
-            (linear.lora_rank and not fast_paths.lora_codes_handoff) or linear.qweight_data is None or \
-            linear.rollout_smoothing is not None:
+            (linear.lora_rank and not fast_paths.lora_codes_handoff) or linear.qweight_data is None:
         return None
     return linear.rollout_format if _handoff(linear.qweight, linear, m) else None
 
 
 def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
     """Codes go from a fused kernel straight to the 8-bit GEMM only when both run: the fused kernels for this
-    dtype (else the activations take the torch pieces, which hand over bf16) and a GEMM that takes codes at m
-    rows."""
-    return (qweight.data.is_cuda and kernels.decode_fused_ok(qweight.data.device, linear.compute_dtype)
+    dtype (else the activations take the torch pieces, which hand over bf16), with their smoothed codes when the
+    linear is smoothed, and a GEMM that takes codes at m rows."""
+    device = qweight.data.device
+    return (qweight.data.is_cuda and kernels.decode_fused_ok(device, linear.compute_dtype)
+            and (linear.rollout_smoothing is None or kernels.decode_fused_smooth_ok(device))
             and kernels.codes_handoff(qweight, linear.weight_only, m))
 
 
 # ------------------------------------------------------------------------------------------ elementwise pieces
 def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | None, delta_scales=None,
-             keep_h: bool = False):
+             keep_h: bool = False, smooth: torch.Tensor | None = None):
     """(x + delta, norm(x + delta), codes) for an RMSNorm module in rollout mode; codes = (int8 / FP8 codes [M, H],
     scales [M, 1]) of the normed values when quant == "int8" / "fp8", (codes, 1x128-group scales [M, H/128]
     column-major) when quant == "fp8-block" (then the normed values themselves are None).
     delta_scales: (per-token [M, 1], per-channel [H]) float32 when delta is a unit-scale FP8 product
-    (`unit_scale_matmul`): delta * scales, rounded to x's dtype, is added."""
+    (`unit_scale_matmul`): delta * scales, rounded to x's dtype, is added. smooth: the next linear's smoothing
+    factors (float32 [H]; with quant only): the codes are those of h / s, as `QuantLinear.smooth_input` divides."""
     # AQN: the float32 noise, added to the weight in float32 by the kernel, passed once AQN is enabled on the norm
     # (as RMSNorm.forward decides) even while zero: a CUDA graph captured at σ = 0 reads the noise of later syncs.
     noise = norm.rollout_noise if norm.rollout and getattr(norm, "aqn_enabled", False) else None
@@ -368,30 +376,37 @@ def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | Non
         from quarl.kernels.decode_fused import rms_norm_rows
 
         r, h, c, s = rms_norm_rows(x, delta, norm.weight, noise, norm.eps, quant, write_h=quant is None or keep_h,
-                                   delta_scales=delta_scales)
+                                   delta_scales=delta_scales, smooth=smooth)
         return r, h, (None if quant is None else (c, s))
     if delta_scales is not None:
         delta = _apply_scales(delta, *delta_scales, x.dtype)
     r = x if delta is None else x + delta
     h = norm(r)
-    return r, h, reference_codes(h, quant)
+    return r, h, reference_codes(_divided(h, smooth), quant)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None, keep_h: bool = False):
-    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned, unless keep_h). in_scales:
-    (per-token [M, 1], per-channel [2N] for gate then up) float32 when gate and up are halves of a unit-scale FP8
-    product: each is scaled and rounded to up's dtype first."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None, keep_h: bool = False,
+             smooth: torch.Tensor | None = None):
+    """(silu(gate) * up, codes) as `add_norm` (the product is None when codes are returned, unless keep_h; codes of
+    product / smooth when smooth is given). in_scales: (per-token [M, 1], per-channel [2N] for gate then up) float32
+    when gate and up are halves of a unit-scale FP8 product: each is scaled and rounded to up's dtype first."""
     if up.is_cuda and kernels.decode_fused_ok(up.device, up.dtype):
         from quarl.kernels.decode_fused import silu_mul_rows
 
-        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None or keep_h, in_scales=in_scales)
+        h, c, s = silu_mul_rows(gate, up, quant, write_h=quant is None or keep_h, in_scales=in_scales,
+                                smooth=smooth)
         return h, (None if quant is None else (c, s))
     if in_scales is not None:
         rows, cols = in_scales
         n = gate.shape[1]
         gate, up = _apply_scales(gate, rows, cols[:n], up.dtype), _apply_scales(up, rows, cols[n:], up.dtype)
     h = F.silu(gate) * up
-    return h, reference_codes(h, quant)
+    return h, reference_codes(_divided(h, smooth), quant)
+
+
+def _divided(h: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    """h / s in h's dtype (divided in float32, rounded once; `QuantLinear.smooth_input`), or h for smooth None."""
+    return h if smooth is None else (h / smooth).to(h.dtype)
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int):
@@ -558,7 +573,8 @@ class FusedDecoder:
         attn, mlp, qkv_proj, gate_up = layer.self_attn, layer.mlp, self.qkv[idx], self.gate_up[idx]
         Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         handoff = qkv_proj.codes_handoff(B)
-        x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending, keep_h=qkv_proj.has_lora)
+        x, h, codes = add_norm(layer.input_layernorm, x, delta, handoff, pending, keep_h=qkv_proj.has_lora,
+                               smooth=qkv_proj.smoothing if handoff else None)
         if "qkv" in deferred and handoff == "fp8" and not qkv_proj.has_lora \
                 and kernels.unit_scales_ok(qkv_proj.fused_qweight, B):  # unit scales: codes only
             y, (rows, cols) = _unit_product(codes, qkv_proj.fused_qweight, unit, x.dtype)
@@ -570,7 +586,8 @@ class FusedDecoder:
         out = step.attend_rows(idx, q, k, v).reshape(B, -1)
         o, o_scales = _linear(attn.o_proj, out, None, unit if "o" in deferred else None, B, self.fast_paths)
         handoff = gate_up.codes_handoff(B)
-        x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora)
+        x, h, codes = add_norm(layer.post_attention_layernorm, x, o, handoff, o_scales, keep_h=gate_up.has_lora,
+                               smooth=gate_up.smoothing if handoff else None)
         if "gate_up" in deferred and handoff == "fp8" and not gate_up.has_bias and not gate_up.has_lora \
                 and kernels.unit_scales_ok(gate_up.fused_qweight, B):
             gu, gu_scales = _unit_product(codes, gate_up.fused_qweight, unit, x.dtype)
@@ -578,7 +595,8 @@ class FusedDecoder:
             gu, gu_scales = gate_up(h, codes), None
         inter = mlp.down_proj.in_features
         quant = linear_codes_handoff(mlp.down_proj, B, self.fast_paths)
-        a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales, keep_h=bool(mlp.down_proj.lora_rank))
+        a, codes = silu_mul(gu[:, :inter], gu[:, inter:], quant, gu_scales, keep_h=bool(mlp.down_proj.lora_rank),
+                            smooth=mlp.down_proj.rollout_smoothing if quant else None)
         delta, pending = _linear(mlp.down_proj, a, codes, unit if "down" in deferred else None, B, self.fast_paths)
         if idx == len(self.qkv) - 1:  # the last layer: the model's final norm takes the whole residual stream
             step.carry = (None, None)
@@ -617,8 +635,8 @@ def _linear(linear: QuantLinear, x: torch.Tensor | None, codes, unit: torch.Tens
             (codes is None and linear_codes_handoff(linear, batch, fast_paths) is None) or \
             not kernels.unit_scales_ok(linear.qweight, batch):
         return linear_from(linear, x, codes), None
-    return _unit_product(codes if codes is not None else _activation_codes(x), linear.qweight, unit,
-                         linear.compute_dtype)
+    return _unit_product(codes if codes is not None else _activation_codes(linear.smooth_input(x)), linear.qweight,
+                         unit, linear.compute_dtype)
 
 
 def both_decode_logits(model, engine, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
