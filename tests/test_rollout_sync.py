@@ -90,3 +90,44 @@ def test_gpu_graph_sync_equals_eager_requantization(flow, fmt):
     torch.cuda.synchronize()
     assert_copies_current(model)
     assert sync.captures == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
+def test_gpu_graph_sync_writes_stacked_copies_caches_and_smoothed_weights(fmt):
+    """The sync quantizes straight into each rollout copy's buffers: also where they are row views of the fused
+    decoder's stacked q/k/v and gate/up buffers (which must stay stacked), with smoothing factors (the copy is
+    Q(W diag(s))) and with a dequantized cache, which must hold the copy's values; bit for bit the reference, over
+    the eager sync, the capture and replays."""
+    from quarl.model.smoothing import input_groups
+    from quarl.rollout.fused_decode import FusedDecoder
+
+    model = build("split", fmt, "cuda", torch.bfloat16)
+    for group in input_groups(model):  # one factor tensor per input, shared as calibration shares it
+        s = torch.rand(group[0].in_features, device="cuda") * 4 + 0.05
+        for lin in group:
+            lin.set_rollout_smoothing(s)
+    for m in linears(model):
+        m._build_dequant_cache()
+    decoder = FusedDecoder.for_model(model)
+    decoder.prepare()
+    model.set_rollout(True)
+    stacked = [p for p in decoder.qkv + decoder.gate_up if p.fused_qweight is not None]
+    model.set_rollout(False)
+    if fmt != "fp8-block":  # the tiny model's 64-wide projections are not whole fp8-block tiles
+        assert len(stacked) == len(decoder.qkv) + len(decoder.gate_up)
+    sync = RolloutSync(model)
+    for _ in range(4):
+        perturb(model)
+        sync()
+        torch.cuda.synchronize()
+        for m in linears(model):
+            w = m.weight.detach().to(m.compute_dtype)
+            expected = quantize((w * m.rollout_smoothing).to(w.dtype), m.rollout_format, "weight")
+            assert torch.equal(m.qweight.data.view(torch.uint8), expected.data.view(torch.uint8))
+            assert torch.equal(m.qweight.scale.reshape(-1), expected.scale.reshape(-1))
+            assert torch.equal(m.weight_dequant, expected.dequantize(m.weight_dequant.dtype))
+    assert sync.captures == 1
+    model.set_rollout(True)
+    assert all(p.fused_qweight is not None for p in stacked)  # still views of the stacked buffers
+    model.set_rollout(False)

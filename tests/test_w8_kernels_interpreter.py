@@ -283,3 +283,78 @@ _DEQUANT_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-tensor", "fp8-block"])
 def test_8bit_weight_dequant_equals_the_reference_in_the_interpreter(fmt):
     _run_check(_DEQUANT_CHECK, fmt)
+
+
+_INTO_VIEWS_CHECK = INTERPRETER_PATCH + _HELPERS + textwrap.dedent("""
+    from quarl.kernels.act_quant import quantize_activation
+    from quarl.kernels.dequant import dequantize_8bit_weight
+    from quarl.kernels.weight_quant import quantize_fp8_block_weight
+
+    # the sync's writes: each weight quantized straight into its rows of a stacked buffer (the fused decoder's
+    # q/k/v), and dequantized straight into a cache; the neighbouring rows must stay as they were
+    k = 576  # SmolLM2's hidden size
+    block = FMT == "fp8-block"
+    # SmolLM2's q/k/v; fp8-block stacks whole 128-row tiles only
+    parts = [torch.randn(n, k).bfloat16() * 0.05 for n in ((384, 128, 128) if block else (576, 192, 192))]
+    kp = -(-k // 128) * 128 if block else k
+    total = sum(p.shape[0] for p in parts)
+    codes = torch.full((total, kp), 7, dtype=torch.int8 if FMT == "int8" else torch.uint8)
+    scales = torch.full((-(-total // 128), kp // 128) if block else (total, 1), -1.0)
+    row = 0
+    for w in parts:
+        n = w.shape[0]
+        before_c, before_s = codes.clone(), scales.clone()
+        if block:
+            srows = slice(row // 128, (row + n) // 128)
+            qt = quantize_fp8_block_weight(w, out=(codes[row:row + n], scales[srows]))
+            fresh = quantize_fp8_block_weight(w)
+        else:
+            srows = slice(row, row + n)
+            c, s = quantize_activation(w, FMT, k, out=(codes[row:row + n], scales[srows]))
+            qt = quantize(w, FMT, "weight")
+            qt = dataclasses.replace(qt, data=c, scale=s)
+            fc, fs = quantize_activation(w, FMT, k)
+            fresh = dataclasses.replace(qt, data=fc, scale=fs)
+        assert torch.equal(codes[row:row + n].view(torch.uint8), fresh.data.view(torch.uint8))
+        assert torch.equal(scales[srows].reshape(-1), fresh.scale.reshape(-1))
+        assert qt.data.data_ptr() == codes[row:row + n].data_ptr()  # written in place, not copied
+        rest = torch.ones(total, dtype=torch.bool)
+        rest[row:row + n] = False
+        assert torch.equal(codes[rest], before_c[rest])  # nothing written outside the part's rows
+        srest = torch.ones(scales.shape[0], dtype=torch.bool)
+        srest[srows] = False
+        assert torch.equal(scales[srest], before_s[srest])
+        cache = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
+        assert dequantize_8bit_weight(qt, torch.bfloat16, out=cache) is cache
+        assert torch.equal(cache, fresh.dequantize(torch.bfloat16))
+        row += n
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
+def test_weights_quantize_and_dequantize_straight_into_given_buffers_in_the_interpreter(fmt):
+    """The weight sync's in-place writes (`out=`): int8 / fp8 codes and scales from the per-row quantizer and
+    fp8-block tiles from the tile quantizer, written into row views of one stacked buffer, equal those of a fresh
+    quantization bit for bit and leave every other row untouched; the dequantized cache written in place equals
+    the reference dequantization."""
+    _run_check(_INTO_VIEWS_CHECK, fmt)
+
+
+def test_given_buffers_of_the_wrong_layout_are_refused():
+    pytest.importorskip("triton")
+    import torch
+
+    from quarl.kernels.act_quant import quantize_activation
+    from quarl.kernels.dequant import dequantize_8bit_weight
+    from quarl.formats import quantize
+
+    w = torch.randn(8, 128)
+    with pytest.raises(ValueError, match=r"int8 codes out must be \[8, 128\]"):
+        quantize_activation(w, "int8", 128, out=(torch.empty(8, 64, dtype=torch.int8), torch.empty(8)))
+    with pytest.raises(ValueError, match="scales out must be 8 float32"):
+        quantize_activation(w, "int8", 128, out=(torch.empty(8, 128, dtype=torch.int8), torch.empty(4)))
+    with pytest.raises(ValueError, match="per-row formats only"):
+        quantize_activation(w, "fp8-block", 128, out=(torch.empty(8, 128, dtype=torch.uint8), torch.empty(8)))
+    with pytest.raises(ValueError, match="dequantize out must be"):
+        dequantize_8bit_weight(quantize(w, "int8", "weight"), torch.bfloat16, out=torch.empty(8, 128))

@@ -249,8 +249,8 @@ def quantize_rows_and_columns(x: torch.Tensor, cp: int | None = None, num_warps:
 
 
 def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major: bool = False,
-                        block: int | None = None, num_warps: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        block: int | None = None, num_warps: int | None = None,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (codes [M, kp] int8 / float8_e4m3fn, float32 scales) for fmt in
     "int8", "fp8" (scales [M, 1]), "fp8-block" (scales [M, kp/128]), "fp8-tensor" (scale 0-dim).
 
@@ -260,11 +260,34 @@ def quantize_activation(x: torch.Tensor, fmt: str, kp: int, scales_column_major:
         block: kp rounded up to a power of two, at most ROW_BLOCK_MAX for per-row scales (longer rows are walked
         in blocks) and at most 1024 otherwise. Default warps: 4, or block / 512 when larger (at most 8).
     kp: codes per row, at least K (fp8-block: a multiple of 128; columns past K get zero codes).
+    out: (codes, scales) to write instead of new tensors, for per-row scales ("int8", "fp8") only: codes [M, kp]
+        (int8, or float8_e4m3fn / uint8 bytes; rows contiguous, any row stride), scales float32 with M values, one
+        per row at a fixed stride ([M], [M, 1]). Returned as given (fp8 codes viewed as float8_e4m3fn).
     """
     is_int8 = fmt == "int8"
+    if out is not None:
+        codes, scales = _checked_out(x, fmt, kp, *out)
+        _launch(x, codes, fmt, kp, False, dequant=False, block=block, num_warps=num_warps, scales=scales)
+        return (out[0] if is_int8 else out[0].view(torch.float8_e4m3fn)), out[1]
     codes = torch.empty((x.shape[0], kp), dtype=torch.int8 if is_int8 else torch.uint8, device=x.device)
     scales = _launch(x, codes, fmt, kp, scales_column_major, dequant=False, block=block, num_warps=num_warps)
     return (codes if is_int8 else codes.view(torch.float8_e4m3fn)), scales
+
+
+def _checked_out(x: torch.Tensor, fmt: str, kp: int, codes: torch.Tensor, scales: torch.Tensor):
+    """The (codes, scales [M, 1] view) a per-row quantization of x [M, K] writes into, checked."""
+    if fmt not in ("int8", "fp8"):
+        raise ValueError(f"quantize_activation writes into given buffers for per-row formats only, not {fmt!r}")
+    want = torch.int8 if fmt == "int8" else (torch.float8_e4m3fn, torch.uint8)
+    m = x.shape[0]
+    if codes.dtype not in (want if isinstance(want, tuple) else (want,)) or codes.shape != (m, kp) or \
+            (kp and codes.stride(1) != 1) or codes.device != x.device:
+        raise ValueError(f"{fmt} codes out must be [{m}, {kp}] {want} with contiguous rows on {x.device}, got "
+                         f"{tuple(codes.shape)} {codes.dtype} strides {codes.stride()} on {codes.device}")
+    if scales.dtype != torch.float32 or scales.numel() != m or scales.device != x.device:
+        raise ValueError(f"scales out must be {m} float32 values on {x.device}, got {tuple(scales.shape)} "
+                         f"{scales.dtype} on {scales.device}")
+    return codes.view(torch.uint8) if fmt == "fp8" else codes, scales.view(m, 1)
 
 
 def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -277,9 +300,10 @@ def fake_quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column_major: bool,
-            dequant: bool, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+            dequant: bool, block: int | None = None, num_warps: int | None = None,
+            scales: torch.Tensor | None = None) -> torch.Tensor:
     """Run `_act_quant_kernel` on x [M, K] into out (codes [M, kp], or values [M, K] with dequant); returns the
-    float32 scales (see `quantize_activation`)."""
+    float32 scales (see `quantize_activation`), written into `scales` ([M, 1], per-row formats) when given."""
     M, K = x.shape
     if kp < K:
         raise ValueError(f"kp (codes per row) must be at least K={K}, got {kp}")
@@ -294,7 +318,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, fmt: str, kp: int, scales_column
         scales = safe_scale_t(div_const(amax, 448.0))  # as quarl.formats, bit for bit on every device
         mode = MODE_GIVEN
     else:
-        mode, scales = MODE_ROW, torch.empty((M, 1), dtype=torch.float32, device=x.device)
+        mode = MODE_ROW
+        scales = torch.empty((M, 1), dtype=torch.float32, device=x.device) if scales is None else scales
     if block is None:
         # per-row scales: the whole row in one block up to ROW_BLOCK_MAX columns (every load in flight at once),
         # in blocks of that size beyond (fastest at decode shapes, bench/results/gemm.md)

@@ -96,9 +96,10 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride
     tl.store(out_ptr + rows[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantize_8bit_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_8bit_weight(qweight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """int8 / fp8 / fp8-tensor / fp8-block weight QuantizedTensor [N, K] -> dense [N, K] in dtype, on its device:
-    the values of `qweight.dequantize(dtype)` bit for bit (code * scale in float32, then one rounding)."""
+    the values of `qweight.dequantize(dtype)` bit for bit (code * scale in float32, then one rounding). out: an
+    [N, K] tensor of dtype (rows contiguous) to write instead of a new one."""
     from quarl.formats.fp8 import FP8_BLOCK
 
     N, K = qweight.shape
@@ -120,7 +121,11 @@ def dequantize_8bit_weight(qweight, dtype: torch.dtype) -> torch.Tensor:
         scale = scale.reshape(())
     elif layout == _PER_ROW:
         scale = scale.reshape(N, 1)
-    out = torch.empty((N, K), dtype=dtype, device=data.device)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=data.device)
+    elif out.shape != (N, K) or out.dtype != dtype or (K and out.stride(1) != 1) or out.device != data.device:
+        raise ValueError(f"dequantize out must be [{N}, {K}] {dtype} with contiguous rows on {data.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
     bn, bk = 32, 128
     _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         data, scale, out, N, K, data.stride(0), scale.stride(0) if scale.dim() else 0, out.stride(0),

@@ -65,26 +65,28 @@ def fake_quantize_columns(x: torch.Tensor) -> torch.Tensor:
     return fake_quantize_unchecked(x.t().contiguous(), "fp8-block", "activation").t().contiguous()
 
 
-def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False):
+def try_quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False, out=None):
     """The fp8-block weight QuantizedTensor of w [N, K] (or of w^T [K, N] with transpose) by one Triton pass on a
     GPU: the codes and scales of `quantize(w, "fp8-block", "weight")` bit for bit (see
-    `quarl.kernels.weight_quant`). None off the GPU or for other dtypes/shapes: use the reference then."""
+    `quarl.kernels.weight_quant`; out: the (codes, scales) to write into). None off the GPU or for other
+    dtypes/shapes: use the reference then."""
     if not (w.is_cuda and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return None
     if w.stride(1) != 1 or not availability.fp8_kernels_available(w.device):
         return None
     from quarl.kernels.weight_quant import quantize_fp8_block_weight
 
-    return quantize_fp8_block_weight(w, transpose)
+    return quantize_fp8_block_weight(w, transpose, out)
 
 
-def try_quantize_weight(w: torch.Tensor, fmt: str):
+def try_quantize_weight(w: torch.Tensor, fmt: str, out=None):
     """The weight QuantizedTensor of w [N, K] in one Triton pass on a GPU, bit for bit `quantize(w, fmt, "weight")`:
     "fp8-block" by its tile quantizer, "int8" and "fp8" by the per-row activation quantizer (per-channel weight
     scales are per-row scales). None for other formats, off the GPU, or where the kernels cannot run: use the
-    reference then. Used by the per-step sync, which re-quantizes every linear."""
+    reference then. Used by the per-step sync, which re-quantizes every linear, with out = the rollout copy's
+    (codes, scales) to write into (their layouts as the reference makes them) instead of new tensors."""
     if fmt == "fp8-block":
-        return try_quantize_fp8_block_weight(w)
+        return try_quantize_fp8_block_weight(w, out=out)
     if fmt not in ("int8", "fp8") or not (w.is_cuda and w.dim() == 2 and w.stride(1) == 1):
         return None
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.shape[0] == 0:
@@ -94,5 +96,5 @@ def try_quantize_weight(w: torch.Tensor, fmt: str):
     from quarl.formats import QuantizedTensor
     from quarl.kernels.act_quant import quantize_activation
 
-    codes, scales = quantize_activation(w, fmt, w.shape[1])
+    codes, scales = quantize_activation(w, fmt, w.shape[1], out=out)
     return QuantizedTensor(fmt, "weight", codes, scales, None, w.shape)

@@ -10,13 +10,13 @@ from quarl.formats.registry import FORMATS
 from quarl.kernels import availability, plans
 
 
-def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
+def try_dequantize(qweight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Dense weight [N, K] in dtype (bf16/fp16/fp32) from a weight QuantizedTensor on a GPU, by one Triton kernel:
     the same values as `qweight.dequantize(dtype)` (code * scales in fp32, rounded once), without the reference's
     lookups, fp32 temporaries and expanded scales. nvfp4 / mxfp4 (`dequant.dequantize_fp4_weight`), int8 / fp8 /
     fp8-tensor / fp8-block (`dequant.dequantize_8bit_weight`). None where it does not apply (other formats or
     roles, CPU tensors, no Triton, FP8 codes before compute capability 8.9): the caller then uses
-    `qweight.dequantize`."""
+    `qweight.dequantize`. out: an [N, K] tensor of dtype to write into (8-bit formats only; fp4 -> None)."""
     spec = FORMATS.get(getattr(qweight, "fmt", None))
     if spec is None or qweight.role != "weight" or len(qweight.shape) != 2:
         return None
@@ -27,8 +27,8 @@ def try_dequantize(qweight, dtype: torch.dtype) -> torch.Tensor | None:
     from quarl.kernels import dequant
 
     if spec.bits == 4:
-        return dequant.dequantize_fp4_weight(qweight, dtype)
-    return dequant.dequantize_8bit_weight(qweight, dtype)
+        return None if out is not None else dequant.dequantize_fp4_weight(qweight, dtype)
+    return dequant.dequantize_8bit_weight(qweight, dtype, out)
 
 
 def dequantize(qweight, dtype: torch.dtype) -> torch.Tensor:

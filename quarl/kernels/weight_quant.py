@@ -49,15 +49,27 @@ def _block_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qr, stride_
         tl.store(s_ptr + tn * stride_sr + tk, s)
 
 
-def quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False) -> QuantizedTensor:
+def quantize_fp8_block_weight(w: torch.Tensor, transpose: bool = False,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedTensor:
     """w [N, K] bf16/fp16/fp32 (rows contiguous) -> the fp8-block weight QuantizedTensor of w, or of w^T [K, N]
     when transpose=True: codes float8_e4m3fn [rows, ceil(cols/128)*128], scales float32 [ceil(rows/128),
-    ceil(cols/128)] (rows, cols = N, K, or K, N transposed)."""
+    ceil(cols/128)] (rows, cols = N, K, or K, N transposed). out: (codes, scales) of those shapes to write instead
+    of new tensors (codes float8_e4m3fn or uint8 bytes, rows contiguous; scales with unit column stride)."""
     n, k = w.shape
     nt, kt = -(-n // TILE), -(-k // TILE)
     rows, cols, st = (k, nt * TILE, (kt, nt)) if transpose else (n, kt * TILE, (nt, kt))
-    codes = torch.empty((rows, cols), dtype=torch.uint8, device=w.device)
-    scales = torch.empty(st, dtype=torch.float32, device=w.device)
+    if out is None:
+        codes = torch.empty((rows, cols), dtype=torch.uint8, device=w.device)
+        scales = torch.empty(st, dtype=torch.float32, device=w.device)
+    else:
+        codes, scales = out
+        if codes.dtype not in (torch.float8_e4m3fn, torch.uint8) or codes.shape != (rows, cols) or \
+                codes.stride(1) != 1 or scales.dtype != torch.float32 or scales.shape != st or \
+                scales.stride(1) != 1 or codes.device != w.device or scales.device != w.device:
+            raise ValueError(f"fp8-block out must be codes [{rows}, {cols}] (float8_e4m3fn, rows contiguous) and "
+                             f"float32 scales {st} on {w.device}, got {tuple(codes.shape)} {codes.dtype} and "
+                             f"{tuple(scales.shape)} {scales.dtype}")
+        codes = codes.view(torch.uint8)
     if n and k:
         _block_quant_kernel[(nt, kt)](w, codes, scales, n, k, w.stride(0), codes.stride(0), scales.stride(0),
                                       rows, cols, TRANSPOSE=transpose, num_warps=8)

@@ -430,7 +430,10 @@ class QuantLinear(nn.Module):
         """w [out, in] (compute dtype) times the smoothing factors per input channel (in float32 or wider, rounded
         once) when the rollout copy is smoothed, else w."""
         s = self.rollout_smoothing
-        return w if s is None else (w * s).to(w.dtype)  # s is float32: the product promotes to float32 or wider
+        if s is None:
+            return w
+        # one kernel: the product is computed in the promoted dtype (float32 or wider) and rounded into w's dtype
+        return torch.mul(w, s, out=torch.empty_like(w))
 
     @property
     def trained_rollout_copy(self) -> bool:
@@ -445,8 +448,14 @@ class QuantLinear(nn.Module):
         dequantized cache, in place, without the bookkeeping. The GPU paths make no host synchronisation, so
         `quarl.model.rollout_sync.RolloutSync` can capture it in a CUDA graph."""
         qt = self._quantize_into_rollout_copy(self._smoothed(self.weight.detach().to(self.compute_dtype)))
-        if self.weight_dequant is not None:
-            self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+        self._refresh_dequant_cache(qt)
+
+    def _refresh_dequant_cache(self, qt: QuantizedTensor) -> None:
+        """Write the dequantized rollout copy `qt` into the dequantized cache, when there is one: one GPU kernel
+        straight into the cache where `kernels.try_dequantize` has one, else the reference and a copy."""
+        cache = self.weight_dequant
+        if cache is not None and kernels.try_dequantize(qt, cache.dtype, out=cache) is None:
+            cache.copy_(qt.dequantize(cache.dtype))
 
     @property
     def smoothable(self) -> bool:
@@ -492,6 +501,9 @@ class QuantLinear(nn.Module):
         without its NaN/Inf scan: the scan costs a device synchronisation per linear, hundreds per sync, and a
         non-finite master weight is the optimizer's failure, not the quantizer's."""
         out = self.qweight
+        if out.global_scale is None and kernels.try_quantize_weight(w, self.rollout_format,
+                                                                     out=(out.data, out.scale)) is not None:
+            return out  # quantized straight into the copy's buffers
         fresh = _quantize_weight(w, self.rollout_format)
         if fresh.data.dtype != out.data.dtype or fresh.scale.numel() != out.scale.numel():
             raise RuntimeError(f"{self.rollout_format} weight quantizer returned codes {fresh.data.dtype} and "
@@ -511,8 +523,7 @@ class QuantLinear(nn.Module):
         if not self.frozen_base:
             raise RuntimeError("load_frozen_base needs a frozen base (configure(frozen_base=True))")
         qt = self._quantize_into_rollout_copy(self._smoothed(w.to(self.compute_dtype)))
-        if self.weight_dequant is not None:
-            self.weight_dequant.copy_(qt.dequantize(self.weight_dequant.dtype))
+        self._refresh_dequant_cache(qt)
 
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight [out, in] the training forward uses, detached: the master weight, or for a frozen
