@@ -51,6 +51,30 @@ def test_two_settings_give_full_rows_whose_shares_sum_to_the_step():
     assert all(line.count("|") == 14 for line in lines)  # 13 columns in every row
     assert f"{split['speedup']:.2f}x" in lines[3]
     assert "split:int8: sync" in summary and "x bf16" in summary
+    assert bf16["timed_graph_captures"] == split["timed_graph_captures"] == 0  # no CUDA graphs on the CPU
+    assert "captured" not in table
+
+
+def test_rows_name_graph_captures_in_timed_steps_and_new_fallbacks(monkeypatch):
+    """A decode graph captured during the timed steps (its buffers moved) and a fast path that fell back while a
+    setting ran are named in that setting's row, so a slow row says why."""
+    from quarl import fallbacks
+    from quarl.fallbacks import report_fallback
+    from quarl.rl import trainer as trainer_module
+
+    monkeypatch.setattr(fallbacks, "_reported", {})  # this test's reports stay in this test
+    step = trainer_module.Trainer.step
+
+    def step_with_a_capture(self, n):
+        metrics = step(self, n)
+        metrics["rollout/graph_captures"] = 2
+        report_fallback("bench-step-test-path", "no kernel for this test")
+        return metrics
+
+    monkeypatch.setattr(trainer_module.Trainer, "step", step_with_a_capture)
+    rows, table, _ = bench_step(parse("--settings", "bf16", "--warmup", "0", "--steps", "2", "--no-save"))
+    assert rows[0]["timed_graph_captures"] == 4 and rows[0]["fallbacks"] == ["bench-step-test-path"]
+    assert "4 CUDA graphs captured in the timed steps; fell back: bench-step-test-path" in table
 
 
 def test_median_step_and_its_phases_are_reported():

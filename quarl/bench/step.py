@@ -281,9 +281,11 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
     rollout phase's share of its roofline (`rollout_roofline`)."""
     import torch
 
+    from quarl.fallbacks import reported_fallbacks
     from quarl.rl.trainer import Trainer
 
     t_setup = time.perf_counter()
+    fallbacks_before = set(reported_fallbacks())
     with tempfile.TemporaryDirectory(prefix="quarl-bench-step-") as run_dir:
         cfg = run_config(args, setting, run_dir, device)
         model = make_model(args.model_size, device, args.seed,
@@ -315,6 +317,9 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
         del trainer, model
     row = phase_row(setting, timed, args, peak)
     row["smooth_alpha"] = cfg.precision.resolved_smooth_alpha  # int8 W8A8 rollouts smooth by default
+    # a graph captured in a timed step means a decode graph read moved buffers and was captured again
+    row["timed_graph_captures"] = sum(int(m.get("rollout/graph_captures", 0)) for _, m in timed)
+    row["fallbacks"] = sorted(set(reported_fallbacks()) - fallbacks_before)  # first reported by this setting
     row["setup_s"] = setup_s
     row["rollout_roofline_s"] = roofline
     row["rollout_roofline_pct"] = None if roofline is None else 100.0 * roofline / row["rollout_s"]
@@ -483,6 +488,10 @@ def format_row(r: dict) -> str:
         notes.append(f"{r['steps_timed']} of {r['steps_asked']} timed steps (time budget)")
     if r.get("smooth_alpha"):
         notes.append(f"SmoothQuant (alpha {r['smooth_alpha']})")
+    if r.get("timed_graph_captures"):
+        notes.append(f"{r['timed_graph_captures']} CUDA graphs captured in the timed steps")
+    if r.get("fallbacks"):
+        notes.append("fell back: " + ", ".join(r["fallbacks"]))
     roof = "-" if r.get("rollout_roofline_pct") is None else f"{r['rollout_roofline_pct']:.0f}%"
     return (f"| {r['setting']} | {r['step_s']:.2f} | {phases} | {r['rollout_tok_s']:,.0f} | {roof} | "
             f"{r['step_tok_s']:,.0f} | {peak} | {vs} | {'; '.join(notes)} |")
