@@ -485,6 +485,7 @@ REMOVED_KEYS = {
 # computed (a resumed run must not change behaviour halfway). Key -> value for a saved config.yaml that lacks it.
 ADDED_KEYS = {
     "precision.smooth_alpha": 0.0,  # SmoothQuant: off before it existed; now on by default for int8 W8A8
+    "precision.base_quantizer": "rtn",  # qlora bases were rounded to nearest before GPTQ existed
 }
 
 
@@ -686,6 +687,7 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     """`config_to_dict(cfg)` with the values left unset (null) filled in as validate() and the trainer resolve them:
 
     precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, precision.smooth_alpha,
+    precision.base_quantizer,
     lora.alpha (= rank), loss.aggregation (by loss_type), loss.epsilon_high (0.28 for dapo, else epsilon_low),
     loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens), train.mini_batch_size (= the step's
     batch) and data.eval (= the train source, whose held-out split is used). Values that depend on the machine
@@ -702,6 +704,7 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     data["precision"]["format"] = p.resolved_format or "bf16"
     data["precision"]["weight_only"] = p.resolved_weight_only if p.flow != "bf16" else False
     data["precision"]["smooth_alpha"] = p.resolved_smooth_alpha
+    data["precision"]["base_quantizer"] = p.resolved_base_quantizer
     data["lora"]["alpha"] = cfg.lora.alpha if cfg.lora.alpha is not None else float(cfg.lora.rank)
     data["loss"]["aggregation"] = loss.resolved_aggregation
     data["loss"]["epsilon_high"] = loss.resolved_epsilon_high

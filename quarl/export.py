@@ -254,6 +254,7 @@ def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None, over
     which replaces OUT/hf, OUT/adapter and OUT/base."""
     from quarl.config import load_config
     from quarl.devices import resolve_device, set_cpu_threads
+    from quarl.model.gptq import load_run_base
     from quarl.model.loading import load_model
     from quarl.model.precision_apply import apply_precision
     from quarl.rl.checkpoint import checkpoint_files, load_latest_intact
@@ -279,6 +280,7 @@ def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None, over
     if cfg.uaq.scale != 1.0:
         apply_uaq(model, cfg.uaq.scale)
     apply_precision(model, cfg.precision)
+    load_run_base(model, run_dir)  # a qlora run's GPTQ base, which its adapters were trained against
     _say(verbose, f"loading the newest intact checkpoint of {run_dir}")
     state, ckpt = load_latest_intact(run_dir, model)  # weights only: no optimizer, RNG untouched
     _say(verbose, f"exporting {ckpt} (step {state.get('step', '?')})")

@@ -36,6 +36,17 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
+def _positions_and_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """(positions long [B, T], attention mask bool [B, 1, T, T] or None for plain causal attention) of a whole
+    sequence batch without a KV cache; attention_mask [B, T] marks the real tokens (None: all are)."""
+    B, T = input_ids.shape
+    if attention_mask is None:
+        return torch.arange(T, device=input_ids.device).expand(B, T), None  # SDPA's is_causal fast path
+    key_valid = attention_mask.to(torch.bool)
+    positions = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+    return positions, None if bool(key_valid.all()) else _build_attn_mask(key_valid, 0, T)
+
+
 def _build_attn_mask(key_valid: torch.Tensor, start: int, T: int) -> torch.Tensor:
     """bool [B, 1, T, S] with S = key_valid.shape[1]: query column start+t may see valid key columns <= start+t.
 
@@ -189,13 +200,8 @@ class QuarlForCausalLM(nn.Module):
             new_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             start, key_valid, default_pos = kv_cache.append_mask(new_mask)
             attn_mask = _build_attn_mask(key_valid, start, T)
-        elif attention_mask is not None:
-            key_valid = attention_mask.to(torch.bool)
-            default_pos = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
-            attn_mask = None if bool(key_valid.all()) else _build_attn_mask(key_valid, 0, T)
         else:
-            default_pos = torch.arange(T, device=input_ids.device).expand(B, T)
-            attn_mask = None  # plain causal attention: SDPA's is_causal fast path
+            default_pos, attn_mask = _positions_and_mask(input_ids, attention_mask)
         if positions is None:
             positions = default_pos
         elif positions.shape != input_ids.shape:
@@ -222,6 +228,15 @@ class QuarlForCausalLM(nn.Module):
             else:
                 x = layer(x, cos, sin, attn_mask, kv_cache, start, decode_start, routing)
         return self.model.norm(x)
+
+    def layer_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple:
+        """What the first decoder layer gets for a whole-sequence batch without a KV cache, for running the layers
+        one at a time (`layer(x, cos, sin, attn_mask)` in turn, as `hidden_states` runs them): (x [B, T, hidden]
+        embeddings in the model dtype, cos, sin, attn_mask or None). input_ids, attention_mask: [B, T]."""
+        positions, attn_mask = _positions_and_mask(input_ids, attention_mask)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        return x, cos, sin, attn_mask
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, step_cache,
                       routing: ExpertRouting | None = None) -> torch.Tensor:

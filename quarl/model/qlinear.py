@@ -525,6 +525,27 @@ class QuantLinear(nn.Module):
         qt = self._quantize_into_rollout_copy(self._smoothed(w.to(self.compute_dtype)))
         self._refresh_dequant_cache(qt)
 
+    @torch.no_grad()
+    def load_frozen_base_codes(self, qt: QuantizedTensor) -> None:
+        """Make the frozen base exactly `qt` (a weight QuantizedTensor [out, in] in the base's format and layout,
+        e.g. from `quarl.model.gptq`): its codes and scales are copied into the base's buffers, and the
+        dequantized cache follows."""
+        if not self.frozen_base:
+            raise RuntimeError("load_frozen_base_codes needs a frozen base (configure(frozen_base=True))")
+        out = self.qweight
+        if qt.fmt != out.fmt or qt.role != "weight" or tuple(qt.shape) != tuple(out.shape) or \
+                any((a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype))
+                    for a, b in ((qt.data, out.data), (qt.scale, out.scale), (qt.global_scale, out.global_scale))):
+            raise ValueError(f"codes for this frozen base must be a {out.fmt} weight {tuple(out.shape)} in its layout "
+                             f"(data {tuple(out.data.shape)} {out.data.dtype}), got {qt.fmt} {qt.role} "
+                             f"{tuple(qt.shape)} (data {tuple(qt.data.shape)} {qt.data.dtype})")
+        out.data.copy_(qt.data)
+        out.scale.copy_(qt.scale)
+        if out.global_scale is not None:
+            out.global_scale.copy_(qt.global_scale)
+        self._frozen_codes_key = None
+        self._refresh_dequant_cache(out)
+
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight [out, in] the training forward uses, detached: the master weight, or for a frozen
         base the dequantized quantized base. dtype: default the compute dtype."""

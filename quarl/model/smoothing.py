@@ -26,14 +26,17 @@ MIN_FACTOR = 1e-5  # smoothing factors stay within [1e-5, 1e5]
 
 
 def input_groups(model: nn.Module) -> list[list[QuantLinear]]:
-    """The linears of each dense decoder layer grouped by the input they read: [q, k, v], [o], [gate, up], [down]
-    (mixture-of-experts blocks are left out)."""
-    groups = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        groups += [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]]
-        if hasattr(mlp, "gate_proj"):
-            groups += [[mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+    """The linears of every decoder layer grouped by the input they read (`layer_input_groups`), layer by layer."""
+    return [group for layer in model.model.layers for group in layer_input_groups(layer)]
+
+
+def layer_input_groups(layer: nn.Module) -> list[list[QuantLinear]]:
+    """A decoder layer's linears grouped by the input they read, in forward order: [q, k, v], [o], and for a dense
+    MLP [gate, up], [down] (mixture-of-experts blocks are left out)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]]
+    if hasattr(mlp, "gate_proj"):
+        groups += [[mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
     return groups
 
 

@@ -29,6 +29,7 @@ from quarl.config import RunConfig, config_to_dict, load_config, saved_run
 from quarl.devices import resolve_device, set_cpu_threads
 from quarl.fallbacks import reported_fallbacks
 from quarl.kernels.tuning import TUNING_FILE_ENV, current_tables
+from quarl.model import gptq
 from quarl.model.layers import Attention
 from quarl.model.moe import ExpertRouting, SparseMoeBlock, routing_mismatch
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
@@ -303,7 +304,21 @@ class Trainer:
             if cfg.loss.advantage_estimator == "gae" else None
         if cfg.uaq.scale != 1.0:
             apply_uaq(self.model, cfg.uaq.scale)
+        if task is None:  # a given task renders its prompts itself
+            self.task.set_tokenizer(self.tokenizer)
+        # GPTQ reads the full-precision weights, which quantizing a qlora base drops: its codes are made first. A
+        # resumed run loads the base its run made; a model given already quantized keeps its base.
+        saved_base = Path(cfg.resume) / gptq.BASE_CODES_FILE if cfg.resume else None
+        gptq_needed = cfg.precision.resolved_base_quantizer == "gptq" and \
+            self.model.model.layers[0].self_attn.q_proj.weight is not None
+        base_codes = self._gptq_base() if gptq_needed and not (saved_base and saved_base.is_file()) else {}
         self.quantized_linears = apply_precision(self.model, cfg.precision)
+        for linear, codes in base_codes.items():
+            linear.load_frozen_base_codes(codes)
+        if gptq_needed and not base_codes:
+            gptq.load_base_codes(self.model, saved_base)
+        # written into the run directory once it is prepared (a fresh run first moves an earlier one aside)
+        self._base_codes_to_save = {linear: qt.to("cpu") for linear, qt in base_codes.items()}
         self.model.gradient_checkpointing = cfg.train.gradient_checkpointing
         if cfg.precision.kv_cache != "auto" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
@@ -313,8 +328,6 @@ class Trainer:
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
-        if task is None:  # a given task renders its prompts itself
-            self.task.set_tokenizer(self.tokenizer)
         if cfg.precision.resolved_smooth_alpha:  # before sharding: the rollout copy made there takes them along
             self._smooth_rollout()
         self.rollout_model = self.model  # what the rollout engine reads: the model itself on one process
@@ -366,6 +379,26 @@ class Trainer:
         if self.reference is not None:
             self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
             shard_model(self.reference, self.device, self.dtype)
+
+    def _gptq_base(self) -> dict:
+        """GPTQ codes of the qlora base (`precision.base_quantizer`, quarl/model/gptq.py) from the full-precision
+        model, calibrated on the first `gptq.CALIBRATION_PROMPTS` training prompts followed by their gold answers:
+        {linear: weight QuantizedTensor}. Sharded, every rank calibrates the whole model on the same prompts and
+        the Hessians are averaged over ranks, so that every rank computes the same codes."""
+        from quarl.model.smoothing import calibration_batches, calibration_sequences
+
+        sequences = calibration_sequences(self.task, self.tokenizer, gptq.CALIBRATION_PROMPTS)
+        world = qdist.world_size() if self.sharded else 1
+        combine = (lambda h: qdist.sum_over_ranks(h, self.device) / world) if self.sharded else None
+        start = time.perf_counter()
+        codes = gptq.gptq_base(self.model, self.cfg.precision.resolved_format,
+                               calibration_batches(sequences, self.device), combine=combine, weight_dtype=self.dtype,
+                               progress=self.is_main and self.cfg.output.progress)
+        if self.is_main:
+            print(f"[quarl] GPTQ quantized {len(codes)} base linears to {self.cfg.precision.resolved_format} in "
+                  f"{time.perf_counter() - start:.1f} s (calibrated on {len({tuple(q) for q in sequences})} "
+                  "training prompts)")
+        return codes
 
     def _smooth_rollout(self) -> None:
         """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
@@ -420,6 +453,9 @@ class Trainer:
         saved = config_to_dict(self.cfg)
         saved.pop("resume", None)
         atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
+        if self._base_codes_to_save:  # the GPTQ base this run trains against: resume and export load it
+            gptq.save_base_codes(self.model, self._base_codes_to_save, self.run_dir / gptq.BASE_CODES_FILE)
+        self._base_codes_to_save = {}
 
     def _claim_run_dir(self) -> None:
         """Check and lock the run directory; move an earlier run aside (see `prepare_run_dir`)."""
@@ -1138,6 +1174,7 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from quarl.export import export_run
+        from quarl.model.gptq import load_run_base
         from quarl.model.loading import load_model
 
         full = get_model_state_dict(self.model, options=StateDictOptions(
@@ -1150,6 +1187,7 @@ class Trainer:
             if cfg.uaq.scale != 1.0:
                 apply_uaq(model, cfg.uaq.scale)
             apply_precision(model, cfg.precision)
+            load_run_base(model, self.run_dir)
             unexpected = model.load_state_dict(full, strict=False).unexpected_keys
             if unexpected:
                 raise RuntimeError(f"the gathered weights hold {unexpected[:3]}, which the reloaded model lacks")

@@ -1,0 +1,358 @@
+"""GPTQ for the frozen quantized base of a qlora run (`precision.base_quantizer=gptq`).
+
+Rounding each weight to its nearest code (RTN, what `quarl.formats.quantize` does) treats every weight alone. GPTQ
+(Frantar et al., 2022) quantizes a linear's weight W [out, in] one input column at a time and, after each column,
+moves its rounding error onto the columns not yet quantized, weighted by the inverse of the layer's input Hessian
+H = X^T X (X [tokens, in]: the linear's inputs on calibration text). Its codes minimise the layer's output error
+||X W^T - X Q^T||^2 much better than RTN's; at 4 bits on a small model the difference is most of the accuracy
+(bench/results/quality.md: SmolLM2-135M keeps a quarter of its held-out accuracy under RTN NVFP4).
+
+The result is an ordinary QuantizedTensor in the format's own layout (codes, block scales, tensor scale), so every
+kernel and the training forward use it as they use RTN's. Per format:
+  nvfp4   the tensor scale from max|W| as RTN takes it; each 16-column block's E4M3 scale from the block's values
+          as GPTQ reaches it (already carrying the earlier columns' errors), then E2M1 codes under it;
+  mxfp4   each 32-column block's E8M0 scale likewise;
+  int8    the per-row scale from the original row (a row's scale cannot wait for its last column).
+With H = identity no error moves and GPTQ gives RTN's codes exactly (the tests check it).
+
+Calibration follows SmoothQuant's (`quarl.model.smoothing`): the run's first training prompts with their gold
+answers, through the model in full precision, before it is quantized. The batches go through the decoder one layer
+at a time (one forward in all), and only the current layer's Hessians are held, so memory stays at one layer's
+Hessians and the batches' hidden states whatever the model size. Mixture-of-experts blocks keep RTN.
+
+A run keeps its GPTQ base in RUN_DIR/base_gptq.safetensors (`save_base_codes`), written once when the run starts:
+resuming, `quarl export` and the end-of-run export load it (`load_base_codes`) rather than calibrating again, so the
+adapters always meet the base they were trained against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from quarl.formats import QuantizedTensor, e2m1
+from quarl.formats.base import div_const, safe_scale
+from quarl.formats.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, E8M0_BIAS, e8m0_to_float
+from quarl.formats.fp8 import E4M3_MAX, to_e4m3
+from quarl.formats.int8 import INT8_MAX
+
+DAMP = 0.01  # added to H's diagonal, as a fraction of its mean diagonal (the GPTQ paper's default)
+BLOCK_COLUMNS = 128  # columns whose errors are applied together (a multiple of every format's block)
+CALIBRATION_PROMPTS = 128  # training prompts (with their gold answers) whose inputs make the Hessians
+# Hessians gathered (over consecutive layers) before quantizing them together: the groups of like shape across
+# layers share one pass over their columns (a 135M model's 30 layers at once; a 7B model's one at a time)
+HESSIAN_BYTES = 1 << 30
+BASE_CODES_FILE = "base_gptq.safetensors"  # a run's GPTQ base, in its run directory
+
+
+class _Grid:
+    """One format's codes for GPTQ on weights [C, R, K] (C independent problems, R rows: the linears that share an
+    input, stacked): per-group scales fixed when GPTQ reaches a group, then one column [C, R] at a time."""
+
+    group = 0  # columns sharing a scale; 0 = the whole row (the scale comes from the original row)
+
+    def __init__(self, w: torch.Tensor, rows: list[int]):
+        self.rows = rows  # each linear's row count, in stacking order
+        self.codes: list[torch.Tensor] = []  # per column: codes [C, R]
+        self.scales: list[torch.Tensor] = []  # per group: scales [C, R]
+
+    def start_group(self, block: torch.Tensor) -> None:
+        """The scales of the next group from its current values block [C, R, group]."""
+        raise NotImplementedError
+
+    def quantize_column(self, col: torch.Tensor) -> torch.Tensor:
+        """Codes of one column [C, R] under the current group's scales (kept); returns their values float32."""
+        raise NotImplementedError
+
+    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
+        """[c][linear] weight QuantizedTensors [rows, k] in the format's layout."""
+        raise NotImplementedError
+
+    def _split(self, t: torch.Tensor) -> list[list[torch.Tensor]]:
+        """t [C, R, ...] -> [c][linear] row blocks."""
+        return [list(torch.split(t[c], self.rows)) for c in range(t.shape[0])]
+
+    def _per_linear(self, values: torch.Tensor) -> torch.Tensor:
+        """values [C, linears] -> [C, R]: each linear's value on each of its rows."""
+        return torch.repeat_interleave(values, torch.tensor(self.rows, device=values.device), dim=1)
+
+
+class _NVFP4(_Grid):
+    group = NVFP4_BLOCK
+
+    def __init__(self, w: torch.Tensor, rows: list[int]):
+        super().__init__(w, rows)
+        # each linear's tensor scale from its max |W|, as RTN takes it
+        amax = torch.stack([part.abs().amax(dim=(1, 2)) for part in torch.split(w, rows, dim=1)], dim=1)
+        self.global_scale = safe_scale(div_const(amax, E4M3_MAX * e2m1.E2M1_MAX))  # [C, linears]
+        self.row_global = self._per_linear(self.global_scale)
+
+    def start_group(self, block: torch.Tensor) -> None:
+        self.block_scale = to_e4m3(div_const(block.abs().amax(dim=-1), e2m1.E2M1_MAX) / self.row_global)
+        self.scales.append(self.block_scale)
+        self.step = self.block_scale.to(torch.float32) * self.row_global  # the rounded scale the kernels see
+
+    def quantize_column(self, col: torch.Tensor) -> torch.Tensor:
+        nonzero = self.step > 0
+        v = torch.where(nonzero, col / torch.where(nonzero, self.step, torch.ones_like(self.step)),
+                        torch.zeros_like(col)).clamp_(-e2m1.E2M1_MAX, e2m1.E2M1_MAX)
+        codes = e2m1.encode(v)
+        self.codes.append(codes)
+        return (e2m1.decode(codes) * self.block_scale.to(torch.float32)) * self.row_global  # as dequantize
+
+    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
+        data = self._split(e2m1.pack(torch.stack(self.codes, dim=-1)))
+        scales = self._split(torch.stack(self.scales, dim=-1))
+        return [[QuantizedTensor("nvfp4", "weight", d, sc, self.global_scale[c, i], torch.Size((d.shape[0], k)))
+                 for i, (d, sc) in enumerate(zip(data[c], scales[c]))] for c in range(len(data))]
+
+
+class _MXFP4(_Grid):
+    group = MXFP4_BLOCK
+
+    def start_group(self, block: torch.Tensor) -> None:
+        amax = block.abs().amax(dim=-1)
+        _, p = torch.frexp(amax)  # as quarl.formats.fp4.quantize_mxfp4
+        e = (p.to(torch.int32) - 1 - 2 + E8M0_BIAS).clamp_(0, 254)
+        exponent = torch.where(amax > 0, e, torch.full_like(e, E8M0_BIAS)).to(torch.uint8)
+        self.scales.append(exponent)
+        self.step = e8m0_to_float(exponent)
+
+    def quantize_column(self, col: torch.Tensor) -> torch.Tensor:
+        codes = e2m1.encode((col / self.step).clamp_(-e2m1.E2M1_MAX, e2m1.E2M1_MAX))
+        self.codes.append(codes)
+        return e2m1.decode(codes) * self.step
+
+    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
+        data = self._split(e2m1.pack(torch.stack(self.codes, dim=-1)))
+        scales = self._split(torch.stack(self.scales, dim=-1))
+        return [[QuantizedTensor("mxfp4", "weight", d, sc, None, torch.Size((d.shape[0], k)))
+                 for d, sc in zip(data[c], scales[c])] for c in range(len(data))]
+
+
+class _INT8(_Grid):
+    def __init__(self, w: torch.Tensor, rows: list[int]):
+        super().__init__(w, rows)
+        self.scale = safe_scale(div_const(w.abs().amax(dim=-1), INT8_MAX))  # as quarl.formats.int8, per row
+
+    def quantize_column(self, col: torch.Tensor) -> torch.Tensor:
+        codes = torch.round(col / self.scale).clamp_(-INT8_MAX, INT8_MAX)  # half to even, as the format
+        self.codes.append(codes.to(torch.int8))
+        return codes * self.scale
+
+    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
+        data = self._split(torch.stack(self.codes, dim=-1)[..., :k])
+        scales = self._split(self.scale[..., None])
+        return [[QuantizedTensor("int8", "weight", d, sc, None, torch.Size((d.shape[0], k)))
+                 for d, sc in zip(data[c], scales[c])] for c in range(len(data))]
+
+
+_GRIDS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "int8": _INT8}
+
+
+@torch.no_grad()
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: str, damp: float = DAMP) -> QuantizedTensor:
+    """The GPTQ-quantized weight of w [out, in] (any float dtype; quantized from its float32 values) in `fmt`
+    ("nvfp4", "mxfp4", "int8"), as a weight QuantizedTensor laid out as `quarl.formats.quantize(w, fmt)` lays it
+    out. hessian: [in, in], X^T X of the linear's calibration inputs X [tokens, in] (any positive scale; float32
+    or wider). Input channels the calibration never saw (a zero diagonal) are rounded alone, moving no error."""
+    return gptq_quantize_many([[w]], hessian[None], fmt, damp)[0][0]
+
+
+@torch.no_grad()
+def gptq_quantize_many(weights: list[list[torch.Tensor]], hessians: torch.Tensor, fmt: str,
+                       damp: float = DAMP) -> list[list[QuantizedTensor]]:
+    """`gptq_quantize` of many weights at once: weights[c] are the linears that read input c (each [out_i, in],
+    stacked along rows: GPTQ treats rows independently), hessians [C, in, in] that input's X^T X; every c holds
+    the same row counts (e.g. one decoder layer's q/k/v per c). One pass over the columns serves them all.
+    Returns [c][linear] QuantizedTensors."""
+    if fmt not in _GRIDS:
+        raise ValueError(f"GPTQ quantizes {', '.join(_GRIDS)}, not {fmt!r}")
+    rows = [w.shape[0] for w in weights[0]]
+    if any([w.shape[0] for w in ws] != rows for ws in weights):
+        raise ValueError("gptq_quantize_many needs the same linears' shapes for every input")
+    k = weights[0][0].shape[1]
+    if hessians.shape != (len(weights), k, k):
+        raise ValueError(f"the Hessians of {len(weights)} inputs of {k} channels must be [{len(weights)}, {k}, {k}], "
+                         f"got {tuple(hessians.shape)}")
+    device = weights[0][0].device
+    w32 = torch.stack([torch.cat([w.detach().float() for w in ws]) for ws in weights])  # [C, R, K]
+    grid = _GRIDS[fmt](w32, rows)
+    group = grid.group
+    kp = k if not group else -(-k // group) * group  # the format pads K to whole blocks with zeros
+    W = torch.zeros((*w32.shape[:2], kp), dtype=torch.float32, device=device)
+    W[..., :k] = w32
+    H = torch.zeros((len(weights), kp, kp), dtype=torch.float32, device=device)
+    H[:, :k, :k] = hessians.float()
+    diagonal = H.diagonal(dim1=-2, dim2=-1)  # a view: writes go into H
+    diagonal[diagonal == 0] = 1.0  # unseen (and padding) channels: rounded alone, no error moves through them
+    diagonal.add_(damp * diagonal.mean(dim=-1, keepdim=True))
+    # the upper Cholesky factor of H^-1: row j holds how column j's error spreads over the columns after it
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    for start in range(0, kp, BLOCK_COLUMNS):
+        end = min(start + BLOCK_COLUMNS, kp)
+        block = W[..., start:end].clone()
+        errors = torch.empty_like(block)
+        for i in range(end - start):
+            if group and i % group == 0:
+                grid.start_group(block[..., i:i + group])
+            q = grid.quantize_column(block[..., i])
+            err = (block[..., i] - q) / u[:, start + i, start + i, None]
+            block[..., i:] -= err[..., None] * u[:, None, start + i, start + i:end]
+            errors[..., i] = err
+        W[..., end:] -= errors @ u[:, start:end, end:]
+    return grid.assemble(k)
+
+
+@torch.no_grad()
+def layer_hessians(layer: nn.Module, groups: list[list[nn.Module]], states: list[tuple]) -> list[torch.Tensor]:
+    """Run `layer` on each batch state (x, cos, sin, attn_mask, real: what `QuarlForCausalLM.layer_inputs` gives,
+    and a bool [B * T] of the real, not padding, positions), replacing each state's x by the layer's output, and
+    return X^T X (float32 [in, in]) of each group's input over the real positions."""
+    hessians = [torch.zeros(g[0].in_features, g[0].in_features, device=g[0].weight.device) for g in groups]
+    real = {}
+
+    def hook(index):
+        def record(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            x = x[real["mask"]].float() if real["mask"].numel() == x.shape[0] else x.float()
+            hessians[index].addmm_(x.t(), x)
+        return record
+
+    handles = [group[0].register_forward_pre_hook(hook(i)) for i, group in enumerate(groups)]
+    try:
+        for i, (x, cos, sin, attn_mask, mask) in enumerate(states):
+            real["mask"] = mask
+            states[i] = (layer(x, cos, sin, attn_mask), cos, sin, attn_mask, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hessians
+
+
+@torch.no_grad()
+def gptq_base(model: nn.Module, fmt: str, batches, combine=None, weight_dtype: torch.dtype | None = None,
+              progress: bool = False) -> dict[nn.Module, QuantizedTensor]:
+    """GPTQ codes for every dense decoder linear of a full-precision model (before `apply_precision` quantizes
+    its base): {linear: weight QuantizedTensor}, to load with `QuantLinear.load_frozen_base_codes` once the base
+    exists. batches: (input_ids long [B, T], attention_mask [B, T]) pairs (`smoothing.calibration_batches`).
+    combine: maps each Hessian to the one to use (e.g. the mean over ranks); None = as measured. weight_dtype: the
+    weights are rounded to it first (the compute dtype, as `QuantLinear` rounds a weight before quantizing it).
+    Raises ValueError for a model whose base is quantized already (no full-precision weights left)."""
+    from quarl.model.precision_apply import full_precision
+
+    from quarl.model.smoothing import layer_input_groups
+
+    batches = list(batches)
+    if not batches:
+        raise ValueError("GPTQ calibration got no batches: pass at least one batch of token ids")
+    layers = [layer_input_groups(layer) for layer in model.model.layers]
+    if any(linear.weight is None for groups in layers for group in groups for linear in group):
+        raise ValueError("GPTQ needs the model's full-precision weights, but its base is quantized already; load "
+                         "the model in full precision, or set precision.base_quantizer=rtn")
+    codes: dict[nn.Module, QuantizedTensor] = {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(g) for layer in layers for g in layer), desc="GPTQ", unit="linear")
+    try:
+        with full_precision(model):
+            # each layer's inputs from the full-precision layers before it, one layer at a time: one forward in all
+            states = [(*model.layer_inputs(ids, mask), mask.to(torch.bool).reshape(-1)) for ids, mask in batches]
+            pending: list[tuple[list, torch.Tensor]] = []  # (group, Hessian) gathered, not yet quantized
+            for layer, groups in zip(model.model.layers, layers):
+                for group, hessian in zip(groups, layer_hessians(layer, groups, states)):
+                    pending.append((group, hessian if combine is None else combine(hessian)))
+                if sum(h.numel() * 4 for _, h in pending) >= HESSIAN_BYTES or layer is model.model.layers[-1]:
+                    _quantize_pending(pending, fmt, weight_dtype, codes, bar)
+                    pending = []
+    finally:
+        if bar is not None:
+            bar.close()
+    return codes
+
+
+def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar) -> None:
+    """GPTQ of the gathered (group, Hessian) pairs, groups of like shapes together; codes[linear] = the result."""
+    by_shape: dict[tuple, list] = {}
+    for group, hessian in pending:
+        by_shape.setdefault(tuple((lin.out_features, lin.in_features) for lin in group), []).append((group, hessian))
+    for pairs in by_shape.values():
+        weights = [[lin.weight.detach() if weight_dtype is None else lin.weight.detach().to(weight_dtype)
+                    for lin in group] for group, _ in pairs]
+        results = gptq_quantize_many(weights, torch.stack([h for _, h in pairs]), fmt)
+        for (group, _), qts in zip(pairs, results):
+            for lin, qt in zip(group, qts):
+                codes[lin] = qt
+                if bar is not None:
+                    bar.update()
+
+
+def output_error(w: torch.Tensor, qt: QuantizedTensor, x: torch.Tensor) -> float:
+    """||x w^T - x deq(qt)^T||^2 / ||x w^T||^2 in float64: the relative output error GPTQ minimises."""
+    w64, q64, x64 = w.double(), qt.dequantize(torch.float64), x.double()
+    ref = x64 @ w64.t()
+    return float(((ref - x64 @ q64.t()) ** 2).sum() / (ref ** 2).sum().clamp_min(math.ulp(0.0)))
+
+
+def save_base_codes(model: nn.Module, codes: dict[nn.Module, QuantizedTensor], path) -> None:
+    """Write the GPTQ base `codes` ({linear of model: weight QuantizedTensor}) to `path` (safetensors, atomic: a
+    crash leaves the old file or none), named by the linears' module names."""
+    from safetensors.torch import save
+
+    from quarl.rl.checkpoint import atomic_write_bytes
+
+    names = {module: name for name, module in model.named_modules()}
+    tensors, fmt = {}, None
+    for linear, qt in codes.items():
+        name, fmt = names[linear], qt.fmt
+        tensors[f"{name}.data"] = qt.data.detach().contiguous().cpu()
+        tensors[f"{name}.scale"] = qt.scale.detach().contiguous().cpu()
+        if qt.global_scale is not None:
+            tensors[f"{name}.global_scale"] = qt.global_scale.detach().reshape(()).cpu()
+    atomic_write_bytes(path, save(tensors, metadata={"format": str(fmt)}))
+
+
+def load_base_codes(model: nn.Module, path) -> int:
+    """Load a GPTQ base written by `save_base_codes` into the model's frozen bases
+    (`QuantLinear.load_frozen_base_codes`); returns the number of linears loaded. Raises ValueError (saying which)
+    when the file does not fit the model: another format, a linear it lacks, other shapes."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from quarl.model.qlinear import QuantLinear
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            fmt = (f.metadata() or {}).get("format")
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:  # a truncated or foreign file
+        raise ValueError(f"{path} is not a readable GPTQ base ({type(err).__name__}: {err}); delete it to calibrate "
+                         "again") from err
+    names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+    modules = dict(model.named_modules())
+    loaded = 0
+    for name in names:
+        linear = modules.get(name)
+        if not isinstance(linear, QuantLinear) or not linear.frozen_base or linear.rollout_format != fmt:
+            raise ValueError(f"{path} holds a {fmt} base for {name}, which this model has no {fmt} qlora base for: "
+                             "the run was made with another model or precision")
+        qt = QuantizedTensor(fmt, "weight", tensors[f"{name}.data"], tensors[f"{name}.scale"],
+                             tensors.get(f"{name}.global_scale"), linear.qweight.shape)
+        linear.load_frozen_base_codes(qt.to(linear.qweight.data.device))
+        loaded += 1
+    return loaded
+
+
+def load_run_base(model: nn.Module, run_dir) -> int:
+    """Load the GPTQ base a run saved (RUN_DIR/`BASE_CODES_FILE`) into a model rebuilt from its config (a qlora
+    base quantized by `apply_precision`); 0 when the run saved none (its base was rounded to nearest)."""
+    from pathlib import Path
+
+    path = Path(run_dir) / BASE_CODES_FILE
+    return load_base_codes(model, path) if path.is_file() else 0
