@@ -190,7 +190,7 @@ class QuarlForCausalLM(nn.Module):
         """Final-norm hidden states [B, T, hidden] in the model dtype. Arguments as in `forward`."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
