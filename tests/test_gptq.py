@@ -73,6 +73,21 @@ def test_many_weights_at_once_equal_one_at_a_time(fmt):
             assert same_codes(got, gptq_quantize(w, h, fmt))
 
 
+def test_a_hessian_that_cannot_be_factorised_falls_back_to_rtn_and_says_so(monkeypatch):
+    """One input's Hessian is not positive definite (here negative): damping it more cannot help, so its linears
+    keep round-to-nearest codes and the fallback is reported; the other input in the same batch still gets GPTQ."""
+    from quarl import fallbacks
+
+    monkeypatch.setattr(fallbacks, "_reported", {})
+    w1, w2 = torch.randn(32, 64), torch.randn(32, 64)
+    x = correlated_inputs(300, 64)
+    bad, good = gptq_quantize_many([[w1], [w2]], torch.stack([-torch.eye(64), x.t() @ x]), "nvfp4")
+    assert same_codes(bad[0], quantize(w1, "nvfp4", "weight"))
+    assert same_codes(good[0], gptq_quantize(w2, x.t() @ x, "nvfp4"))
+    assert not same_codes(good[0], quantize(w2, "nvfp4", "weight"))
+    assert "1 input Hessian(s) could not be factorised" in fallbacks.reported_fallbacks()["GPTQ"]
+
+
 def test_unseen_input_channels_and_bad_arguments():
     w = torch.randn(32, 64)
     x = torch.randn(100, 64)
@@ -139,7 +154,7 @@ def test_the_base_codes_survive_a_save_and_load_bit_for_bit(tmp_path):
             assert same_codes(linear.qweight, codes[names[name]])
     int8 = make_model("llama")
     apply_precision(int8, PrecisionConfig(flow="qlora", format="int8", lora=LoraConfig(rank=4)))
-    with pytest.raises(ValueError, match=r"holds a nvfp4 base for model\.layers\.0\.mlp\.down_proj, which this model has no nvfp4"):
+    with pytest.raises(ValueError, match=r"holds a nvfp4 base for model\.layers\.0\.mlp\.down_proj, which"):
         load_base_codes(int8, tmp_path / BASE_CODES_FILE)
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="is not a readable GPTQ base"):
@@ -149,12 +164,12 @@ def test_the_base_codes_survive_a_save_and_load_bit_for_bit(tmp_path):
 def test_loading_codes_of_another_layout_is_refused():
     model, codes, _ = _calibrated()
     apply_precision(model, PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4)))
-    q, k = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
-    if q.out_features != k.out_features:
-        with pytest.raises(ValueError, match="must be a nvfp4 weight"):
-            q.load_frozen_base_codes(codes[k])
+    q, down = model.model.layers[0].self_attn.q_proj, model.model.layers[0].mlp.down_proj
+    assert (q.out_features, q.in_features) != (down.out_features, down.in_features)
+    with pytest.raises(ValueError, match="must be a nvfp4 weight"):
+        q.load_frozen_base_codes(codes[down])
     with pytest.raises(RuntimeError, match="needs a frozen base"):
-        make_model("llama").model.layers[0].mlp.down_proj.load_frozen_base_codes(codes[k])
+        make_model("llama").model.layers[0].mlp.down_proj.load_frozen_base_codes(codes[down])
 
 
 @pytest.mark.parametrize("overrides,want", [
@@ -215,6 +230,10 @@ def test_a_qlora_run_trains_on_its_gptq_base_and_resume_and_export_load_it(tmp_p
     resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}")
     assert all(same_codes(resumed_qt, bases[n]) for n, resumed_qt in _bases(resumed).items())
     assert resumed.train()["step"] == 2
+    # whatever a resume's config now says, the run keeps the base it trained on
+    as_rtn = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}", "precision.base_quantizer=rtn")
+    assert all(same_codes(qt, bases[n]) for n, qt in _bases(as_rtn).items())
+    as_rtn.close()
     out = export_from_run(tmp_path / "run", tmp_path / "export", verbose=False)
     from safetensors.torch import load_file
 
@@ -223,3 +242,15 @@ def test_a_qlora_run_trains_on_its_gptq_base_and_resume_and_export_load_it(tmp_p
     # the adapters' base is the GPTQ base (in bf16), not the RTN one a rebuilt model would have
     assert torch.equal(base, q.qweight.dequantize(base.dtype))
     assert not torch.equal(base, rtn.model.model.layers[0].self_attn.q_proj.qweight.dequantize(base.dtype))
+
+
+def test_resuming_a_round_to_nearest_run_keeps_its_base_and_says_why(tmp_path):
+    """A run saved without a GPTQ base (round to nearest) resumed under a config that asks for GPTQ keeps the base
+    it trained on and warns; it does not calibrate a new one under its adapters."""
+    first = _trainer(tmp_path, 1, "precision.base_quantizer=rtn")
+    assert first.train()["step"] == 1
+    bases = _bases(first)
+    assert not (tmp_path / "run" / BASE_CODES_FILE).exists()
+    with pytest.warns(UserWarning, match="trained on a round-to-nearest qlora base, which it keeps"):
+        resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}", "precision.base_quantizer=gptq")
+    assert all(same_codes(qt, bases[n]) for n, qt in _bases(resumed).items())

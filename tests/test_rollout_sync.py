@@ -94,15 +94,18 @@ def test_gpu_graph_sync_equals_eager_requantization(flow, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
-def test_gpu_graph_sync_writes_stacked_copies_caches_and_smoothed_weights(fmt):
+def test_gpu_graph_sync_writes_stacked_copies_caches_and_smoothed_weights(monkeypatch, fmt):
     """The sync quantizes straight into each rollout copy's buffers: also where they are row views of the fused
     decoder's stacked q/k/v and gate/up buffers (which must stay stacked), with smoothing factors (the copy is
     Q(W diag(s))) and with a dequantized cache, which must hold the copy's values; bit for bit the reference, over
     the eager sync, the capture and replays."""
+    from quarl.model import qlinear
     from quarl.model.smoothing import input_groups
     from quarl.rollout.fused_decode import FusedDecoder
 
     model = build("split", fmt, "cuda", torch.bfloat16)
+    # the quantize-then-copy path must not be what passes this test: every sync writes through out=
+    monkeypatch.setattr(qlinear, "_quantize_weight", lambda w, fmt: pytest.fail("the sync took the copying path"))
     for group in input_groups(model):  # one factor tensor per input, shared as calibration shares it
         s = torch.rand(group[0].in_features, device="cuda") * 4 + 0.05
         for lin in group:

@@ -69,7 +69,7 @@ SETTINGS: dict[str, list[str]] = {
                               FULL_LR],
     "unified-int8-w8a16": ["precision.flow=unified", "precision.format=int8", "precision.weight_only=true", FULL_LR],
     "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", *LORA],
-    # the frozen base rounded to nearest (the qlora default before GPTQ)
+    # the frozen base rounded to nearest: the baseline GPTQ's base is measured against
     "qlora-nvfp4-rtn": ["precision.flow=qlora", "precision.format=nvfp4", "precision.base_quantizer=rtn", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],

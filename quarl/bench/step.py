@@ -317,7 +317,8 @@ def run_setting(args, setting: Setting, device, deadline: float | None,
         del trainer, model
     row = phase_row(setting, timed, args, peak)
     row["smooth_alpha"] = cfg.precision.resolved_smooth_alpha  # int8 W8A8 rollouts smooth by default
-    # a graph captured in a timed step means a decode graph read moved buffers and was captured again
+    # a decode graph captured in a timed step read moved buffers and was captured again (the engine's count of
+    # each step's last generate call: a step that samples several rounds reports its last one)
     row["timed_graph_captures"] = sum(int(m.get("rollout/graph_captures", 0)) for _, m in timed)
     row["fallbacks"] = sorted(set(reported_fallbacks()) - fallbacks_before)  # first reported by this setting
     row["setup_s"] = setup_s

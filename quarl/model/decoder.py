@@ -232,7 +232,8 @@ class QuarlForCausalLM(nn.Module):
     def layer_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple:
         """What the first decoder layer gets for a whole-sequence batch without a KV cache, for running the layers
         one at a time (`layer(x, cos, sin, attn_mask)` in turn, as `hidden_states` runs them): (x [B, T, hidden]
-        embeddings in the model dtype, cos, sin, attn_mask or None). input_ids, attention_mask: [B, T]."""
+        embeddings in the model dtype, cos and sin [B, 1, T, head_dim] rotary tables in that dtype, attn_mask bool
+        [B, 1, T, T] or None). input_ids long, attention_mask: [B, T]."""
         positions, attn_mask = _positions_and_mask(input_ids, attention_mask)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)

@@ -17,8 +17,10 @@ With H = identity no error moves and GPTQ gives RTN's codes exactly (the tests c
 
 Calibration follows SmoothQuant's (`quarl.model.smoothing`): the run's first training prompts with their gold
 answers, through the model in full precision, before it is quantized. The batches go through the decoder one layer
-at a time (one forward in all), and only the current layer's Hessians are held, so memory stays at one layer's
-Hessians and the batches' hidden states whatever the model size. Mixture-of-experts blocks keep RTN.
+at a time (one forward in all); Hessians are gathered over consecutive layers up to `HESSIAN_BYTES` (a 135M model's
+all at once, a 7B model's one layer at a time) and quantized together, the groups of like shape sharing one pass
+over their columns, so memory stays at a few times that bound plus the batches' hidden states whatever the model
+size. The codes wait on the CPU until the base exists. Mixture-of-experts blocks keep RTN.
 
 A run keeps its GPTQ base in RUN_DIR/base_gptq.safetensors (`save_base_codes`), written once when the run starts:
 resuming, `quarl export` and the end-of-run export load it (`load_base_codes`) rather than calibrating again, so the
@@ -188,9 +190,7 @@ def gptq_quantize_many(weights: list[list[torch.Tensor]], hessians: torch.Tensor
     H[:, :k, :k] = hessians.float()
     diagonal = H.diagonal(dim1=-2, dim2=-1)  # a view: writes go into H
     diagonal[diagonal == 0] = 1.0  # unseen (and padding) channels: rounded alone, no error moves through them
-    diagonal.add_(damp * diagonal.mean(dim=-1, keepdim=True))
-    # the upper Cholesky factor of H^-1: row j holds how column j's error spreads over the columns after it
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    u = _inverse_cholesky(H, damp)
     for start in range(0, kp, BLOCK_COLUMNS):
         end = min(start + BLOCK_COLUMNS, kp)
         block = W[..., start:end].clone()
@@ -206,6 +206,39 @@ def gptq_quantize_many(weights: list[list[torch.Tensor]], hessians: torch.Tensor
     return grid.assemble(k)
 
 
+DAMP_TRIES = 4  # a Hessian whose factorisation fails is damped 10x more, up to this many times
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """U [C, K, K]: the upper Cholesky factor of (H + λI)^-1 per problem (row j holds how column j's error spreads
+    over the columns after it), λ = damp x the mean diagonal of H [C, K, K] (float32, modified in place). A problem
+    whose factorisation fails in float32 is damped 10x more, up to `DAMP_TRIES` times; one that still fails gets
+    U = I, which is round-to-nearest for its weights (reported once as a fallback)."""
+    from quarl.fallbacks import report_fallback
+
+    mean = H.diagonal(dim1=-2, dim2=-1).mean(dim=-1)  # [C]
+    u = torch.eye(H.shape[-1], dtype=H.dtype, device=H.device).repeat(H.shape[0], 1, 1)
+    todo = torch.ones(H.shape[0], dtype=torch.bool, device=H.device)
+    added = torch.zeros_like(mean)
+    for attempt in range(DAMP_TRIES):
+        extra = damp * 10.0 ** attempt * mean - added  # from the damping already added to the total asked now
+        H.diagonal(dim1=-2, dim2=-1).add_(torch.where(todo, extra, 0.0)[:, None])
+        added = torch.where(todo, added + extra, added)
+        lower, info = torch.linalg.cholesky_ex(H[todo])
+        inverse = torch.cholesky_inverse(lower)
+        upper, info2 = torch.linalg.cholesky_ex(inverse, upper=True)
+        ok = (info == 0) & (info2 == 0) & torch.isfinite(upper).all(dim=(-2, -1))
+        index = todo.nonzero().squeeze(1)
+        u[index[ok]] = upper[ok]
+        todo[index[ok]] = False
+        if not bool(todo.any()):
+            return u
+    report_fallback("GPTQ", f"{int(todo.sum())} input Hessian(s) could not be factorised even with "
+                    f"{damp * 10.0 ** (DAMP_TRIES - 1):g} x their mean diagonal added: their linears keep "
+                    "round-to-nearest codes")
+    return u
+
+
 @torch.no_grad()
 def layer_hessians(layer: nn.Module, groups: list[list[nn.Module]], states: list[tuple]) -> list[torch.Tensor]:
     """Run `layer` on each batch state (x, cos, sin, attn_mask, real: what `QuarlForCausalLM.layer_inputs` gives,
@@ -217,7 +250,10 @@ def layer_hessians(layer: nn.Module, groups: list[list[nn.Module]], states: list
     def hook(index):
         def record(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1])
-            x = x[real["mask"]].float() if real["mask"].numel() == x.shape[0] else x.float()
+            if real["mask"].numel() != x.shape[0]:  # padding would enter the Hessian unseen
+                raise RuntimeError(f"GPTQ calibration: {type(module).__name__} got {x.shape[0]} rows for a batch of "
+                                   f"{real['mask'].numel()} positions")
+            x = x[real["mask"]].float()
             hessians[index].addmm_(x.t(), x)
         return record
 
@@ -286,13 +322,14 @@ def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar) -
         results = gptq_quantize_many(weights, torch.stack([h for _, h in pairs]), fmt)
         for (group, _), qts in zip(pairs, results):
             for lin, qt in zip(group, qts):
-                codes[lin] = qt
+                codes[lin] = qt.to("cpu")  # off the accelerator until loaded: the full model is still there
                 if bar is not None:
                     bar.update()
 
 
 def output_error(w: torch.Tensor, qt: QuantizedTensor, x: torch.Tensor) -> float:
-    """||x w^T - x deq(qt)^T||^2 / ||x w^T||^2 in float64: the relative output error GPTQ minimises."""
+    """||x w^T - x deq(qt)^T||^2 / ||x w^T||^2 in float64 for w [out, in], its quantized qt and inputs x
+    [tokens, in]: the relative output error GPTQ minimises."""
     w64, q64, x64 = w.double(), qt.dequantize(torch.float64), x.double()
     ref = x64 @ w64.t()
     return float(((ref - x64 @ q64.t()) ** 2).sum() / (ref ** 2).sum().clamp_min(math.ulp(0.0)))

@@ -451,8 +451,9 @@ class QuantLinear(nn.Module):
         self._refresh_dequant_cache(qt)
 
     def _refresh_dequant_cache(self, qt: QuantizedTensor) -> None:
-        """Write the dequantized rollout copy `qt` into the dequantized cache, when there is one: one GPU kernel
-        straight into the cache where `kernels.try_dequantize` has one, else the reference and a copy."""
+        """Write the dequantized rollout copy `qt` ([out, in]) into the dequantized cache (`weight_dequant` [out, in]
+        in the compute dtype), when there is one: one GPU kernel straight into the cache where
+        `kernels.try_dequantize` has one, else the reference and a copy."""
         cache = self.weight_dequant
         if cache is not None and kernels.try_dequantize(qt, cache.dtype, out=cache) is None:
             cache.copy_(qt.dequantize(cache.dtype))

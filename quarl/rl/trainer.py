@@ -306,19 +306,17 @@ class Trainer:
             apply_uaq(self.model, cfg.uaq.scale)
         if task is None:  # a given task renders its prompts itself
             self.task.set_tokenizer(self.tokenizer)
-        # GPTQ reads the full-precision weights, which quantizing a qlora base drops: its codes are made first. A
-        # resumed run loads the base its run made; a model given already quantized keeps its base.
-        saved_base = Path(cfg.resume) / gptq.BASE_CODES_FILE if cfg.resume else None
-        gptq_needed = cfg.precision.resolved_base_quantizer == "gptq" and \
-            self.model.model.layers[0].self_attn.q_proj.weight is not None
-        base_codes = self._gptq_base() if gptq_needed and not (saved_base and saved_base.is_file()) else {}
+        # GPTQ reads the full-precision weights, which quantizing a qlora base drops: its codes are made first (on
+        # the CPU until loaded, so the model never holds two bases on the GPU)
+        base_codes = self._gptq_base() if self._calibrates_gptq_base() else {}
         self.quantized_linears = apply_precision(self.model, cfg.precision)
         for linear, codes in base_codes.items():
             linear.load_frozen_base_codes(codes)
-        if gptq_needed and not base_codes:
-            gptq.load_base_codes(self.model, saved_base)
+        if cfg.resume:
+            self._load_run_base()
         # written into the run directory once it is prepared (a fresh run first moves an earlier one aside)
-        self._base_codes_to_save = {linear: qt.to("cpu") for linear, qt in base_codes.items()}
+        self._base_codes_to_save = base_codes if self.is_main else {}
+        del base_codes
         self.model.gradient_checkpointing = cfg.train.gradient_checkpointing
         if cfg.precision.kv_cache != "auto" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
@@ -380,11 +378,35 @@ class Trainer:
             self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
             shard_model(self.reference, self.device, self.dtype)
 
+    def _calibrates_gptq_base(self) -> bool:
+        """Whether this run quantizes its qlora base with GPTQ now: a fresh run whose config asks for it, on a model
+        that still has its full-precision weights. A resumed run never calibrates again: it loads the base it made
+        (`_load_run_base`), so its adapters meet the base they were trained against."""
+        if self.cfg.precision.resolved_base_quantizer != "gptq" or self.cfg.resume:
+            return False
+        if self.model.model.layers[0].self_attn.q_proj.weight is None:
+            if self.is_main:
+                print("[quarl] the model came with its qlora base quantized already: it keeps that base (no GPTQ)")
+            return False
+        return True
+
+    def _load_run_base(self) -> None:
+        """On resume: load the GPTQ base the run saved (RUN_DIR/base_gptq.safetensors), whatever the config now
+        says; a run that saved none keeps the round-to-nearest base it trained on, with a warning where the config
+        asks for GPTQ."""
+        loaded = gptq.load_run_base(self.model, Path(self.cfg.output.dir))
+        if not loaded and self.cfg.precision.resolved_base_quantizer == "gptq" and self.is_main:
+            warnings.warn(f"{Path(self.cfg.output.dir) / gptq.BASE_CODES_FILE} not found: this run trained on a "
+                          "round-to-nearest qlora base, which it keeps (precision.base_quantizer=gptq applies to new "
+                          "runs only)", stacklevel=2)
+
     def _gptq_base(self) -> dict:
         """GPTQ codes of the qlora base (`precision.base_quantizer`, quarl/model/gptq.py) from the full-precision
         model, calibrated on the first `gptq.CALIBRATION_PROMPTS` training prompts followed by their gold answers:
-        {linear: weight QuantizedTensor}. Sharded, every rank calibrates the whole model on the same prompts and
-        the Hessians are averaged over ranks, so that every rank computes the same codes."""
+        {linear: weight QuantizedTensor on the CPU}. Sharded, every rank calibrates the whole (not yet sharded)
+        model on the same prompts, reading the float32 masters (one GPU process: the compute-dtype model, so the
+        two bases may differ in rare codes), and the Hessians are averaged over ranks, so that every rank computes
+        the same codes."""
         from quarl.model.smoothing import calibration_batches, calibration_sequences
 
         sequences = calibration_sequences(self.task, self.tokenizer, gptq.CALIBRATION_PROMPTS)
@@ -455,7 +477,7 @@ class Trainer:
         atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
         if self._base_codes_to_save:  # the GPTQ base this run trains against: resume and export load it
             gptq.save_base_codes(self.model, self._base_codes_to_save, self.run_dir / gptq.BASE_CODES_FILE)
-        self._base_codes_to_save = {}
+            self._base_codes_to_save = {}
 
     def _claim_run_dir(self) -> None:
         """Check and lock the run directory; move an earlier run aside (see `prepare_run_dir`)."""

@@ -405,7 +405,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=
 
 
 def _divided(h: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
-    """h / s in h's dtype (divided in float32, rounded once; `QuantLinear.smooth_input`), or h for smooth None."""
+    """h [M, K] / s (float32 [K]) in h's dtype (divided in float32, rounded once; `QuantLinear.smooth_input`), or
+    h for smooth None."""
     return h if smooth is None else (h / smooth).to(h.dtype)
 
 
