@@ -192,6 +192,25 @@ def test_a_one_rank_checkpoint_of_tied_or_qlora_models_resumes_on_two_ranks(case
     assert list(two["rollouts"]) == [2]
 
 
+def test_a_fresh_qlora_run_on_two_ranks_calibrates_the_gptq_base_of_one_rank(tmp_path):
+    """A fresh sharded qlora run calibrates its GPTQ base on every rank (the Hessians averaged over ranks): the base
+    it saves equals the one-rank run's bit for bit, and so do the rollouts and the trained adapters' first step."""
+    from safetensors.torch import load_file
+
+    from quarl.model.gptq import BASE_CODES_FILE
+
+    (tmp_path / "reward.py").write_text(REWARD)
+    extra = ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=4"]
+    one = torchrun(1, tmp_path / "one.pt", overrides(tmp_path, tmp_path / "one", 1, *extra))
+    two = torchrun(2, tmp_path / "two.pt", overrides(tmp_path, tmp_path / "two", 1, *extra))
+    base_one, base_two = (load_file(str(tmp_path / run / BASE_CODES_FILE)) for run in ("one", "two"))
+    assert base_one.keys() == base_two.keys() and len(base_one) > 0
+    assert all(torch.equal(base_one[k], base_two[k]) for k in base_one)
+    assert tokens(two["rollouts"][1]) == tokens(one["rollouts"][1])
+    assert max_weight_diff(one["start"], one["weights"][1]) > 1e-4  # the step moved the adapters
+    assert max_weight_diff(two["weights"][1], one["weights"][1]) < 1e-5
+
+
 def test_a_mixture_of_experts_trains_on_two_ranks_as_on_one(tmp_path):
     """Each rank routes its own tokens, so an expert may get rows on one rank and none on the other; FSDP reduces a
     layer's gradients as one collective over the same parameters on every rank, so the per-expert path gives idle
