@@ -254,3 +254,24 @@ def test_resuming_a_round_to_nearest_run_keeps_its_base_and_says_why(tmp_path):
     with pytest.warns(UserWarning, match="trained on a round-to-nearest qlora base, which it keeps"):
         resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}", "precision.base_quantizer=gptq")
     assert all(same_codes(qt, bases[n]) for n, qt in _bases(resumed).items())
+
+
+def test_the_progress_bar_counts_every_input_column_once(monkeypatch):
+    """With progress, one bar counts the input columns quantized (every input of every layer once, K columns each)
+    and ends full."""
+    import tqdm.auto
+
+    seen = {}
+
+    class Recorded(tqdm.auto.tqdm):
+        def close(self):
+            seen.update(n=self.n, total=self.total)
+            super().close()
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    torch.manual_seed(0)
+    model = make_model("llama")
+    gptq_base(model, "nvfp4", calibration_batches(rand_prompts([9, 7, 12]), "cpu"), progress=True)
+    cfg = model.config
+    per_layer = 3 * cfg.hidden_size + cfg.intermediate_size  # q/k/v, o, gate/up read hidden; down reads the MLP
+    assert seen == {"n": cfg.num_layers * per_layer, "total": cfg.num_layers * per_layer}

@@ -165,11 +165,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, fmt: str, damp: float 
 
 @torch.no_grad()
 def gptq_quantize_many(weights: list[list[torch.Tensor]], hessians: torch.Tensor, fmt: str,
-                       damp: float = DAMP) -> list[list[QuantizedTensor]]:
+                       damp: float = DAMP, on_columns=None) -> list[list[QuantizedTensor]]:
     """`gptq_quantize` of many weights at once: weights[c] are the linears that read input c (each [out_i, in],
     stacked along rows: GPTQ treats rows independently), hessians [C, in, in] that input's X^T X; every c holds
     the same row counts (e.g. one decoder layer's q/k/v per c). One pass over the columns serves them all.
-    Returns [c][linear] QuantizedTensors."""
+    on_columns: called with C x the columns done after each block of them (progress). Returns [c][linear]
+    QuantizedTensors."""
     if fmt not in _GRIDS:
         raise ValueError(f"GPTQ quantizes {', '.join(_GRIDS)}, not {fmt!r}")
     rows = [w.shape[0] for w in weights[0]]
@@ -203,6 +204,8 @@ def gptq_quantize_many(weights: list[list[torch.Tensor]], hessians: torch.Tensor
             block[..., i:] -= err[..., None] * u[:, None, start + i, start + i:end]
             errors[..., i] = err
         W[..., end:] -= errors @ u[:, start:end, end:]
+        if on_columns is not None:
+            on_columns(len(weights) * (min(end, k) - min(start, k)))
     return grid.assemble(k)
 
 
@@ -293,7 +296,9 @@ def gptq_base(model: nn.Module, fmt: str, batches, combine=None, weight_dtype: t
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(len(g) for layer in layers for g in layer), desc="GPTQ", unit="linear")
+        # counted in input columns quantized (each input's column pass serves all the linears that read it)
+        bar = tqdm(total=sum(g[0].in_features for layer in layers for g in layer), desc="GPTQ", unit="col",
+                   unit_scale=True)
     try:
         with full_precision(model):
             # each layer's inputs from the full-precision layers before it, one layer at a time: one forward in all
@@ -319,12 +324,11 @@ def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar) -
     for pairs in by_shape.values():
         weights = [[lin.weight.detach() if weight_dtype is None else lin.weight.detach().to(weight_dtype)
                     for lin in group] for group, _ in pairs]
-        results = gptq_quantize_many(weights, torch.stack([h for _, h in pairs]), fmt)
+        results = gptq_quantize_many(weights, torch.stack([h for _, h in pairs]), fmt,
+                                     on_columns=None if bar is None else bar.update)
         for (group, _), qts in zip(pairs, results):
             for lin, qt in zip(group, qts):
                 codes[lin] = qt.to("cpu")  # off the accelerator until loaded: the full model is still there
-                if bar is not None:
-                    bar.update()
 
 
 def output_error(w: torch.Tensor, qt: QuantizedTensor, x: torch.Tensor) -> float:
