@@ -12,7 +12,7 @@ import torch
 from quarl.config import load_config
 from quarl.formats import quantize
 from quarl.model.gptq import (BASE_CODES_FILE, gptq_base, gptq_quantize, gptq_quantize_many, load_base_codes,
-                              output_error, save_base_codes)
+                              save_base_codes)
 from quarl.model.precision_apply import apply_precision
 from quarl.model.qlinear import QuantLinear
 from quarl.model.smoothing import calibration_batches
@@ -30,6 +30,14 @@ def same_codes(a, b) -> bool:
     return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
                for x, y in ((raw(a.data), raw(b.data)), (raw(a.scale), raw(b.scale)),
                             (raw(a.global_scale), raw(b.global_scale)))) and tuple(a.shape) == tuple(b.shape)
+
+
+def output_error(w: torch.Tensor, qt, x: torch.Tensor) -> float:
+    """||x w^T - x deq(qt)^T||^2 / ||x w^T||^2 in float64 for w [out, in], its quantized qt and inputs x
+    [tokens, in]: the relative output error GPTQ minimises."""
+    w64, q64, x64 = w.double(), qt.dequantize(torch.float64), x.double()
+    ref = x64 @ w64.t()
+    return float(((ref - x64 @ q64.t()) ** 2).sum() / (ref ** 2).sum())
 
 
 def correlated_inputs(tokens: int, k: int, mix: torch.Tensor | None = None) -> torch.Tensor:

@@ -242,7 +242,7 @@ def test_handed_codes_of_a_smoothed_linear_are_those_of_the_divided_activations(
     want, got = step_logits()
     assert len(handed) == 3 * model.config.num_layers  # q/k/v, gate/up, down
     torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
-    monkeypatch.setattr(fused_decode, "_divided", lambda h, smooth: h)  # codes of x, not x / s
+    monkeypatch.setattr(fused_decode, "divided", lambda h, smooth: h)  # codes of x, not x / s
     monkeypatch.setattr(QuantLinear, "smooth_input", lambda self, x: x)
     undivided = step_logits()[1]
     assert float((undivided - want).abs().max()) > 1e-3 * float(want.abs().max())

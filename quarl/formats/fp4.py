@@ -36,18 +36,33 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The NVFP4 tensor scale (float32) of a tensor whose max |x| is amax (any shape: one per tensor)."""
+    return safe_scale(div_const(amax, E4M3_MAX * e2m1.E2M1_MAX))
+
+
+def nvfp4_block_scale(amax_block: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales (float8_e4m3fn, amax_block's shape) of blocks whose max |x| is amax_block (float32),
+    under the tensor scale global_scale (broadcastable)."""
+    return to_e4m3(div_const(amax_block, e2m1.E2M1_MAX) / global_scale)
+
+
+def nvfp4_codes(v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, v's shape) of float32 values v under their rounded scales step (= block scale x tensor
+    scale, broadcastable to v); a zero step gives codes 0."""
+    nonzero = step > 0
+    v = v / torch.where(nonzero, step, torch.ones_like(step))
+    return e2m1.encode(torch.where(nonzero, v, torch.zeros_like(v)).clamp_(-e2m1.E2M1_MAX, e2m1.E2M1_MAX))
+
+
 def quantize_nvfp4(x32: torch.Tensor, role: str):
     """x32 float32 [..., Kp] (Kp % 16 == 0) -> (packed uint8 [..., Kp/2], block scales float8_e4m3fn
     [..., Kp/16], global scale float32 0-dim)."""
-    global_scale = safe_scale(div_const(_amax_all(x32), E4M3_MAX * e2m1.E2M1_MAX))
+    global_scale = nvfp4_global_scale(_amax_all(x32))
     blocks = _blocks(x32, NVFP4_BLOCK)
-    amax_block = blocks.abs().amax(dim=-1)
-    block_scale = to_e4m3(div_const(amax_block, e2m1.E2M1_MAX) / global_scale)
+    block_scale = nvfp4_block_scale(blocks.abs().amax(dim=-1), global_scale)
     step = block_scale.to(torch.float32) * global_scale  # the rounded scale the kernels see
-    nonzero = step > 0
-    v = blocks / torch.where(nonzero, step, torch.ones_like(step)).unsqueeze(-1)
-    v = torch.where(nonzero.unsqueeze(-1), v, torch.zeros_like(v)).clamp_(-e2m1.E2M1_MAX, e2m1.E2M1_MAX)
-    codes = e2m1.encode(v).reshape(x32.shape)
+    codes = nvfp4_codes(blocks, step.unsqueeze(-1)).reshape(x32.shape)
     return e2m1.pack(codes), block_scale, global_scale
 
 
@@ -68,14 +83,18 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def quantize_mxfp4(x32: torch.Tensor, role: str):
-    """x32 float32 [..., Kp] (Kp % 32 == 0) -> (packed uint8 [..., Kp/2], E8M0 exponents uint8 [..., Kp/32], None)."""
-    blocks = _blocks(x32, MXFP4_BLOCK)
-    amax_block = blocks.abs().amax(dim=-1)
+def mxfp4_exponent(amax_block: torch.Tensor) -> torch.Tensor:
+    """E8M0 biased exponents (uint8, amax_block's shape) of blocks whose max |x| is amax_block (float32)."""
     # frexp: amax = m * 2^p with m in [0.5, 1), so floor(log2 amax) = p - 1 exactly (also for subnormals).
     _, p = torch.frexp(amax_block)
     e = (p.to(torch.int32) - 1 - 2 + E8M0_BIAS).clamp_(0, 254)
-    e = torch.where(amax_block > 0, e, torch.full_like(e, E8M0_BIAS)).to(torch.uint8)
+    return torch.where(amax_block > 0, e, torch.full_like(e, E8M0_BIAS)).to(torch.uint8)
+
+
+def quantize_mxfp4(x32: torch.Tensor, role: str):
+    """x32 float32 [..., Kp] (Kp % 32 == 0) -> (packed uint8 [..., Kp/2], E8M0 exponents uint8 [..., Kp/32], None)."""
+    blocks = _blocks(x32, MXFP4_BLOCK)
+    e = mxfp4_exponent(blocks.abs().amax(dim=-1))
     v = (blocks / e8m0_to_float(e).unsqueeze(-1)).clamp_(-e2m1.E2M1_MAX, e2m1.E2M1_MAX)
     codes = e2m1.encode(v).reshape(x32.shape)
     return e2m1.pack(codes), e, None

@@ -103,6 +103,16 @@ def _one_rounding_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7 + 1e-6).all())
 
 
+def _codes_equal(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> bool:
+    """Whether a fused kernel's codes [M, K] and scales of h [M, K] are bit for bit
+    `quarl.formats.quantize(h, fmt, "activation")`'s (fp8-block pads K to whole groups; the kernels write K)."""
+    from quarl.formats import quantize
+
+    ref = quantize(h, fmt, "activation")
+    return torch.equal(codes.view(torch.uint8), ref.data.view(torch.uint8)[:, :h.shape[1]]) and \
+        torch.equal(scales, ref.scale)
+
+
 def decode_fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused decode kernels (`quarl.kernels.decode_fused`) may serve `dtype` activations on `device`:
     bf16 (their roundings are bf16's), kernels available and, on first use there, each kernel within one rounding
@@ -121,7 +131,6 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
     the int8 codes of the kernel's own values bit for bit, with fp8 also the FP8 codes)."""
     import torch.nn.functional as F
 
-    from quarl.formats import quantize
     from quarl.kernels.decode_fused import rms_norm_rows, rope_rows, silu_mul_rows
 
     randn = _seeded_randn(device, dtype)
@@ -130,12 +139,7 @@ def _decode_fused_agrees(device: torch.device, dtype: torch.dtype, fp8: bool = T
 
     def codes_match(h, make_codes) -> bool:
         """The kernel's per-token codes of its own values h, bit for bit those of `quarl.formats`."""
-        for quant in quants:
-            c, s = make_codes(quant)
-            ref = quantize(h, quant, "activation")
-            if not (torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(s, ref.scale)):
-                return False
-        return True
+        return all(_codes_equal(h, *make_codes(quant), quant) for quant in quants)
 
     x, d, w, noise = randn(6, 200), randn(6, 200), randn(200), randn(200) * 0.01
     r, h, _, _ = rms_norm_rows(x, d, w, noise, 1e-6)
@@ -169,21 +173,14 @@ def decode_fused_group_ok(device: torch.device) -> bool:
 
 
 def _group_codes_agree(device: torch.device) -> bool:
-    from quarl.formats import quantize
     from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
 
     randn = _seeded_randn(device, torch.bfloat16)
-
-    def same(h, c, s) -> bool:
-        ref = quantize(h, "fp8-block", "activation")
-        return torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)[:, :h.shape[1]]) and \
-            torch.equal(s, ref.scale)
-
     x, w = randn(5, 300), randn(300)
     _, h, c, s = rms_norm_rows(x, None, w, None, 1e-6, "fp8-block", write_h=True)
     gu = randn(5, 2 * 700)
     a, c2, s2 = silu_mul_rows(gu[:, :700], gu[:, 700:], "fp8-block")
-    return same(h, c, s) and same(a, c2, s2)
+    return _codes_equal(h, c, s, "fp8-block") and _codes_equal(a, c2, s2, "fp8-block")
 
 
 def decode_fused_smooth_ok(device: torch.device) -> bool:
@@ -198,26 +195,20 @@ def decode_fused_smooth_ok(device: torch.device) -> bool:
 
 
 def _smoothed_codes_agree(device: torch.device) -> bool:
-    from quarl.formats import quantize
     from quarl.kernels.decode_fused import rms_norm_rows, silu_mul_rows
+    from quarl.model.qlinear import divided
 
     randn = _seeded_randn(device, torch.bfloat16)
     quants = ("int8",)  # per format that hands codes over at all here: a failing fp8-block check stays its own
     if availability.fp8_kernels_available(device):
         quants += ("fp8", "fp8-block") if decode_fused_group_ok(device) else ("fp8",)
-
-    def same(h, s, c, sc, quant) -> bool:
-        ref = quantize((h / s).to(h.dtype), quant, "activation")
-        return torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8)[:, :h.shape[1]]) and \
-            torch.equal(sc, ref.scale)
-
     x, w = randn(5, 300), randn(300)
     gu = randn(5, 2 * 700)
     s_norm, s_mlp = randn(300).float().abs() + 0.05, randn(700).float().abs() + 0.05
     for quant in quants:
         _, h, c, sc = rms_norm_rows(x, None, w, None, 1e-6, quant, write_h=True, smooth=s_norm)
         a, c2, sc2 = silu_mul_rows(gu[:, :700], gu[:, 700:], quant, smooth=s_mlp)
-        if not (same(h, s_norm, c, sc, quant) and same(a, s_mlp, c2, sc2, quant)):
+        if not (_codes_equal(divided(h, s_norm), c, sc, quant) and _codes_equal(divided(a, s_mlp), c2, sc2, quant)):
             return False
     return True
 

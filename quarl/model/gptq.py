@@ -29,16 +29,13 @@ adapters always meet the base they were trained against.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from quarl.formats import QuantizedTensor, e2m1
-from quarl.formats.base import div_const, safe_scale
-from quarl.formats.fp4 import MXFP4_BLOCK, NVFP4_BLOCK, E8M0_BIAS, e8m0_to_float
-from quarl.formats.fp8 import E4M3_MAX, to_e4m3
-from quarl.formats.int8 import INT8_MAX
+from quarl.formats.fp4 import (MXFP4_BLOCK, NVFP4_BLOCK, e8m0_to_float, mxfp4_exponent, nvfp4_block_scale,
+                               nvfp4_codes, nvfp4_global_scale)
+from quarl.formats.int8 import int8_codes, int8_scale
 
 DAMP = 0.01  # added to H's diagonal, as a fraction of its mean diagonal (the GPTQ paper's default)
 BLOCK_COLUMNS = 128  # columns whose errors are applied together (a multiple of every format's block)
@@ -51,8 +48,10 @@ BASE_CODES_FILE = "base_gptq.safetensors"  # a run's GPTQ base, in its run direc
 
 class _Grid:
     """One format's codes for GPTQ on weights [C, R, K] (C independent problems, R rows: the linears that share an
-    input, stacked): per-group scales fixed when GPTQ reaches a group, then one column [C, R] at a time."""
+    input, stacked): per-group scales fixed when GPTQ reaches a group, then one column [C, R] at a time. The scale
+    and code rules are the format's own (`quarl.formats.fp4`, `quarl.formats.int8`)."""
 
+    fmt = ""
     group = 0  # columns sharing a scale; 0 = the whole row (the scale comes from the original row)
 
     def __init__(self, w: torch.Tensor, rows: list[int]):
@@ -68,57 +67,58 @@ class _Grid:
         """Codes of one column [C, R] under the current group's scales (kept); returns their values float32."""
         raise NotImplementedError
 
+    def data(self, codes: torch.Tensor) -> torch.Tensor:
+        """The stored codes [C, R, ...] from the columns' codes [C, R, Kp]: packed two per byte (E2M1)."""
+        return e2m1.pack(codes)
+
+    def scale_tensor(self) -> torch.Tensor:
+        """The stored scales [C, R, groups]."""
+        return torch.stack(self.scales, dim=-1)
+
+    def global_scale_of(self, c: int, linear: int) -> torch.Tensor | None:
+        return None
+
     def assemble(self, k: int) -> list[list[QuantizedTensor]]:
         """[c][linear] weight QuantizedTensors [rows, k] in the format's layout."""
-        raise NotImplementedError
+        data = self._split(self.data(torch.stack(self.codes, dim=-1)))
+        scales = self._split(self.scale_tensor())
+        return [[QuantizedTensor(self.fmt, "weight", d, sc, self.global_scale_of(c, i), torch.Size((d.shape[0], k)))
+                 for i, (d, sc) in enumerate(zip(data[c], scales[c]))] for c in range(len(data))]
 
     def _split(self, t: torch.Tensor) -> list[list[torch.Tensor]]:
         """t [C, R, ...] -> [c][linear] row blocks."""
         return [list(torch.split(t[c], self.rows)) for c in range(t.shape[0])]
 
-    def _per_linear(self, values: torch.Tensor) -> torch.Tensor:
-        """values [C, linears] -> [C, R]: each linear's value on each of its rows."""
-        return torch.repeat_interleave(values, torch.tensor(self.rows, device=values.device), dim=1)
-
 
 class _NVFP4(_Grid):
-    group = NVFP4_BLOCK
+    fmt, group = "nvfp4", NVFP4_BLOCK
 
     def __init__(self, w: torch.Tensor, rows: list[int]):
         super().__init__(w, rows)
-        # each linear's tensor scale from its max |W|, as RTN takes it
+        # each linear's tensor scale from its max |W|, as round-to-nearest takes it
         amax = torch.stack([part.abs().amax(dim=(1, 2)) for part in torch.split(w, rows, dim=1)], dim=1)
-        self.global_scale = safe_scale(div_const(amax, E4M3_MAX * e2m1.E2M1_MAX))  # [C, linears]
-        self.row_global = self._per_linear(self.global_scale)
+        self.global_scale = nvfp4_global_scale(amax)  # [C, linears]
+        self.row_global = torch.repeat_interleave(self.global_scale, torch.tensor(rows, device=w.device), dim=1)
 
     def start_group(self, block: torch.Tensor) -> None:
-        self.block_scale = to_e4m3(div_const(block.abs().amax(dim=-1), e2m1.E2M1_MAX) / self.row_global)
+        self.block_scale = nvfp4_block_scale(block.abs().amax(dim=-1), self.row_global)
         self.scales.append(self.block_scale)
         self.step = self.block_scale.to(torch.float32) * self.row_global  # the rounded scale the kernels see
 
     def quantize_column(self, col: torch.Tensor) -> torch.Tensor:
-        nonzero = self.step > 0
-        v = torch.where(nonzero, col / torch.where(nonzero, self.step, torch.ones_like(self.step)),
-                        torch.zeros_like(col)).clamp_(-e2m1.E2M1_MAX, e2m1.E2M1_MAX)
-        codes = e2m1.encode(v)
+        codes = nvfp4_codes(col, self.step)
         self.codes.append(codes)
         return (e2m1.decode(codes) * self.block_scale.to(torch.float32)) * self.row_global  # as dequantize
 
-    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
-        data = self._split(e2m1.pack(torch.stack(self.codes, dim=-1)))
-        scales = self._split(torch.stack(self.scales, dim=-1))
-        return [[QuantizedTensor("nvfp4", "weight", d, sc, self.global_scale[c, i], torch.Size((d.shape[0], k)))
-                 for i, (d, sc) in enumerate(zip(data[c], scales[c]))] for c in range(len(data))]
+    def global_scale_of(self, c: int, linear: int) -> torch.Tensor:
+        return self.global_scale[c, linear]
 
 
 class _MXFP4(_Grid):
-    group = MXFP4_BLOCK
+    fmt, group = "mxfp4", MXFP4_BLOCK
 
     def start_group(self, block: torch.Tensor) -> None:
-        amax = block.abs().amax(dim=-1)
-        _, p = torch.frexp(amax)  # as quarl.formats.fp4.quantize_mxfp4
-        e = (p.to(torch.int32) - 1 - 2 + E8M0_BIAS).clamp_(0, 254)
-        exponent = torch.where(amax > 0, e, torch.full_like(e, E8M0_BIAS)).to(torch.uint8)
+        exponent = mxfp4_exponent(block.abs().amax(dim=-1))
         self.scales.append(exponent)
         self.step = e8m0_to_float(exponent)
 
@@ -127,28 +127,24 @@ class _MXFP4(_Grid):
         self.codes.append(codes)
         return e2m1.decode(codes) * self.step
 
-    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
-        data = self._split(e2m1.pack(torch.stack(self.codes, dim=-1)))
-        scales = self._split(torch.stack(self.scales, dim=-1))
-        return [[QuantizedTensor("mxfp4", "weight", d, sc, None, torch.Size((d.shape[0], k)))
-                 for d, sc in zip(data[c], scales[c])] for c in range(len(data))]
-
 
 class _INT8(_Grid):
+    fmt = "int8"
+
     def __init__(self, w: torch.Tensor, rows: list[int]):
         super().__init__(w, rows)
-        self.scale = safe_scale(div_const(w.abs().amax(dim=-1), INT8_MAX))  # as quarl.formats.int8, per row
+        self.scale = int8_scale(w.abs().amax(dim=-1))  # per row, from the original row
 
     def quantize_column(self, col: torch.Tensor) -> torch.Tensor:
-        codes = torch.round(col / self.scale).clamp_(-INT8_MAX, INT8_MAX)  # half to even, as the format
+        codes = int8_codes(col, self.scale)
         self.codes.append(codes.to(torch.int8))
         return codes * self.scale
 
-    def assemble(self, k: int) -> list[list[QuantizedTensor]]:
-        data = self._split(torch.stack(self.codes, dim=-1)[..., :k])
-        scales = self._split(self.scale[..., None])
-        return [[QuantizedTensor("int8", "weight", d, sc, None, torch.Size((d.shape[0], k)))
-                 for d, sc in zip(data[c], scales[c])] for c in range(len(data))]
+    def data(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes
+
+    def scale_tensor(self) -> torch.Tensor:
+        return self.scale[..., None]
 
 
 _GRIDS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "int8": _INT8}
@@ -329,14 +325,6 @@ def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar) -
         for (group, _), qts in zip(pairs, results):
             for lin, qt in zip(group, qts):
                 codes[lin] = qt.to("cpu")  # off the accelerator until loaded: the full model is still there
-
-
-def output_error(w: torch.Tensor, qt: QuantizedTensor, x: torch.Tensor) -> float:
-    """||x w^T - x deq(qt)^T||^2 / ||x w^T||^2 in float64 for w [out, in], its quantized qt and inputs x
-    [tokens, in]: the relative output error GPTQ minimises."""
-    w64, q64, x64 = w.double(), qt.dequantize(torch.float64), x.double()
-    ref = x64 @ w64.t()
-    return float(((ref - x64 @ q64.t()) ** 2).sum() / (ref ** 2).sum().clamp_min(math.ulp(0.0)))
 
 
 def save_base_codes(model: nn.Module, codes: dict[nn.Module, QuantizedTensor], path) -> None:

@@ -73,6 +73,20 @@ def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor
     return _StraightThrough.apply(value.detach(), source)
 
 
+def divided(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] / s (SmoothQuant factors, float32 [K]) in x's dtype, divided in float32 (float64 for a float64
+    x) and rounded once; x itself for s None. What a smoothed linear's activation quantizer reads."""
+    return x if s is None else (x / s).to(x.dtype)  # s is float32: the quotient promotes to float32 or wider
+
+
+def _copy_quantized(dst: QuantizedTensor, src: QuantizedTensor) -> None:
+    """src's codes, scales and tensor scale into dst's buffers (same format and sizes), in place."""
+    dst.data.copy_(src.data)
+    dst.scale.copy_(src.scale.reshape(dst.scale.shape))
+    if dst.global_scale is not None:
+        dst.global_scale.copy_(src.global_scale)
+
+
 def _quantize_weight(w: torch.Tensor, fmt: str) -> QuantizedTensor:
     """Q(w) for w [out, in]: one Triton pass on a GPU where `kernels.try_quantize_weight` has one (the same codes),
     else the reference without its NaN/Inf scan (a device synchronisation per call)."""
@@ -483,10 +497,8 @@ class QuantLinear(nn.Module):
             self.refresh()
 
     def smooth_input(self, x: torch.Tensor) -> torch.Tensor:
-        """x / s in x's dtype (divided in float32, or float64 for a float64 x, rounded once) when the rollout copy is
-        smoothed, else x."""
-        s = self.rollout_smoothing
-        return x if s is None else (x / s).to(x.dtype)  # s is float32: the quotient promotes to float32 or wider
+        """x / s (`divided`) when the rollout copy is smoothed, else x."""
+        return divided(x, self.rollout_smoothing)
 
     def mark_rollout_copy_current(self) -> None:
         """Record that the rollout copy now holds the master weight as it is (after `requantize_rollout_copy`)."""
@@ -510,10 +522,7 @@ class QuantLinear(nn.Module):
             raise RuntimeError(f"{self.rollout_format} weight quantizer returned codes {fresh.data.dtype} and "
                                f"{fresh.scale.numel()} scales; the rollout copy holds {out.data.dtype} and "
                                f"{out.scale.numel()}")
-        out.data.copy_(fresh.data)
-        out.scale.copy_(fresh.scale.reshape(out.scale.shape))
-        if out.global_scale is not None:
-            out.global_scale.copy_(fresh.global_scale)
+        _copy_quantized(out, fresh)
         return out
 
     @torch.no_grad()
@@ -540,10 +549,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"codes for this frozen base must be a {out.fmt} weight {tuple(out.shape)} in its layout "
                              f"(data {tuple(out.data.shape)} {out.data.dtype}), got {qt.fmt} {qt.role} "
                              f"{tuple(qt.shape)} (data {tuple(qt.data.shape)} {qt.data.dtype})")
-        out.data.copy_(qt.data)
-        out.scale.copy_(qt.scale)
-        if out.global_scale is not None:
-            out.global_scale.copy_(qt.global_scale)
+        _copy_quantized(out, qt)
         self._frozen_codes_key = None
         self._refresh_dequant_cache(out)
 

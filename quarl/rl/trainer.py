@@ -407,20 +407,24 @@ class Trainer:
         model on the same prompts, reading the float32 masters (one GPU process: the compute-dtype model, so the
         two bases may differ in rare codes), and the Hessians are averaged over ranks, so that every rank computes
         the same codes."""
-        from quarl.model.smoothing import calibration_batches, calibration_sequences
-
-        sequences = calibration_sequences(self.task, self.tokenizer, gptq.CALIBRATION_PROMPTS)
+        batches, prompts = self._calibration(gptq.CALIBRATION_PROMPTS)
         world = qdist.world_size() if self.sharded else 1
         combine = (lambda h: qdist.sum_over_ranks(h, self.device) / world) if self.sharded else None
         start = time.perf_counter()
-        codes = gptq.gptq_base(self.model, self.cfg.precision.resolved_format,
-                               calibration_batches(sequences, self.device), combine=combine, weight_dtype=self.dtype,
-                               progress=self.is_main and self.cfg.output.progress)
+        codes = gptq.gptq_base(self.model, self.cfg.precision.resolved_format, batches, combine=combine,
+                               weight_dtype=self.dtype, progress=self.is_main and self.cfg.output.progress)
         if self.is_main:
             print(f"[quarl] GPTQ quantized {len(codes)} base linears to {self.cfg.precision.resolved_format} in "
-                  f"{time.perf_counter() - start:.1f} s (calibrated on {len({tuple(q) for q in sequences})} "
-                  "training prompts)")
+                  f"{time.perf_counter() - start:.1f} s (calibrated on {prompts} training prompts)")
         return codes
+
+    def _calibration(self, count: int) -> tuple:
+        """(calibration batches of the first `count` training prompts followed by their gold answers, the number
+        of distinct prompts among them): what SmoothQuant and GPTQ calibrate on (`smoothing.calibration_batches`)."""
+        from quarl.model.smoothing import calibration_batches, calibration_sequences
+
+        sequences = calibration_sequences(self.task, self.tokenizer, count)
+        return calibration_batches(sequences, self.device), len({tuple(seq) for seq in sequences})
 
     def _smooth_rollout(self) -> None:
         """SmoothQuant factors for the rollout copy (`precision.smooth_alpha`, quarl/model/smoothing.py), calibrated
@@ -428,19 +432,16 @@ class Trainer:
         before a resumed run loads its checkpoint, on the model as loaded, so a resumed run gets the factors the
         first run had (on as many ranks), and before sharding, so a sharded run's rollout copy (`make_rollout_copy`)
         takes them. Sharded, it reads the float32 masters; on one GPU process the compute-dtype model."""
-        from quarl.model.smoothing import (CALIBRATION_PROMPTS, calibration_batches, calibration_sequences,
-                                           smooth_rollout)
+        from quarl.model.smoothing import CALIBRATION_PROMPTS, smooth_rollout
 
-        sequences = calibration_sequences(self.task, self.tokenizer, CALIBRATION_PROMPTS)
+        batches, prompts = self._calibration(CALIBRATION_PROMPTS)
         # every rank calibrates the whole (not yet sharded) model on the same prompts; the maximum over ranks makes
         # their factors equal to the last bit
         combine = (lambda m: qdist.max_over_ranks(m, self.device)) if self.sharded else None
-        count = smooth_rollout(self.model, calibration_batches(sequences, self.device),
-                               self.cfg.precision.resolved_smooth_alpha, combine)
+        count = smooth_rollout(self.model, batches, self.cfg.precision.resolved_smooth_alpha, combine)
         if self.is_main:
-            distinct = len({tuple(seq) for seq in sequences})
             print(f"[quarl] smoothed the activations of {count} rollout linears (SmoothQuant, alpha "
-                  f"{self.cfg.precision.resolved_smooth_alpha}, calibrated on {distinct} training prompts)")
+                  f"{self.cfg.precision.resolved_smooth_alpha}, calibrated on {prompts} training prompts)")
 
     def prepare_run_dir(self) -> None:
         """Lock the run directory, write the resolved config, restore the latest checkpoint when resuming.

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from quarl import kernels
 from quarl.fast_paths import DEFAULT as DEFAULT_FAST_PATHS, FastPaths
 from quarl.model.layers import apply_rope
-from quarl.model.qlinear import QuantLinear
+from quarl.model.qlinear import QuantLinear, divided
 
 _QBUFFERS = ("qweight_data", "qweight_scale", "weight_dequant")
 
@@ -382,7 +382,7 @@ def add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None, quant: str | Non
         delta = _apply_scales(delta, *delta_scales, x.dtype)
     r = x if delta is None else x + delta
     h = norm(r)
-    return r, h, reference_codes(_divided(h, smooth), quant)
+    return r, h, reference_codes(divided(h, smooth), quant)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=None, keep_h: bool = False,
@@ -401,13 +401,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None, in_scales=
         n = gate.shape[1]
         gate, up = _apply_scales(gate, rows, cols[:n], up.dtype), _apply_scales(up, rows, cols[n:], up.dtype)
     h = F.silu(gate) * up
-    return h, reference_codes(_divided(h, smooth), quant)
-
-
-def _divided(h: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
-    """h [M, K] / s (float32 [K]) in h's dtype (divided in float32, rounded once; `QuantLinear.smooth_input`), or
-    h for smooth None."""
-    return h if smooth is None else (h / smooth).to(h.dtype)
+    return h, reference_codes(divided(h, smooth), quant)
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int):
