@@ -27,7 +27,9 @@ QUANT_FORMATS = tuple(FORMATS)
 # no FP4 tensor cores on Hopper: W4A16 (BRIEF §3)
 WEIGHT_ONLY_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.weight_only_default)
 DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
-GPTQ_FORMATS = ("nvfp4", "mxfp4", "int8")  # the qlora base formats `quarl.model.gptq` quantizes
+GPTQ_FORMATS = ("nvfp4", "mxfp4", "int8")
+# The smallest hidden size at which the unified flow multiplies on the 8-bit kernels by default (`kernel_forward`)
+KERNEL_FORWARD_MIN_HIDDEN = 1024  # the qlora base formats `quarl.model.gptq` quantizes
 KV_CACHE_FORMATS = ("auto", "fp8", "fp8-token")
 
 
@@ -62,11 +64,14 @@ class PrecisionConfig:
     kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
-    # unified W8A8 on a GPU: rollout and training forwards both run the 8-bit kernels at every batch size (exact
-    # code products, fp32 sums whose order may differ by plan); false: training takes bf16 GEMMs of the
-    # fake-quantized values, and the rollout too wherever the tuning table prefers them, which round each
-    # dequantized operand to bf16
-    kernel_forward: bool = True
+    # unified flow: where rollout and training multiply the quantized values, alike at every batch size. true: the
+    # 8-bit GEMM kernels on the codes (W8A8 on a GPU; exact code products, fp32 sums whose order may differ by
+    # plan); false: bf16 GEMMs of the fake-quantized activations and the rollout copy's dequantized cache (a bf16
+    # copy of every quantized weight), in the rollout too. null -> true for models whose hidden size is at least
+    # 1024 (KERNEL_FORWARD_MIN_HIDDEN), false below: there every step is bound by host work, and each 8-bit linear
+    # adds launches to the one cuBLAS call of a bf16 GEMM (bench/results/step.md: SmolLM2-135M's unified step at
+    # 0.3-0.5x bf16's speed on the kernels)
+    kernel_forward: bool | None = None
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
     # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training
     # prompts) and the weights multiplied by s before quantization, flattening the outlier channels the per-token
@@ -164,8 +169,16 @@ class PrecisionConfig:
             return self.weight_only
         return self.flow == "qlora" or self.resolved_format in WEIGHT_ONLY_FORMATS
 
-    def linear_settings(self) -> dict:
-        """Keyword arguments for `QuantLinear.configure` (shared by every decoder linear).
+    def resolved_kernel_forward(self, hidden_size: int | None) -> bool:
+        """`kernel_forward`, or where it is None: whether hidden_size (the model's; None = unknown) is at least
+        KERNEL_FORWARD_MIN_HIDDEN (unknown: true)."""
+        if self.kernel_forward is not None:
+            return bool(self.kernel_forward)
+        return hidden_size is None or hidden_size >= KERNEL_FORWARD_MIN_HIDDEN
+
+    def linear_settings(self, hidden_size: int | None = None) -> dict:
+        """Keyword arguments for `QuantLinear.configure` (shared by every decoder linear); hidden_size: the model's,
+        for `resolved_kernel_forward`.
 
         Returns dict(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout,
         quantized_backward, kernel_forward).
@@ -181,7 +194,7 @@ class PrecisionConfig:
             lora_alpha=self.lora.alpha if self.lora.alpha is not None else float(self.lora.rank),
             lora_dropout=self.lora.dropout,
             quantized_backward=self.quantized_backward,
-            kernel_forward=self.kernel_forward,
+            kernel_forward=self.resolved_kernel_forward(hidden_size),
         )
 
     def torch_dtype(self, device: torch.device | str) -> torch.dtype:

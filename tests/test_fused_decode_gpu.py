@@ -469,3 +469,31 @@ def test_lora_codes_handoff_matches_the_module_path(monkeypatch, fmt):
     scale = float(want.float().abs().max())
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block"])
+def test_unified_on_bf16_gemms_never_calls_a_quantized_kernel_in_the_fused_decode(monkeypatch, fmt):
+    """The unified flow on bf16 GEMMs (`precision.kernel_forward=false`): the fast engine's fused decode (stacked
+    projections, CUDA graphs) multiplies the dequantized caches with bf16 GEMMs, as the module path and training do,
+    and never runs a quantized kernel; its logits match the module path's within the bf16 tolerance."""
+    from quarl.model.qlinear import QuantLinear
+
+    model = small_qwen2(vocab_size=4096, num_layers=3, device=DEV)
+    apply_precision(model, PrecisionConfig(flow="unified", format=fmt, kernel_forward=False))
+    assert all(m.rollout_avoids_kernel() for n, m in model.named_modules()
+               if isinstance(m, QuantLinear) and not n.endswith("lm_head"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a quantized kernel ran in the unified flow on bf16 GEMMs")
+
+    for name in ("quantized_matmul", "try_quantized_matmul", "matmul_from_codes"):
+        monkeypatch.setattr(kernels, name, refuse)
+    engine = FastRolloutEngine(model, None, max_batch_size=64)
+    engine.generate([[1, 2, 3, 4]] * 8, n=1, max_new_tokens=6, temperature=0.0)
+    assert engine._graphs and engine.use_cuda_graphs
+    for batch in (3, 64):
+        tokens = torch.randint(0, 4096, (batch,), device=DEV)
+        positions = torch.randint(0, 60, (batch,), device=DEV)
+        want, got = both_decode_logits(model, engine, tokens, positions)
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * scale, rtol=0)

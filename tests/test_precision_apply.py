@@ -209,3 +209,26 @@ def test_bad_precision_is_rejected_before_touching_the_model():
     with pytest.raises(ValueError, match="lora.rank"):
         apply_precision(model, PrecisionConfig(flow="qlora"))
     assert all(m.rollout_format is None for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def test_unified_kernel_forward_is_left_to_the_hidden_size_unless_set():
+    """precision.kernel_forward null: the unified flow multiplies on the 8-bit kernels from hidden size
+    KERNEL_FORWARD_MIN_HIDDEN on and on bf16 GEMMs of the fake-quantized values below (the rollout too); an explicit
+    value wins. apply_precision reads the hidden size from the narrowest configured linear (here H, not I)."""
+    from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN
+
+    auto = PrecisionConfig(flow="unified", format="int8")
+    assert auto.kernel_forward is None
+    assert not auto.resolved_kernel_forward(576) and not auto.resolved_kernel_forward(KERNEL_FORWARD_MIN_HIDDEN - 1)
+    assert auto.resolved_kernel_forward(KERNEL_FORWARD_MIN_HIDDEN) and auto.resolved_kernel_forward(None)
+    assert PrecisionConfig(flow="unified", kernel_forward=True).resolved_kernel_forward(576)
+    assert not PrecisionConfig(flow="unified", kernel_forward=False).resolved_kernel_forward(8192)
+    for setting, on_kernels in ((None, False), (True, True), (False, False)):
+        model = TinyModel()
+        apply_precision(model, PrecisionConfig(flow="unified", format="int8", kernel_forward=setting))
+        linears = [m for n, m in model.named_modules() if isinstance(m, QuantLinear) and not n.endswith("lm_head")]
+        assert all(m.kernel_forward == on_kernels for m in linears)
+        assert all(m.rollout_avoids_kernel() == (not on_kernels) for m in linears)
+    split = TinyModel()
+    apply_precision(split, PrecisionConfig(flow="split", format="int8", smooth_alpha=0))
+    assert not any(m.rollout_avoids_kernel() for m in split.modules() if isinstance(m, QuantLinear))

@@ -717,3 +717,55 @@ def test_kernel_forward_skips_the_kernel_where_none_can_run(monkeypatch):
     bf16 = make_layer(dtype=torch.bfloat16, rollout_format="fp8", train_format="fp8", kernel_forward=True)
     bf16(x.detach().bfloat16())  # fp8 needs FP8 kernels, unavailable here
     assert calls == []
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block"])
+def test_unified_on_bf16_gemms_multiplies_the_rollout_copy_in_rollout_and_training(fmt, monkeypatch):
+    """kernel_forward off (the unified flow on bf16 GEMMs): the rollout forward never calls a quantized kernel, even
+    where one would serve, and the training forward multiplies the rollout copy's dequantized cache itself
+    (re-quantized once after an optimizer step), so rollout and training return the same values; the gradients are
+    the straight-through ones."""
+    from quarl import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "try_quantized_matmul", _exact_kernel(calls))
+    monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel(calls))
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = torch.randn(3, 9, 576, dtype=torch.bfloat16, requires_grad=True)
+    # control: a split-flow linear's rollout takes the (patched) kernel, so the patch sees kernel calls
+    split = make_layer(k=576, n=256, dtype=torch.bfloat16, rollout_format=fmt)
+    split.set_rollout(True)
+    with torch.no_grad():
+        split(x)
+    assert len(calls) == 1 and not split.rollout_avoids_kernel()
+    layer = make_layer(k=576, n=256, dtype=torch.bfloat16, rollout_format=fmt, train_format=fmt,
+                       kernel_forward=False)
+    assert layer.rollout_avoids_kernel() and layer.weight_dequant is not None
+    y = layer(x)
+    layer.set_rollout(True)
+    with torch.no_grad():
+        rolled = layer(x)
+    layer.set_rollout(False)
+    assert len(calls) == 1 and torch.equal(rolled, y)
+    with torch.no_grad():
+        want = F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt), layer.bias)
+    assert torch.equal(y, want)
+    g = torch.randn_like(y)
+    y.backward(g)
+    g64 = g.double().reshape(-1, 256)
+    xq = fake_quantize(x.detach(), fmt, "activation").double().reshape(-1, 576)
+    wq = fake_quantize(layer.weight.detach(), fmt).double()
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.weight.grad.double(), g64.T @ xq, **tol)
+    torch.testing.assert_close(x.grad.double().reshape(-1, 576), g64 @ wq, **tol)
+    # an optimizer step in place: the next training forward re-quantizes into the same cache and multiplies it
+    cache_ptr = layer.weight_dequant.data_ptr()
+    with torch.no_grad():
+        layer.weight.mul_(1.5)
+    assert layer._current_rollout_copy(fmt) is None
+    with torch.no_grad():
+        y2 = layer(x)
+        assert torch.equal(y2, F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt),
+                                        layer.bias))
+    assert layer._current_rollout_copy(fmt) is not None and layer.weight_dequant.data_ptr() == cache_ptr
+    assert torch.equal(layer.weight_dequant, fake_quantize(layer.weight, fmt)) and len(calls) == 1

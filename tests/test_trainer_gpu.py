@@ -15,7 +15,10 @@ pytestmark = pytest.mark.gpu
 
 # The FP8 KV caches need the fast engine, which the CPU flow tests do not use.
 GPU_FLOWS = FLOWS + [("unified-kv-fp8-token", ["precision.flow=unified", "precision.kv_cache=fp8-token"]),
-                     ("split-fp8-kv-fp8", ["precision.flow=split", "precision.format=fp8", "precision.kv_cache=fp8"])]
+                     ("split-fp8-kv-fp8", ["precision.flow=split", "precision.format=fp8", "precision.kv_cache=fp8"]),
+                     # tiny models take bf16 GEMMs by default (precision.kernel_forward null): the 8-bit kernels too
+                     ("unified-int8-kernels", ["precision.flow=unified", "precision.format=int8",
+                                               "precision.kernel_forward=true"])]
 
 
 @pytest.mark.parametrize("name,overrides", GPU_FLOWS, ids=[f[0] for f in GPU_FLOWS])

@@ -309,6 +309,8 @@ def grouped_w8a8_ok(experts: nn.ModuleList, x: torch.Tensor, fast_paths: FastPat
     fmt = experts[0].gate_proj.rollout_format
     if not _w8a8_rollout_copies(experts, fmt, x.device) or not all(lin.rollout for lin in _projections(experts)):
         return False
+    if experts[0].gate_proj.rollout_avoids_kernel():
+        return False  # the unified flow on bf16 GEMMs: the rollout multiplies as training does, per expert
     if experts[0].gate_proj.kernel_forward and not _grouped_training_device(experts, x):
         # the unified flow: the rollout multiplies what training multiplies, so only where training takes the
         # grouped kernel too (else both take the per-expert kernels)

@@ -45,15 +45,16 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
       same quantization with lora_rank 0.
     - With LoRA on, every parameter except the adapters is frozen; norm weights stay trainable iff
       precision.lora.train_norms.
+    - precision.kernel_forward None resolves by the model's hidden size, the narrowest input of those linears.
     Returns the names of the configured linears (in module order).
     """
-    settings = precision.linear_settings()  # validates
+    precision.validate()
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, QuantLinear)
+               and (_last(name) != LM_HEAD or precision.quantize_lm_head)]
+    # the narrowest linear input is the hidden size (q/k/v, gate/up and o_proj read it; down_proj reads the wider MLP)
+    settings = precision.linear_settings(min((m.in_features for _, m in linears), default=None))
     configured = []
-    for name, module in model.named_modules():
-        if not isinstance(module, QuantLinear):
-            continue
-        if _last(name) == LM_HEAD and not precision.quantize_lm_head:
-            continue
+    for name, module in linears:
         layer_settings = dict(settings)
         if _last(name) not in precision.lora.targets:
             layer_settings["lora_rank"] = 0

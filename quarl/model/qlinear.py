@@ -345,7 +345,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight_global_scale", gs, persistent=persistent)
         cache = self.cache_dequantized
         if cache is None:
-            cache = self.weight.device.type == "cpu"
+            cache = self.weight.device.type == "cpu" or self.rollout_avoids_kernel()
         if cache:
             self._build_dequant_cache()
 
@@ -609,7 +609,7 @@ class QuantLinear(nn.Module):
         x2d = self.smooth_input(x.reshape(-1, self.in_features))
         y = None
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-        if not needs_grad:
+        if not needs_grad and not self.rollout_avoids_kernel():
             # A frozen base has no bf16 weight to fall back on (the fallback would dequantize the whole weight
             # every call), so it takes the quantized kernel even where the tuning table prefers a bf16 GEMM; so does
             # a unified linear whose training forward runs the kernel (`kernel_forward`): the bf16 fallback rounds
@@ -638,14 +638,34 @@ class QuantLinear(nn.Module):
             x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:
             return self._frozen_base_linear(x, bias)
-        w = _straight_through(kernels.fake_quantize_weight(self.weight.detach(), fmt), self.weight)
-        return F.linear(x, w, bias)
+        return F.linear(x, _straight_through(self._fake_quantized_weight(x.dtype), self.weight), bias)
+
+    def _fake_quantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """Q(W) [out, in] in dtype, the unified training forward's weight operand without gradient: the rollout
+        copy's dequantized cache itself where it holds the master weight as it is now in this dtype and device
+        (re-quantized in place first when an optimizer step made it stale, once per step rather than in every
+        micro-batch), so that training multiplies exactly what the rollout multiplies; else Q(W) made now."""
+        cache = self.weight_dequant
+        if cache is not None and cache.dtype == dtype and cache.device == self.weight.device and \
+                self.train_format == self.rollout_format:
+            if not self._rollout_copy_current():
+                with torch.no_grad():
+                    self.refresh()
+            return cache
+        return kernels.fake_quantize_weight(self.weight.detach(), self.train_format)
 
     def rollout_needs_kernel(self) -> bool:
         """Whether the rollout forward takes the quantized kernel even where the tuning table prefers a bf16 GEMM of
         the dequantized weight: a frozen (qlora) base, and a unified linear that trains on the kernel
         (`kernel_forward`)."""
         return self.frozen_base or self.kernel_forward
+
+    def rollout_avoids_kernel(self) -> bool:
+        """Whether the rollout forward never takes the quantized kernel: a unified linear that trains on bf16 GEMMs
+        of the fake-quantized values (`kernel_forward` off) takes those in the rollout too, at every batch size,
+        from its dequantized cache, so that both forwards multiply the same bf16 operands."""
+        return self.train_format is not None and not self.frozen_base and not self.kernel_forward and \
+            not self.quantized_backward
 
     def _current_rollout_copy(self, fmt: str) -> QuantizedTensor | None:
         """The rollout copy when it holds the master weight as it is now, in `fmt`, on the weight's device (the

@@ -33,6 +33,8 @@ from quarl.model import gptq
 from quarl.model.layers import Attention
 from quarl.model.moe import ExpertRouting, SparseMoeBlock, routing_mismatch
 from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN
 from quarl.model.rollout_sync import RolloutSync
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
@@ -310,6 +312,7 @@ class Trainer:
         # the CPU until loaded, so the model never holds two bases on the GPU)
         base_codes = self._gptq_base() if self._calibrates_gptq_base() else {}
         self.quantized_linears = apply_precision(self.model, cfg.precision)
+        self._report_unified_gemms()
         for linear, codes in base_codes.items():
             linear.load_frozen_base_codes(codes)
         if cfg.resume:
@@ -377,6 +380,23 @@ class Trainer:
         if self.reference is not None:
             self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
             shard_model(self.reference, self.device, self.dtype)
+
+    def _report_unified_gemms(self) -> None:
+        """Say once where the unified flow multiplies when `precision.kernel_forward` was left to the model size."""
+        precision = self.cfg.precision
+        if precision.flow != "unified" or precision.kernel_forward is not None or not self.is_main:
+            return
+        linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and m.train_format is not None]
+        if not linears:
+            return
+        hidden = min(m.in_features for m in linears)
+        if any(m.kernel_forward for m in linears):
+            print(f"[quarl] unified flow: rollout and training multiply on the 8-bit kernels (hidden size {hidden}; "
+                  "precision.kernel_forward=false takes bf16 GEMMs of the fake-quantized values instead)")
+        else:
+            print(f"[quarl] unified flow: rollout and training multiply the fake-quantized values with bf16 GEMMs "
+                  f"(hidden size {hidden} < {KERNEL_FORWARD_MIN_HIDDEN}, where the 8-bit kernels' launches cost "
+                  "more than they save; precision.kernel_forward=true takes the kernels)")
 
     def _calibrates_gptq_base(self) -> bool:
         """Whether this run quantizes its qlora base with GPTQ now: a fresh run whose config asks for it, on a model

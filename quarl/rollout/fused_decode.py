@@ -224,9 +224,9 @@ class FusedProjection:
         p0 = self.parts[0]
         x_in, x = x, p0.smooth_input(x)  # the adapters read the activations themselves
         # as QuantLinear._rollout_forward: a frozen (qlora) base, and a unified linear training on the kernel, take
-        # the quantized kernel even where bf16 won
+        # the quantized kernel even where bf16 won; a unified linear training on bf16 GEMMs never takes it
         matmul = kernels.quantized_matmul if p0.rollout_needs_kernel() else kernels.try_quantized_matmul
-        y = matmul(x, qw, p0.weight_only, bias) if x.is_cuda else None
+        y = matmul(x, qw, p0.weight_only, bias) if x.is_cuda and not p0.rollout_avoids_kernel() else None
         if y is None:
             if "weight_dequant" not in self._fused:
                 if p0.rollout_needs_kernel() or (torch.cuda.is_available() and
@@ -355,7 +355,8 @@ def _handoff(qweight, linear: QuantLinear, m: int) -> bool:
     dtype (else the activations take the torch pieces, which hand over bf16), with their smoothed codes when the
     linear is smoothed, and a GEMM that takes codes at m rows."""
     device = qweight.data.device
-    return (qweight.data.is_cuda and kernels.decode_fused_ok(device, linear.compute_dtype)
+    return (qweight.data.is_cuda and not linear.rollout_avoids_kernel()
+            and kernels.decode_fused_ok(device, linear.compute_dtype)
             and (linear.rollout_smoothing is None or kernels.decode_fused_smooth_ok(device))
             and kernels.codes_handoff(qweight, linear.weight_only, m))
 
