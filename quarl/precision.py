@@ -29,7 +29,7 @@ WEIGHT_ONLY_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.weigh
 DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
 GPTQ_FORMATS = ("nvfp4", "mxfp4", "int8")
 # The smallest hidden size at which the unified flow multiplies on the 8-bit kernels by default (`kernel_forward`)
-KERNEL_FORWARD_MIN_HIDDEN = 1024  # the qlora base formats `quarl.model.gptq` quantizes
+KERNEL_FORWARD_MIN_HIDDEN = 2048  # the qlora base formats `quarl.model.gptq` quantizes
 KV_CACHE_FORMATS = ("auto", "fp8", "fp8-token")
 
 
@@ -68,9 +68,9 @@ class PrecisionConfig:
     # 8-bit GEMM kernels on the codes (W8A8 on a GPU; exact code products, fp32 sums whose order may differ by
     # plan); false: bf16 GEMMs of the fake-quantized activations and the rollout copy's dequantized cache (a bf16
     # copy of every quantized weight), in the rollout too. null -> true for models whose hidden size is at least
-    # 1024 (KERNEL_FORWARD_MIN_HIDDEN), false below: there every step is bound by host work, and each 8-bit linear
-    # adds launches to the one cuBLAS call of a bf16 GEMM (bench/results/step.md: SmolLM2-135M's unified step at
-    # 0.3-0.5x bf16's speed on the kernels)
+    # 2048 (KERNEL_FORWARD_MIN_HIDDEN), false below, where the bf16 GEMMs measured faster for the whole step: each
+    # 8-bit linear adds launches to a bf16 GEMM's one cuBLAS call, which small GEMMs do not earn back
+    # (bench/results/step.md: unified fp8-block at hidden 576 and 1536 on an H100)
     kernel_forward: bool | None = None
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
     # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training

@@ -152,6 +152,37 @@ class _KernelLinear(torch.autograd.Function):
         return None, grad_x, grad_w, grad_b, None
 
 
+class _FakeQuantLinear(torch.autograd.Function):
+    """y = Q(x) @ Q(W)^T + b on a bf16 GEMM with the straight-through gradients, as one autograd node (the unified
+    flow's training forward off the kernels): x [..., K] and Q(W) [N, K] (`QuantLinear._fake_quantized_weight`) in
+    the compute dtype -> y [..., N]. Q(x) is made here (fmt None: x itself, weight-only). Backward gives x the
+    gradient g @ Q(W), W the gradient g^T @ Q(x) and a bias sum g, the formulas of `_KernelLinear`. One node
+    rather than two straight-through nodes around F.linear: at small sizes each autograd node's Python costs more
+    than its GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: torch.Tensor,
+                fmt: str | None) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])  # 2-D as the rollout forward multiplies: the same GEMM, the same rounding
+        xq = x2d if fmt is None else kernels.fake_quantize_activation(x2d, fmt)
+        ctx.save_for_backward(xq, wq)  # Q(W) may be the rollout copy's cache: autograd refuses it re-quantized since
+        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
+        return F.linear(xq, wq, bias).reshape(*x.shape[:-1], wq.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xq, wq = ctx.saved_tensors
+        g2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g2d @ wq).reshape(*grad.shape[:-1], wq.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (g2d.t() @ xq).to(ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2d.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
 # Every buffer of a rollout copy: its codes and scales, the dequantized cache, the smoothing factors
 ROLLOUT_BUFFERS = ("qweight_data", "qweight_scale", "qweight_global_scale", "weight_dequant", "rollout_smoothing")
 
@@ -634,11 +665,12 @@ class QuantLinear(nn.Module):
             y = self._kernel_training_forward(x, bias)
             if y is not None:
                 return y
-        if not self.weight_only:
-            x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
         if self.frozen_base:
+            if not self.weight_only:
+                x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
             return self._frozen_base_linear(x, bias)
-        return F.linear(x, _straight_through(self._fake_quantized_weight(x.dtype), self.weight), bias)
+        return _FakeQuantLinear.apply(x, self.weight, bias, self._fake_quantized_weight(x.dtype),
+                                      None if self.weight_only else fmt)
 
     def _fake_quantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """Q(W) [out, in] in dtype, the unified training forward's weight operand without gradient: the rollout
