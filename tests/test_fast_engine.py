@@ -635,3 +635,17 @@ def test_column_ranges_give_every_sm_two_programs_and_no_more():
                     if s < cap:  # not capped: two programs per SM, and one range fewer would not reach it
                         assert batch * heads * s >= 2 * sms
                         assert s == 1 or batch * heads * (s - 1) < 2 * sms, (sms, batch, heads, capacity, s)
+
+
+def test_model_fingerprint_follows_every_tensor_a_reconfiguration_moves():
+    """The engine's fingerprint (what decides whether captured CUDA graphs still read the model's tensors) holds the
+    address of every parameter and buffer, and changes when a reconfiguration replaces a linear's buffers."""
+    model = make_model("llama")
+    engine = FastRolloutEngine(model, None, max_batch_size=4)
+    before = engine._model_fingerprint()
+    every = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    assert set(before) == every
+    assert engine._model_fingerprint() == before  # nothing moved
+    apply_precision(model, PrecisionConfig(flow="split", format="int8", smooth_alpha=0))  # new rollout buffers
+    after = engine._model_fingerprint()
+    assert after != before and set(after) == {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}

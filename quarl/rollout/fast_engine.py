@@ -130,6 +130,9 @@ class FastRolloutEngine(RolloutEngine):
         self._graphs: dict = {}
         self._pool = None
         self._fingerprint = None
+        # the model's modules, listed once: the fingerprint reads their tensors at every rollout, and the engine (like
+        # its fused decoder) assumes the module tree it was built on
+        self._modules = list(model.modules())
         self._graph_fingerprint = None  # the model's tensor addresses when the current graphs were captured
         self.last_stats: dict = {}
 
@@ -263,8 +266,10 @@ class FastRolloutEngine(RolloutEngine):
         self._pool = None
 
     def _model_fingerprint(self) -> tuple:
-        """Addresses of every parameter and buffer: a CUDA graph stays valid while none of them moves."""
-        return tuple(t.data_ptr() for t in list(self.model.parameters()) + list(self.model.buffers()))
+        """Addresses of every parameter and buffer: a CUDA graph stays valid while none of them moves. Read from
+        each module's own dicts, so a buffer a reconfiguration registers or replaces counts."""
+        return tuple(t.data_ptr() for m in self._modules for tensors in (m._parameters, m._buffers)
+                     for t in tensors.values() if t is not None)
 
     # ------------------------------------------------------------------ steps and graphs
     def kv_bound(self, columns: int) -> int:
