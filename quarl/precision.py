@@ -27,9 +27,10 @@ QUANT_FORMATS = tuple(FORMATS)
 # no FP4 tensor cores on Hopper: W4A16 (BRIEF §3)
 WEIGHT_ONLY_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.weight_only_default)
 DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
-GPTQ_FORMATS = ("nvfp4", "mxfp4", "int8")
-# The smallest hidden size at which the unified flow multiplies on the 8-bit kernels by default (`kernel_forward`)
-KERNEL_FORWARD_MIN_HIDDEN = 2048  # the qlora base formats `quarl.model.gptq` quantizes
+GPTQ_FORMATS = ("nvfp4", "mxfp4", "int8")  # the qlora base formats `quarl.model.gptq` quantizes
+# The smallest hidden size at which the unified and qlora flows multiply on the quantized kernels by default
+# (`kernel_forward`)
+KERNEL_FORWARD_MIN_HIDDEN = 2048
 KV_CACHE_FORMATS = ("auto", "fp8", "fp8-token")
 
 
@@ -64,10 +65,11 @@ class PrecisionConfig:
     kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
-    # unified flow: where rollout and training multiply the quantized values, alike at every batch size. true: the
-    # 8-bit GEMM kernels on the codes (W8A8 on a GPU; exact code products, fp32 sums whose order may differ by
-    # plan); false: bf16 GEMMs of the fake-quantized activations and the rollout copy's dequantized cache (a bf16
-    # copy of every quantized weight), in the rollout too. null -> true for models whose hidden size is at least
+    # unified and qlora flows: where rollout and training multiply the quantized values, alike at every batch size.
+    # true: the quantized GEMM kernels on the codes (unified W8A8 on a GPU: exact code products, fp32 sums whose
+    # order may differ by plan; qlora: the rollout on the 4-bit kernels, training on the dequantized base); false:
+    # bf16 GEMMs of the fake-quantized activations and the dequantized weights (a bf16 copy of every quantized
+    # weight, kept), in the rollout too. null -> true for models whose hidden size is at least
     # 2048 (KERNEL_FORWARD_MIN_HIDDEN), false below, where the bf16 GEMMs measured faster for the whole step: each
     # 8-bit linear adds launches to a bf16 GEMM's one cuBLAS call, which small GEMMs do not earn back
     # (bench/results/step.md: unified fp8-block at hidden 576 and 1536 on an H100)
@@ -181,10 +183,11 @@ class PrecisionConfig:
         for `resolved_kernel_forward`.
 
         Returns dict(rollout_format, train_format, weight_only, frozen_base, lora_rank, lora_alpha, lora_dropout,
-        quantized_backward, kernel_forward).
+        quantized_backward, kernel_forward, bf16_gemms).
         """
         self.validate()
         fmt = self.resolved_format
+        kernel_forward = self.resolved_kernel_forward(hidden_size)
         return dict(
             rollout_format=fmt,
             train_format=fmt if self.flow in ("unified", "qlora") else None,
@@ -194,7 +197,9 @@ class PrecisionConfig:
             lora_alpha=self.lora.alpha if self.lora.alpha is not None else float(self.lora.rank),
             lora_dropout=self.lora.dropout,
             quantized_backward=self.quantized_backward,
-            kernel_forward=self.resolved_kernel_forward(hidden_size),
+            kernel_forward=kernel_forward,
+            # the flows whose training forward multiplies quantized values, off the kernels: bf16 GEMMs in both
+            bf16_gemms=self.flow in ("unified", "qlora") and not kernel_forward and not self.quantized_backward,
         )
 
     def torch_dtype(self, device: torch.device | str) -> torch.dtype:

@@ -419,6 +419,9 @@ def test_materialize_on_meta_equals_init_weights_and_quantizes_layer_by_layer(ti
         assert (got.lm_head.weight is got.model.embed_tokens.weight) == tied
     quantized = [m for m in got.modules() if isinstance(m, QuantLinear) and m.frozen_base]
     assert len(quantized) == 7 * config.num_layers and all(m.weight is None for m in quantized)
+    # a tiny model's base is multiplied with bf16 GEMMs (kernel_forward null): the base built on the meta device
+    # resolved it as apply_precision does, which would otherwise refuse to change it
+    assert all(m.bf16_gemms and m.weight_dequant is not None for m in quantized)
     ids = torch.randint(0, config.vocab_size, (2, 6))
     torch.testing.assert_close(got(ids), ref(ids), rtol=0, atol=0)
 

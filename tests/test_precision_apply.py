@@ -232,3 +232,29 @@ def test_unified_kernel_forward_is_left_to_the_hidden_size_unless_set():
     split = TinyModel()
     apply_precision(split, PrecisionConfig(flow="split", format="int8", smooth_alpha=0))
     assert not any(m.rollout_avoids_kernel() for m in split.modules() if isinstance(m, QuantLinear))
+
+
+@pytest.mark.parametrize("flow,fmt", [("unified", "int8"), ("unified", "fp8-block"), ("qlora", "nvfp4")])
+def test_the_hidden_size_decides_where_both_forwards_multiply(monkeypatch, flow, fmt):
+    """Around the threshold: the narrowest input (H = 64 here, not the MLP's I = 96) decides for a module tree
+    without a config; a model's config.hidden_size decides for a decoder, so that a mixture of experts' narrow
+    expert width (moe_intermediate_size 32 < hidden 96) does not."""
+    from quarl import precision as precision_module
+    from quarl.model.precision_apply import hidden_size
+    from tiny_models import make_model
+
+    lora = LoraConfig(rank=2) if flow == "qlora" else LoraConfig()
+    for threshold, on_kernels in ((H + 1, False), (H, True)):
+        monkeypatch.setattr(precision_module, "KERNEL_FORWARD_MIN_HIDDEN", threshold)
+        model = TinyModel()
+        pc = PrecisionConfig(flow=flow, format=fmt, lora=lora)
+        assert hidden_size(model, pc) == H
+        apply_precision(model, pc)
+        linears = [m for n, m in model.named_modules() if isinstance(m, QuantLinear) and not n.endswith("lm_head")]
+        assert all(m.bf16_gemms == (not on_kernels) for m in linears), threshold
+    moe = make_model("qwen3_moe", hidden_size=96)
+    monkeypatch.setattr(precision_module, "KERNEL_FORWARD_MIN_HIDDEN", 90)
+    pc = PrecisionConfig(flow=flow, format=fmt, lora=lora)
+    assert hidden_size(moe, pc) == 96
+    apply_precision(moe, pc)
+    assert not any(m.bf16_gemms for m in moe.modules() if isinstance(m, QuantLinear))

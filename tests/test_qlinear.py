@@ -721,7 +721,7 @@ def test_kernel_forward_skips_the_kernel_where_none_can_run(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8-block"])
 def test_unified_on_bf16_gemms_multiplies_the_rollout_copy_in_rollout_and_training(fmt, monkeypatch):
-    """kernel_forward off (the unified flow on bf16 GEMMs): the rollout forward never calls a quantized kernel, even
+    """bf16_gemms (the unified flow off the kernels): the rollout forward never calls a quantized kernel, even
     where one would serve, and the training forward multiplies the rollout copy's dequantized cache itself
     (re-quantized once after an optimizer step), so rollout and training return the same values; the gradients are
     the straight-through ones."""
@@ -738,9 +738,8 @@ def test_unified_on_bf16_gemms_multiplies_the_rollout_copy_in_rollout_and_traini
     with torch.no_grad():
         split(x)
     assert len(calls) == 1 and not split.rollout_avoids_kernel()
-    layer = make_layer(k=576, n=256, dtype=torch.bfloat16, rollout_format=fmt, train_format=fmt,
-                       kernel_forward=False)
-    assert layer.rollout_avoids_kernel() and layer.weight_dequant is not None
+    layer = make_layer(k=576, n=256, dtype=torch.bfloat16, rollout_format=fmt, train_format=fmt, bf16_gemms=True)
+    assert layer.rollout_avoids_kernel() and layer.weight_dequant is not None and not layer.kernel_forward
     y = layer(x)
     layer.set_rollout(True)
     with torch.no_grad():
@@ -769,3 +768,36 @@ def test_unified_on_bf16_gemms_multiplies_the_rollout_copy_in_rollout_and_traini
                                         layer.bias))
     assert layer._current_rollout_copy(fmt) is not None and layer.weight_dequant.data_ptr() == cache_ptr
     assert torch.equal(layer.weight_dequant, fake_quantize(layer.weight, fmt)) and len(calls) == 1
+
+
+def test_frozen_base_on_bf16_gemms_multiplies_its_dequantized_cache_in_rollout_and_training(monkeypatch):
+    """A qlora base with bf16_gemms: the rollout never calls the 4-bit kernel (a base without it does), and rollout and
+    training multiply the same dequantized cache, so both return the same values; the adapters still train."""
+    from quarl import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "try_quantized_matmul", _exact_kernel(calls))
+    monkeypatch.setattr(kernels, "quantized_matmul", _exact_kernel(calls))
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = torch.randn(2, 5, 576, dtype=torch.bfloat16)
+    settings = dict(rollout_format="nvfp4", train_format="nvfp4", weight_only=True, frozen_base=True, lora_rank=4)
+    on_kernel = make_layer(k=576, n=192, dtype=torch.bfloat16, **settings)
+    on_kernel.set_rollout(True)
+    with torch.no_grad():
+        on_kernel(x)
+    assert len(calls) == 1 and on_kernel.rollout_needs_kernel()  # control: the patch sees the kernel
+    layer = make_layer(k=576, n=192, dtype=torch.bfloat16, **settings, bf16_gemms=True)
+    assert layer.rollout_avoids_kernel() and not layer.rollout_needs_kernel() and layer.weight_dequant is not None
+    with torch.no_grad():
+        layer.lora_B.normal_()  # a trained adapter, so that it shows in both outputs
+    y = layer(x)
+    layer.set_rollout(True)
+    with torch.no_grad():
+        rolled = layer(x)
+    layer.set_rollout(False)
+    assert len(calls) == 1
+    base = layer.qweight.dequantize(torch.bfloat16)
+    assert torch.equal(layer.weight_dequant, base)
+    torch.testing.assert_close(rolled.float(), y.detach().float(), rtol=0, atol=0)
+    y.sum().backward()
+    assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0

@@ -38,6 +38,12 @@ def test_synced_rollout_copy_equals_the_single_process_rollout_weights(name, dty
         if isinstance(a, QuantLinear) and b.frozen_base:
             assert a.qweight_data.data_ptr() == b.qweight_data.data_ptr()
     assert all(p.dtype == torch.float32 for n, p in rollout.named_parameters() if "lora_" in n)
+    # the copy multiplies as the trained model's training forward does: on bf16 GEMMs here (a tiny unified or qlora
+    # model), with its dequantized cache, never on the quantized kernels
+    for a, b in zip(rollout.modules(), trained.modules()):
+        if isinstance(a, QuantLinear) and a.rollout_format is not None:
+            assert a.rollout_avoids_kernel() == b.rollout_avoids_kernel() == (CASES[name].flow in ("unified", "qlora"))
+            assert not a.rollout_avoids_kernel() or a.weight_dequant is not None
     ids = torch.randint(0, trained.config.vocab_size, (3, 11))
     for _ in range(2):  # two "optimizer steps": every trained tensor moves (LoRA B too, so adapters count)
         with torch.no_grad():

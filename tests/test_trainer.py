@@ -309,3 +309,19 @@ def test_group_by_length_cuts_micro_batches_longest_first_and_trains_the_same(tm
     # loss itself is a cancellation near 0, float32 noise in any order)
     for key in ("reward/mean", "train/grad_norm", "mismatch/kl"):
         assert trained[True][key] == pytest.approx(trained[False][key], rel=1e-5, abs=1e-10), key
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])  # stackable at the tiny model's widths (fp8-block needs 128s)
+def test_unified_minibatches_train_on_the_stacked_rollout_copies_refreshed_between_optimizer_steps(tmp_path, fmt):
+    """The unified training forward multiplies the rollout copies, which the fast engine stacks (q/k/v and gate/up
+    share one buffer). With several optimizer steps per batch the copies are re-quantized all at once between
+    minibatches: no backward finds a neighbour's in-place re-quantization under its saved operand, and each
+    minibatch multiplies the weights as they are after the previous step."""
+    cfg = make_cfg(tmp_path, "precision.flow=unified", f"precision.format={fmt}", "rollout.engine=fast",
+                   "train.mini_batch_size=4")
+    trainer = make_trainer(cfg)
+    trainer.train()
+    attn = trainer.model.model.layers[0].self_attn
+    storage = lambda m: m.weight_dequant.untyped_storage().data_ptr()  # noqa: E731
+    assert storage(attn.q_proj) == storage(attn.k_proj) == storage(attn.v_proj)  # the copies were stacked
+    assert [r["train/optimizer_steps"] for r in read_metrics(tmp_path / "run")] == [2, 2]

@@ -13,9 +13,10 @@ reference (relative error at most 2e-2; the run exits 1 otherwise).
 
 --training: forward + backward (y = linear(x); y.backward(g), x [M, K] and g [M, N] bf16) of one linear layer in
 the training modes of the unified flow, median of `--repeats` timed iterations after 3 untimed ones, operand
-quantization included: bf16 (F.linear on the bf16 master weight: the bf16 / split flows), unified (the default,
-`precision.kernel_forward`: the forward on the 8-bit kernel, straight-through bf16 gradient GEMMs), unified-bf16
-(`precision.kernel_forward=false`: bf16 GEMMs of fake-quantized fp8-block x and W) and fp8-backward
+quantization included: bf16 (F.linear on the bf16 master weight: the bf16 / split flows), unified
+(`precision.kernel_forward` true, the default from hidden size 2048: the forward on the 8-bit kernel,
+straight-through bf16 gradient GEMMs), unified-bf16 (`precision.kernel_forward` false, the default below: bf16
+GEMMs of fake-quantized fp8-block x and W) and fp8-backward
 (`precision.quantized_backward`: `quarl.model.fp8_training`, all three GEMMs on FP8-block operands).
 """
 

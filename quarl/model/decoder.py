@@ -101,10 +101,11 @@ class QuarlForCausalLM(nn.Module):
         (how a 72B model is built on one GPU). The adapters are left to `apply_precision(model, precision)`,
         which then adds them exactly as on a model built in full precision.
         """
-        from quarl.model.precision_apply import base_settings, wants_quantization
+        from quarl.model.precision_apply import base_settings, hidden_size, wants_quantization
 
         frozen = precision is not None and precision.linear_settings()["frozen_base"]
-        settings = base_settings(precision) if frozen else None
+        # resolved by the model's hidden size as apply_precision resolves them, which then finds the same base
+        settings = base_settings(precision, hidden_size(self, precision)) if frozen else None
         # Only parameters held by several modules (tied embeddings) are remembered: a reference kept to any other
         # allocation would keep the full-precision weight alive after configure() dropped it.
         owners: dict[int, int] = {}

@@ -31,9 +31,26 @@ def wants_quantization(name: str, precision: PrecisionConfig) -> bool:
     return precision.resolved_format is not None and (_last(name) != LM_HEAD or precision.quantize_lm_head)
 
 
-def base_settings(precision: PrecisionConfig) -> dict:
-    """`precision.linear_settings()` without adapters: what a linear's base needs, before LoRA is added."""
-    return {**precision.linear_settings(), "lora_rank": 0, "lora_alpha": None, "lora_dropout": 0.0}
+def base_settings(precision: PrecisionConfig, hidden_size: int | None = None) -> dict:
+    """`precision.linear_settings(hidden_size)` without adapters: what a linear's base needs, before LoRA is added."""
+    return {**precision.linear_settings(hidden_size), "lora_rank": 0, "lora_alpha": None, "lora_dropout": 0.0}
+
+
+def hidden_size(model: nn.Module, precision: PrecisionConfig) -> int | None:
+    """The model's hidden size as `precision` resolves by it: its config's `hidden_size` (a QuarlForCausalLM), else
+    the narrowest input of the linears it configures (q/k/v, gate/up and o_proj read the hidden size, a dense
+    down_proj the wider MLP; a mixture of experts' down_proj reads the narrower expert width, hence the config
+    first); None without either."""
+    size = getattr(getattr(model, "config", None), "hidden_size", None)
+    if isinstance(size, int):
+        return size
+    return min((m.in_features for _, m in _configured_linears(model, precision)), default=None)
+
+
+def _configured_linears(model: nn.Module, precision: PrecisionConfig) -> list[tuple[str, QuantLinear]]:
+    """(name, module) of every QuantLinear `apply_precision` configures (lm_head only with quantize_lm_head)."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, QuantLinear)
+            and (_last(name) != LM_HEAD or precision.quantize_lm_head)]
 
 
 def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
@@ -45,16 +62,13 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
       same quantization with lora_rank 0.
     - With LoRA on, every parameter except the adapters is frozen; norm weights stay trainable iff
       precision.lora.train_norms.
-    - precision.kernel_forward None resolves by the model's hidden size, the narrowest input of those linears.
+    - precision.kernel_forward None resolves by the model's hidden size (`hidden_size`).
     Returns the names of the configured linears (in module order).
     """
     precision.validate()
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, QuantLinear)
-               and (_last(name) != LM_HEAD or precision.quantize_lm_head)]
-    # the narrowest linear input is the hidden size (q/k/v, gate/up and o_proj read it; down_proj reads the wider MLP)
-    settings = precision.linear_settings(min((m.in_features for _, m in linears), default=None))
+    settings = precision.linear_settings(hidden_size(model, precision))
     configured = []
-    for name, module in linears:
+    for name, module in _configured_linears(model, precision):
         layer_settings = dict(settings)
         if _last(name) not in precision.lora.targets:
             layer_settings["lora_rank"] = 0

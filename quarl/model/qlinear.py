@@ -35,7 +35,7 @@ from quarl.model import fp8_training
 from quarl.model.fp8_training import FrozenWeightCodes, fp8_block_linear
 
 # Settings that define a frozen (qlora) base; once its master weight is dropped only the LoRA settings may change.
-_BASE_SETTINGS = ("rollout_format", "train_format", "weight_only", "frozen_base")
+_BASE_SETTINGS = ("rollout_format", "train_format", "weight_only", "frozen_base", "bf16_gemms")
 
 # Storage dtypes for the rollout buffers: integer types, which nn.Module.to(dtype) leaves alone.
 _STORAGE = {torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
@@ -165,7 +165,8 @@ class _FakeQuantLinear(torch.autograd.Function):
                 fmt: str | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # 2-D as the rollout forward multiplies: the same GEMM, the same rounding
         xq = x2d if fmt is None else kernels.fake_quantize_activation(x2d, fmt)
-        ctx.save_for_backward(xq, wq)  # Q(W) may be the rollout copy's cache: autograd refuses it re-quantized since
+        # Q(W) may be the rollout copy's cache: autograd then refuses a backward after an in-place re-quantization
+        ctx.save_for_backward(xq, wq)
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         return F.linear(xq, wq, bias).reshape(*x.shape[:-1], wq.shape[0])
 
@@ -201,9 +202,10 @@ class QuantLinear(nn.Module):
       weight_dequant: buffer [out, in] in the compute dtype caching deq(qweight) (see cache_dequantized).
       rollout: True after set_rollout(True).
     cache_dequantized: True (cache from configure on), False (never), or None (default, automatic): on the
-      CPU from configure on (the reference path would otherwise dequantize every forward); on a GPU only once
-      a rollout forward finds no kernel for its shape (the kernels read the codes directly, and a cache costs
-      memory), and never for a frozen (qlora) base, whose point is the memory saved.
+      CPU from configure on (the reference path would otherwise dequantize every forward); on a GPU from
+      configure on with `bf16_gemms` (both forwards multiply it), else only once a rollout forward finds no kernel
+      for its shape (the kernels read the codes directly, and a cache costs memory), and then never for a frozen
+      (qlora) base, whose point is the memory saved.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
@@ -220,6 +222,7 @@ class QuantLinear(nn.Module):
         self.frozen_base = False
         self.quantized_backward = False
         self.kernel_forward = False
+        self.bf16_gemms = False
         self.lora_rank = 0
         self.lora_alpha = 0.0
         self.lora_dropout = 0.0
@@ -261,6 +264,7 @@ class QuantLinear(nn.Module):
         lora_dropout: float = 0.0,
         quantized_backward: bool = False,
         kernel_forward: bool = False,
+        bf16_gemms: bool = False,
     ) -> None:
         """Set the precision behaviour (the keyword arguments of `PrecisionConfig.linear_settings()`).
 
@@ -272,7 +276,10 @@ class QuantLinear(nn.Module):
         operands (`quarl.model.fp8_training`, Jet-RL). kernel_forward: with train_format set, activations
         quantized and a trainable base (the unified flow, W8A8), the training forward runs the rollout's 8-bit GEMM
         kernel on a GPU (`_kernel_training_forward`), so both multiply the codes exactly (the fp32 sums may run in
-        another order for another batch size's plan).
+        another order for another batch size's plan). bf16_gemms: with a rollout format and a training format or a
+        frozen base, rollout and training both multiply the dequantized cache (`weight_dequant`, kept for it) with
+        bf16 GEMMs of the fake-quantized activations, at every batch size, never a quantized kernel
+        (`rollout_avoids_kernel`); it takes precedence over kernel_forward.
         Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
         again replaces the previous configuration (LoRA adapters are re-initialised) — except after
         frozen_base dropped the master weight: then only the LoRA settings may change (the adapters are
@@ -284,9 +291,12 @@ class QuantLinear(nn.Module):
                         # only a unified (train = rollout format), trainable W8A8 base without quantized_backward
                         # trains on the kernel: off elsewhere, so that settings that differ in it alone are the
                         # same configuration
-                        kernel_forward=bool(kernel_forward) and train_format is not None
+                        kernel_forward=bool(kernel_forward) and not bf16_gemms and train_format is not None
                         and train_format == rollout_format and not weight_only and not frozen_base
-                        and not quantized_backward)
+                        and not quantized_backward,
+                        # a frozen base keeps it without a training format: a sharded run's rollout copy
+                        bf16_gemms=bool(bf16_gemms) and rollout_format is not None and not quantized_backward
+                        and (train_format is not None or bool(frozen_base)))
         self._validate(settings)
         if self.weight is None:
             if settings == self._settings:
@@ -306,6 +316,7 @@ class QuantLinear(nn.Module):
         self.weight_only, self.frozen_base = bool(weight_only), bool(frozen_base)
         self.quantized_backward = bool(quantized_backward)
         self.kernel_forward = settings["kernel_forward"]
+        self.bf16_gemms = settings["bf16_gemms"]
         self._base_dtype = self.weight.dtype
         if rollout_format is not None:
             self._allocate_rollout_copy()
@@ -684,20 +695,19 @@ class QuantLinear(nn.Module):
                 with torch.no_grad():
                     self.refresh()
             return cache
-        return kernels.fake_quantize_weight(self.weight.detach(), self.train_format)
+        return kernels.fake_quantize_weight(self.weight.detach(), self.train_format).to(dtype)
 
     def rollout_needs_kernel(self) -> bool:
         """Whether the rollout forward takes the quantized kernel even where the tuning table prefers a bf16 GEMM of
-        the dequantized weight: a frozen (qlora) base, and a unified linear that trains on the kernel
-        (`kernel_forward`)."""
-        return self.frozen_base or self.kernel_forward
+        the dequantized weight: a frozen (qlora) base without `bf16_gemms`, and a unified linear that trains on the
+        kernel (`kernel_forward`)."""
+        return (self.frozen_base or self.kernel_forward) and not self.bf16_gemms
 
     def rollout_avoids_kernel(self) -> bool:
-        """Whether the rollout forward never takes the quantized kernel: a unified linear that trains on bf16 GEMMs
-        of the fake-quantized values (`kernel_forward` off) takes those in the rollout too, at every batch size,
-        from its dequantized cache, so that both forwards multiply the same bf16 operands."""
-        return self.train_format is not None and not self.frozen_base and not self.kernel_forward and \
-            not self.quantized_backward
+        """Whether the rollout forward never takes the quantized kernel (`bf16_gemms`): a unified linear or a frozen
+        base whose training forward multiplies bf16 GEMMs of the fake-quantized values takes those in the rollout
+        too, at every batch size, from its dequantized cache, so that both forwards multiply the same operands."""
+        return self.bf16_gemms
 
     def _current_rollout_copy(self, fmt: str) -> QuantizedTensor | None:
         """The rollout copy when it holds the master weight as it is now, in `fmt`, on the weight's device (the

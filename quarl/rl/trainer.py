@@ -32,10 +32,10 @@ from quarl.kernels.tuning import TUNING_FILE_ENV, current_tables
 from quarl.model import gptq
 from quarl.model.layers import Attention
 from quarl.model.moe import ExpertRouting, SparseMoeBlock, routing_mismatch
-from quarl.model.precision_apply import apply_precision, full_precision, refresh_rollout_weights
+from quarl.model.precision_apply import apply_precision, full_precision, hidden_size, refresh_rollout_weights
 from quarl.model.qlinear import QuantLinear
-from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN
 from quarl.model.rollout_sync import RolloutSync
+from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN
 from quarl.rl.aqn import aqn_sigma, set_aqn_noise
 from quarl.rl.advantages import dynamic_sampling_keep, group_advantages, overlong_penalty
 from quarl.rl.batch import RolloutBatch, answer_logprobs, build_batch
@@ -312,7 +312,7 @@ class Trainer:
         # the CPU until loaded, so the model never holds two bases on the GPU)
         base_codes = self._gptq_base() if self._calibrates_gptq_base() else {}
         self.quantized_linears = apply_precision(self.model, cfg.precision)
-        self._report_unified_gemms()
+        self._report_gemms()
         for linear, codes in base_codes.items():
             linear.load_frozen_base_codes(codes)
         if cfg.resume:
@@ -381,22 +381,25 @@ class Trainer:
             self.reference.set_fast_paths(dataclasses.replace(self.cfg.fast_paths, fused_logprobs=False))
             shard_model(self.reference, self.device, self.dtype)
 
-    def _report_unified_gemms(self) -> None:
-        """Say once where the unified flow multiplies when `precision.kernel_forward` was left to the model size."""
+    def _report_gemms(self) -> None:
+        """Say once where the unified or qlora flow multiplies when `precision.kernel_forward` was left to the model
+        size."""
         precision = self.cfg.precision
-        if precision.flow != "unified" or precision.kernel_forward is not None or not self.is_main:
+        if precision.flow not in ("unified", "qlora") or precision.kernel_forward is not None or \
+                precision.quantized_backward or not self.is_main:
             return
         linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and m.train_format is not None]
         if not linears:
             return
-        hidden = min(m.in_features for m in linears)
-        if any(m.kernel_forward for m in linears):
-            print(f"[quarl] unified flow: rollout and training multiply on the 8-bit kernels (hidden size {hidden}; "
-                  "precision.kernel_forward=false takes bf16 GEMMs of the fake-quantized values instead)")
+        hidden = hidden_size(self.model, precision)
+        flow = f"{precision.flow} flow"
+        if any(m.bf16_gemms for m in linears):
+            print(f"[quarl] {flow}: rollout and training multiply the dequantized weights with bf16 GEMMs (hidden size "
+                  f"{hidden} < {KERNEL_FORWARD_MIN_HIDDEN}, where the quantized kernels' launches cost more than they "
+                  "save; precision.kernel_forward=true takes the kernels)")
         else:
-            print(f"[quarl] unified flow: rollout and training multiply the fake-quantized values with bf16 GEMMs "
-                  f"(hidden size {hidden} < {KERNEL_FORWARD_MIN_HIDDEN}, where the 8-bit kernels' launches cost "
-                  "more than they save; precision.kernel_forward=true takes the kernels)")
+            print(f"[quarl] {flow}: the rollout multiplies on the quantized kernels (hidden size {hidden}; "
+                  "precision.kernel_forward=false takes bf16 GEMMs of the dequantized weights instead)")
 
     def _calibrates_gptq_base(self) -> bool:
         """Whether this run quantizes its qlora base with GPTQ now: a fresh run whose config asks for it, on a model
@@ -822,6 +825,11 @@ class Trainer:
         optimizers = [self.optimizer] + ([critic.optimizer] if critic is not None else [])
         actor_trains = critic is None or critic.actor_trains(step)  # critic warm-up: only the critic learns
         self.model.train()
+        # The unified training forward multiplies the rollout copies: after an optimizer step they are re-quantized
+        # all at once before the next minibatch, not one linear at a time inside its forward, where a stacked
+        # projection's shared buffer would change under a neighbour's saved operand.
+        resync = not self.sharded and self.cfg.precision.flow == "unified" and not self.cfg.precision.quantized_backward
+        stepped = False
         for _ in range(tr.epochs):
             order = torch.randperm(n, generator=gen) if tr.epochs > 1 or mini < n else torch.arange(n)
             for m0 in range(0, n, mini):
@@ -829,6 +837,10 @@ class Trainer:
                 num_tokens = int(batch.answer_mask[mini_rows].sum().item())
                 if num_tokens == 0:
                     continue
+                if stepped and resync:
+                    with torch.no_grad():
+                        self.rollout_sync()
+                stepped = False
                 for optimizer in optimizers:
                     optimizer.zero_grad(set_to_none=True)
                 mini_loss = 0.0
@@ -904,6 +916,7 @@ class Trainer:
                     continue
                 for optimizer in optimizers:
                     optimizer.step()
+                stepped = True
                 losses.append(mini_loss)
                 grad_norms.append(grad_norm)
                 critic_norms.append(critic_norm)
