@@ -26,7 +26,8 @@ class FastPaths:
     fused_rope: bool = True
     # answer log-probs from model-dtype logits, one Triton pass; off: float32 log-softmax
     fused_logprobs: bool = True
-    # FP8 training: q/k/v and gate/up quantize their shared input once (same codes); off: once per linear
+    # q/k/v and gate/up quantize their shared input once (same codes): FP8 training, and the unified and qlora flows
+    # on bf16 GEMMs (fake-quantized activations, training and the rollout's module path); off: once per linear
     share_input_codes: bool = True
     # FP8 training linear (quantized_backward): all 3 GEMMs on cuBLAS on Hopper (same operands); off: per-GEMM path
     fused_cublas_path: bool = True

@@ -801,3 +801,38 @@ def test_frozen_base_on_bf16_gemms_multiplies_its_dequantized_cache_in_rollout_a
     torch.testing.assert_close(rolled.float(), y.detach().float(), rtol=0, atol=0)
     y.sum().backward()
     assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0
+
+
+def test_siblings_on_bf16_gemms_fake_quantize_their_shared_input_once(monkeypatch):
+    """q/k/v reading one input inside a shared-input block (`shared_input_linears`): the unified training forward
+    and the rollout's module path fake-quantize it once, with the values each linear makes alone; a changed input
+    (in place, or another tensor) is quantized again."""
+    from quarl import kernels
+    from quarl.model.fp8_training import shared_input_codes
+    from quarl.model.shared_input import shared_input_linears
+
+    real, calls = kernels.fake_quantize_activation, []
+    monkeypatch.setattr(kernels, "fake_quantize_activation", lambda x, fmt: calls.append(fmt) or real(x, fmt))
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    parts = [make_layer(k=576, n=n, dtype=torch.bfloat16, rollout_format="fp8-block", train_format="fp8-block",
+                        bf16_gemms=True) for n in (192, 64, 64)]
+    x = torch.randn(2, 7, 576, dtype=torch.bfloat16, requires_grad=True)
+    alone = [p(x) for p in parts]
+    assert len(calls) == 3
+    for rollout in (False, True):
+        for p in parts:
+            p.set_rollout(rollout)
+        calls.clear()
+        with torch.set_grad_enabled(not rollout):
+            shared = shared_input_linears(parts, x)
+        assert len(calls) == 1, rollout
+        assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(alone, shared))
+    with shared_input_codes():
+        calls.clear()
+        parts[0].set_rollout(False)
+        parts[0](x)
+        with torch.no_grad():
+            x.add_(1.0)  # in place: a new version
+        parts[0](x)
+        parts[0](x.detach().clone())
+        assert len(calls) == 3

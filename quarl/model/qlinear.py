@@ -73,6 +73,20 @@ def _straight_through(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor
     return _StraightThrough.apply(value.detach(), source)
 
 
+def fake_quantized_input(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`kernels.fake_quantize_activation(x, fmt)` for x [M, K], made once per input inside an open
+    `fp8_training.shared_input_codes` block (q/k/v, gate/up: siblings reading one tensor) and reused by the others:
+    the same values, fewer passes. The block keeps each input alive, so its address cannot name another tensor."""
+    share = fp8_training.shared_input()
+    if share is None:
+        return kernels.fake_quantize_activation(x, fmt)
+    key = ("fake-quantized", fmt, x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version)
+    entry = share.get(key)
+    if entry is None:
+        entry = share[key] = (x, kernels.fake_quantize_activation(x, fmt))
+    return entry[1]
+
+
 def divided(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] / s (SmoothQuant factors, float32 [K]) in x's dtype, divided in float32 (float64 for a float64
     x) and rounded once; x itself for s None. What a smoothed linear's activation quantizer reads."""
@@ -164,7 +178,7 @@ class _FakeQuantLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: torch.Tensor,
                 fmt: str | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # 2-D as the rollout forward multiplies: the same GEMM, the same rounding
-        xq = x2d if fmt is None else kernels.fake_quantize_activation(x2d, fmt)
+        xq = x2d if fmt is None else fake_quantized_input(x2d, fmt)
         # Q(W) may be the rollout copy's cache: autograd then refuses a backward after an in-place re-quantization
         ctx.save_for_backward(xq, wq)
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
@@ -660,8 +674,7 @@ class QuantLinear(nn.Module):
             matmul = kernels.quantized_matmul if self.rollout_needs_kernel() else kernels.try_quantized_matmul
             y = matmul(x2d, self.qweight, self.weight_only, bias)
         if y is None:
-            xq = x2d if self.weight_only else _straight_through(
-                kernels.fake_quantize_activation(x2d, self.rollout_format), x2d)
+            xq = x2d if self.weight_only else _straight_through(fake_quantized_input(x2d, self.rollout_format), x2d)
             if self.weight_dequant is None and self.cache_dequantized is None and not self.frozen_base:
                 self._build_dequant_cache()  # no kernel serves this layer: keep the fallback at matmul speed
             y = F.linear(xq, self._dequantized_base(x.dtype), bias)
