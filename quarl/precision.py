@@ -65,14 +65,15 @@ class PrecisionConfig:
     kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
-    # unified and qlora flows: where rollout and training multiply the quantized values, alike at every batch size.
-    # true: the quantized GEMM kernels on the codes (unified W8A8 on a GPU: exact code products, fp32 sums whose
-    # order may differ by plan; qlora: the rollout on the 4-bit kernels, training on the dequantized base); false:
-    # bf16 GEMMs of the fake-quantized activations and the dequantized weights (a bf16 copy of every quantized
-    # weight, kept), in the rollout too. null -> true for models whose hidden size is at least
+    # unified and qlora flows: where rollout and training multiply the quantized values. true: the quantized GEMM
+    # kernels on the codes (unified W8A8 on a GPU, rollout and training alike: exact code products, fp32 sums whose
+    # order may differ by plan; qlora: the rollout on the weight-only kernels, training on the dequantized base);
+    # false: bf16 GEMMs of the fake-quantized activations and the dequantized weights (a bf16 copy of every
+    # quantized weight, kept), in rollout and training alike (always for a weight-only unified flow). null -> true
+    # for models whose hidden size is at least
     # 2048 (KERNEL_FORWARD_MIN_HIDDEN), false below, where the bf16 GEMMs measured faster for the whole step: each
-    # 8-bit linear adds launches to a bf16 GEMM's one cuBLAS call, which small GEMMs do not earn back
-    # (bench/results/step.md: unified fp8-block at hidden 576 and 1536 on an H100)
+    # quantized linear adds launches to a bf16 GEMM's one cuBLAS call, which small GEMMs do not earn back
+    # (bench/results/step.md: unified fp8-block at hidden 576 and 1536; quality.md: qlora at 576; an H100)
     kernel_forward: bool | None = None
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
     # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training
@@ -198,8 +199,10 @@ class PrecisionConfig:
             lora_dropout=self.lora.dropout,
             quantized_backward=self.quantized_backward,
             kernel_forward=kernel_forward,
-            # the flows whose training forward multiplies quantized values, off the kernels: bf16 GEMMs in both
-            bf16_gemms=self.flow in ("unified", "qlora") and not kernel_forward and not self.quantized_backward,
+            # the flows whose training forward multiplies quantized values, off the kernels: bf16 GEMMs in both; a
+            # weight-only unified flow always (no weight-only training kernel to match a rollout kernel)
+            bf16_gemms=self.flow in ("unified", "qlora") and not self.quantized_backward and (
+                not kernel_forward or (self.flow == "unified" and self.resolved_weight_only)),
         )
 
     def torch_dtype(self, device: torch.device | str) -> torch.dtype:

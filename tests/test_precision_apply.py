@@ -223,6 +223,14 @@ def test_unified_kernel_forward_is_left_to_the_hidden_size_unless_set():
     assert auto.resolved_kernel_forward(KERNEL_FORWARD_MIN_HIDDEN) and auto.resolved_kernel_forward(None)
     assert PrecisionConfig(flow="unified", kernel_forward=True).resolved_kernel_forward(576)
     assert not PrecisionConfig(flow="unified", kernel_forward=False).resolved_kernel_forward(8192)
+    # bf16 GEMMs in both forwards: off the kernels; always for a weight-only unified flow (no weight-only training
+    # kernel); never with the FP8 training GEMMs, nor in the split flow, whose training is not quantized
+    settings = lambda **kw: PrecisionConfig(**kw).linear_settings(4096)["bf16_gemms"]  # noqa: E731
+    assert settings(flow="unified", format="int8", weight_only=True, kernel_forward=True)
+    assert not settings(flow="unified", format="int8") and settings(flow="unified", format="int8", kernel_forward=False)
+    assert not settings(flow="unified", format="fp8-block", quantized_backward=True, kernel_forward=False)
+    assert not settings(flow="split", format="int8", kernel_forward=False)
+    assert settings(flow="qlora", format="nvfp4", lora=LoraConfig(rank=2), kernel_forward=False)
     for setting, on_kernels in ((None, False), (True, True), (False, False)):
         model = TinyModel()
         apply_precision(model, PrecisionConfig(flow="unified", format="int8", kernel_forward=setting))

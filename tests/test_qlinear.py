@@ -640,9 +640,9 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
     torch.testing.assert_close(x.grad.double().reshape(-1, 576), g64 @ wq, **tol)
     torch.testing.assert_close(layer.weight.grad.double(), g64.T @ xq, **tol)
     torch.testing.assert_close(layer.bias.grad.double(), g64.sum(0), **tol)
-    # and bit for bit those of the fake-quantized path (kernel_forward off) on the same weights and input
+    # and bit for bit those of the fake-quantized path (off the kernel: bf16 GEMMs) on the same weights and input
     twin = copy.deepcopy(layer)
-    twin.configure(rollout_format=fmt, train_format=fmt, kernel_forward=False)
+    twin.configure(rollout_format=fmt, train_format=fmt, bf16_gemms=True)
     with torch.no_grad():
         twin.weight.copy_(layer.weight)
         twin.bias.copy_(layer.bias)
@@ -657,8 +657,8 @@ def test_unified_training_forward_runs_the_rollout_kernel_with_straight_through_
     layer(x)
     assert reads_copy(calls[-1]) and torch.equal(calls[-1].data, quantize(layer.weight.detach(), fmt).data)
     assert layer._current_rollout_copy(fmt) is not None
-    # off: no kernel, the fake-quantized path
-    layer.configure(rollout_format=fmt, train_format=fmt, kernel_forward=False)
+    # on bf16 GEMMs: no kernel, the fake-quantized path
+    layer.configure(rollout_format=fmt, train_format=fmt, bf16_gemms=True)
     count = len(calls)
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(fake_quantize(x, fmt, "activation"), fake_quantize(layer.weight, fmt),

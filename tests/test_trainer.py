@@ -312,15 +312,23 @@ def test_group_by_length_cuts_micro_batches_longest_first_and_trains_the_same(tm
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])  # stackable at the tiny model's widths (fp8-block needs 128s)
-def test_unified_minibatches_train_on_the_stacked_rollout_copies_refreshed_between_optimizer_steps(tmp_path, fmt):
+def test_unified_minibatches_train_on_the_stacked_rollout_copies_refreshed_between_optimizer_steps(tmp_path, fmt,
+                                                                                                   monkeypatch):
     """The unified training forward multiplies the rollout copies, which the fast engine stacks (q/k/v and gate/up
     share one buffer). With several optimizer steps per batch the copies are re-quantized all at once between
     minibatches: no backward finds a neighbour's in-place re-quantization under its saved operand, and each
     minibatch multiplies the weights as they are after the previous step."""
+    from quarl.model.qlinear import QuantLinear
+
+    stale = []  # a training forward that found its rollout copy behind its weight
+    real = QuantLinear._fake_quantized_weight
+    monkeypatch.setattr(QuantLinear, "_fake_quantized_weight",
+                        lambda self, dtype: stale.append(not self._rollout_copy_current()) or real(self, dtype))
     cfg = make_cfg(tmp_path, "precision.flow=unified", f"precision.format={fmt}", "rollout.engine=fast",
                    "train.mini_batch_size=4")
     trainer = make_trainer(cfg)
     trainer.train()
+    assert stale and not any(stale)  # every minibatch's forwards found their copies current
     attn = trainer.model.model.layers[0].self_attn
     storage = lambda m: m.weight_dequant.untyped_storage().data_ptr()  # noqa: E731
     assert storage(attn.q_proj) == storage(attn.k_proj) == storage(attn.v_proj)  # the copies were stacked

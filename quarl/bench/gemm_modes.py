@@ -169,7 +169,7 @@ def training_times(torch, n: int, k: int, m: int, repeats: int, device) -> dict[
                                                      ("fp8-backward", False, True)):
         layer = QuantLinear(k, n, device=device, dtype=torch.bfloat16)
         layer.configure(rollout_format="fp8-block", train_format="fp8-block", kernel_forward=kernel_forward,
-                        quantized_backward=quantized_backward)
+                        quantized_backward=quantized_backward, bf16_gemms=mode == "unified-bf16")
         runs[mode] = layer
     w = runs["unified"].weight
     runs = {"bf16": lambda t: F.linear(t, w), **runs}

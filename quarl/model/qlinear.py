@@ -291,8 +291,9 @@ class QuantLinear(nn.Module):
         quantized and a trainable base (the unified flow, W8A8), the training forward runs the rollout's 8-bit GEMM
         kernel on a GPU (`_kernel_training_forward`), so both multiply the codes exactly (the fp32 sums may run in
         another order for another batch size's plan). bf16_gemms: with a rollout format and a training format or a
-        frozen base, rollout and training both multiply the dequantized cache (`weight_dequant`, kept for it) with
-        bf16 GEMMs of the fake-quantized activations, at every batch size, never a quantized kernel
+        frozen base, without quantized_backward, rollout and training both multiply the dequantized cache
+        (`weight_dequant` in the compute dtype, kept for it) with GEMMs in the compute dtype of the fake-quantized
+        activations (the activations themselves when weight_only), at every batch size, never a quantized kernel
         (`rollout_avoids_kernel`); it takes precedence over kernel_forward.
         Quantizes the current master weight into the rollout copy (no separate refresh() needed). Calling it
         again replaces the previous configuration (LoRA adapters are re-initialised) — except after
@@ -691,7 +692,7 @@ class QuantLinear(nn.Module):
                 return y
         if self.frozen_base:
             if not self.weight_only:
-                x = _straight_through(kernels.fake_quantize_activation(x.detach(), fmt), x)
+                x = _straight_through(fake_quantized_input(x.detach(), fmt), x)
             return self._frozen_base_linear(x, bias)
         return _FakeQuantLinear.apply(x, self.weight, bias, self._fake_quantized_weight(x.dtype),
                                       None if self.weight_only else fmt)
@@ -700,7 +701,10 @@ class QuantLinear(nn.Module):
         """Q(W) [out, in] in dtype, the unified training forward's weight operand without gradient: the rollout
         copy's dequantized cache itself where it holds the master weight as it is now in this dtype and device
         (re-quantized in place first when an optimizer step made it stale, once per step rather than in every
-        micro-batch), so that training multiplies exactly what the rollout multiplies; else Q(W) made now."""
+        micro-batch), so that training multiplies exactly what the rollout multiplies; else Q(W) made now. A
+        stacked rollout copy (the fast engine's q/k/v and gate/up share one buffer) must instead be refreshed whole
+        after an optimizer step (`refresh_rollout_weights`, as the trainer does): re-quantizing one part here
+        changes the version of the parts' operands saved for backward."""
         cache = self.weight_dequant
         if cache is not None and cache.dtype == dtype and cache.device == self.weight.device and \
                 self.train_format == self.rollout_format:

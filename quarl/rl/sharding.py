@@ -72,9 +72,11 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
 def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
     """A rollout-only copy of the (not yet sharded) trained model: no gradients, in `compute_dtype` (LoRA adapters
     stay float32, as on one process), and every quantized linear turned into a frozen quantized base, so the copy
-    holds 1 (int8 / fp8) or about 0.56 (nvfp4) bytes per weight instead of the 2 of a bf16 weight. Its codes are
-    quantized from the weights rounded to `compute_dtype`, as on one process. Full-precision linears (the bf16
-    flow, lm_head) keep their weights. A frozen qlora base is not copied: both models read the same buffers."""
+    holds 1 (int8 / fp8) or about 0.56 (nvfp4) bytes per weight instead of the 2 of a bf16 weight (plus a
+    `compute_dtype` copy of the dequantized weights where the unified flow multiplies bf16 GEMMs, `bf16_gemms`).
+    Its codes are quantized from the weights rounded to `compute_dtype`, as on one process. Full-precision linears
+    (the bf16 flow, lm_head) keep their weights. A frozen qlora base is not copied: both models read the same
+    buffers (its dequantized copy, when kept, cast to `compute_dtype` first)."""
     import copy
 
     # The copy's tensors are made in their final dtype as the structure is copied (no second float32 model, not
@@ -86,7 +88,10 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
         memo[id(p)] = nn.Parameter(value, requires_grad=False)
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.frozen_base:  # a qlora base is shared below, never copied
-            for b in (m.qweight_data, m.qweight_scale, m.qweight_global_scale):
+            if m.weight_dequant is not None and m.weight_dequant.dtype != compute_dtype:
+                # the dequantized base both forwards multiply (`bf16_gemms`), once, in the dtype they multiply
+                m.weight_dequant = m.weight_dequant.to(compute_dtype)
+            for b in (m.qweight_data, m.qweight_scale, m.qweight_global_scale, m.weight_dequant):
                 if b is not None:
                     memo[id(b)] = b
     factors = {}  # smoothing factors by address: the linears of one input group share one tensor's memory
@@ -104,7 +109,7 @@ def make_rollout_copy(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module
     for m, source in zip(rollout.modules(), model.modules()):
         if isinstance(m, QuantLinear) and source.frozen_base:  # a qlora base never changes: share its codes
             m.qweight_data, m.qweight_scale = source.qweight_data, source.qweight_scale
-            m.qweight_global_scale = source.qweight_global_scale
+            m.qweight_global_scale, m.weight_dequant = source.qweight_global_scale, source.weight_dequant
         if not isinstance(m, QuantLinear) or m.weight is None or m.rollout_format is None:
             continue
         lora = {k: getattr(m, k) for k in ("lora_A", "lora_B")}

@@ -313,6 +313,10 @@ class Trainer:
         base_codes = self._gptq_base() if self._calibrates_gptq_base() else {}
         self.quantized_linears = apply_precision(self.model, cfg.precision)
         self._report_gemms()
+        # whether a trained weight's training forward multiplies its rollout copy (unified: the kernel or bf16 GEMMs)
+        self._training_reads_rollout_copies = not self.sharded and any(
+            m.trained_rollout_copy and (m.bf16_gemms or m.kernel_forward)
+            for m in self.model.modules() if isinstance(m, QuantLinear))
         for linear, codes in base_codes.items():
             linear.load_frozen_base_codes(codes)
         if cfg.resume:
@@ -386,8 +390,8 @@ class Trainer:
         size."""
         precision = self.cfg.precision
         if precision.flow not in ("unified", "qlora") or precision.kernel_forward is not None or \
-                precision.quantized_backward or not self.is_main:
-            return
+                precision.quantized_backward or not self.is_main or self.device.type != "cuda":
+            return  # set by hand, or nothing to choose: a CPU runs no quantized kernels
         linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and m.train_format is not None]
         if not linears:
             return
@@ -398,8 +402,9 @@ class Trainer:
                   f"{hidden} < {KERNEL_FORWARD_MIN_HIDDEN}, where the quantized kernels' launches cost more than they "
                   "save; precision.kernel_forward=true takes the kernels)")
         else:
-            print(f"[quarl] {flow}: the rollout multiplies on the quantized kernels (hidden size {hidden}; "
-                  "precision.kernel_forward=false takes bf16 GEMMs of the dequantized weights instead)")
+            print(f"[quarl] {flow}: the rollout multiplies on the quantized kernels (hidden size {hidden} >= "
+                  f"{KERNEL_FORWARD_MIN_HIDDEN}; precision.kernel_forward=false takes bf16 GEMMs of the dequantized "
+                  "weights instead)")
 
     def _calibrates_gptq_base(self) -> bool:
         """Whether this run quantizes its qlora base with GPTQ now: a fresh run whose config asks for it, on a model
@@ -825,10 +830,10 @@ class Trainer:
         optimizers = [self.optimizer] + ([critic.optimizer] if critic is not None else [])
         actor_trains = critic is None or critic.actor_trains(step)  # critic warm-up: only the critic learns
         self.model.train()
-        # The unified training forward multiplies the rollout copies: after an optimizer step they are re-quantized
+        # A unified training forward that multiplies the rollout copies: after an optimizer step they are re-quantized
         # all at once before the next minibatch, not one linear at a time inside its forward, where a stacked
         # projection's shared buffer would change under a neighbour's saved operand.
-        resync = not self.sharded and self.cfg.precision.flow == "unified" and not self.cfg.precision.quantized_backward
+        resync = self._training_reads_rollout_copies
         stepped = False
         for _ in range(tr.epochs):
             order = torch.randperm(n, generator=gen) if tr.epochs > 1 or mini < n else torch.arange(n)

@@ -224,7 +224,7 @@ class FusedProjection:
         p0 = self.parts[0]
         x_in, x = x, p0.smooth_input(x)  # the adapters read the activations themselves
         # as QuantLinear._rollout_forward: a frozen (qlora) base, and a unified linear training on the kernel, take
-        # the quantized kernel even where bf16 won; a unified linear training on bf16 GEMMs never takes it
+        # the quantized kernel even where bf16 won; a linear on bf16 GEMMs (unified or qlora, `bf16_gemms`) never
         matmul = kernels.quantized_matmul if p0.rollout_needs_kernel() else kernels.try_quantized_matmul
         y = matmul(x, qw, p0.weight_only, bias) if x.is_cuda and not p0.rollout_avoids_kernel() else None
         if y is None:
