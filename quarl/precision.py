@@ -70,10 +70,10 @@ class PrecisionConfig:
     # order may differ by plan; qlora: the rollout on the weight-only kernels, training on the dequantized base);
     # false: bf16 GEMMs of the fake-quantized activations and the dequantized weights (a bf16 copy of every
     # quantized weight, kept), in rollout and training alike (always for a weight-only unified flow). null -> true
-    # for models whose hidden size is at least
-    # 2048 (KERNEL_FORWARD_MIN_HIDDEN), false below, where the bf16 GEMMs measured faster for the whole step: each
-    # quantized linear adds launches to a bf16 GEMM's one cuBLAS call, which small GEMMs do not earn back
-    # (bench/results/step.md: unified fp8-block at hidden 576 and 1536; quality.md: qlora at 576; an H100)
+    # for models whose hidden size is at least 2048 (KERNEL_FORWARD_MIN_HIDDEN), false below, where the bf16 GEMMs
+    # measured faster for the whole step: each quantized linear adds launches to a bf16 GEMM's one cuBLAS call,
+    # which small GEMMs do not earn back (bench/results/step.md: unified fp8-block at hidden 576 and 1536;
+    # quality.md: qlora at 576; an H100)
     kernel_forward: bool | None = None
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
     # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training

@@ -65,8 +65,7 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
     - precision.kernel_forward None resolves by the model's hidden size (`hidden_size`).
     Returns the names of the configured linears (in module order).
     """
-    precision.validate()
-    settings = precision.linear_settings(hidden_size(model, precision))
+    settings = precision.linear_settings(hidden_size(model, precision))  # validates, before any linear changes
     configured = []
     for name, module in _configured_linears(model, precision):
         layer_settings = dict(settings)

@@ -389,22 +389,18 @@ class Trainer:
         """Say once where the unified or qlora flow multiplies when `precision.kernel_forward` was left to the model
         size."""
         precision = self.cfg.precision
-        if precision.flow not in ("unified", "qlora") or precision.kernel_forward is not None or \
-                precision.quantized_backward or not self.is_main or self.device.type != "cuda":
+        if precision.kernel_forward is not None or not self.is_main or self.device.type != "cuda":
             return  # set by hand, or nothing to choose: a CPU runs no quantized kernels
+        # the linears whose training forward is quantized (unified, qlora); none in the bf16 and split flows
         linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and m.train_format is not None]
         if not linears:
             return
+        where = "bf16 GEMMs of the dequantized weights, in rollout and training alike" \
+            if any(m.bf16_gemms for m in linears) else "the quantized kernels in the rollout"
         hidden = hidden_size(self.model, precision)
-        flow = f"{precision.flow} flow"
-        if any(m.bf16_gemms for m in linears):
-            print(f"[quarl] {flow}: rollout and training multiply the dequantized weights with bf16 GEMMs (hidden size "
-                  f"{hidden} < {KERNEL_FORWARD_MIN_HIDDEN}, where the quantized kernels' launches cost more than they "
-                  "save; precision.kernel_forward=true takes the kernels)")
-        else:
-            print(f"[quarl] {flow}: the rollout multiplies on the quantized kernels (hidden size {hidden} >= "
-                  f"{KERNEL_FORWARD_MIN_HIDDEN}; precision.kernel_forward=false takes bf16 GEMMs of the dequantized "
-                  "weights instead)")
+        print(f"[quarl] {precision.flow} flow: multiplies with {where} (hidden size {hidden}; the kernels by default "
+              f"from {KERNEL_FORWARD_MIN_HIDDEN}, where they save more than their launches cost; "
+              "precision.kernel_forward=true / false chooses)")
 
     def _calibrates_gptq_base(self) -> bool:
         """Whether this run quantizes its qlora base with GPTQ now: a fresh run whose config asks for it, on a model
@@ -833,7 +829,6 @@ class Trainer:
         # A unified training forward that multiplies the rollout copies: after an optimizer step they are re-quantized
         # all at once before the next minibatch, not one linear at a time inside its forward, where a stacked
         # projection's shared buffer would change under a neighbour's saved operand.
-        resync = self._training_reads_rollout_copies
         stepped = False
         for _ in range(tr.epochs):
             order = torch.randperm(n, generator=gen) if tr.epochs > 1 or mini < n else torch.arange(n)
@@ -842,7 +837,7 @@ class Trainer:
                 num_tokens = int(batch.answer_mask[mini_rows].sum().item())
                 if num_tokens == 0:
                     continue
-                if stepped and resync:
+                if stepped and self._training_reads_rollout_copies:
                     with torch.no_grad():
                         self.rollout_sync()
                 stepped = False
