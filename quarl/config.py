@@ -274,6 +274,9 @@ class RunConfig:
         if self.precision.kv_cache != "auto" and self.rollout.engine == "reference":
             raise ConfigError(f"precision.kv_cache={self.precision.kv_cache} needs the fast engine; set "
                               "rollout.engine=fast (or auto on a GPU)")
+        if self.precision.batch_invariant and self.rollout.engine == "reference":
+            raise ConfigError("precision.batch_invariant decodes on the fast engine, whose decode steps share the "
+                              "training forward's kernels; set rollout.engine=fast (or auto on a GPU)")
         if self.train.lr_schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.lr_schedule={self.train.lr_schedule!r}; choose constant, cosine or linear")
         batch = self.rollout.prompts_per_step * self.rollout.num_generations

@@ -75,6 +75,13 @@ class PrecisionConfig:
     # which small GEMMs do not earn back (bench/results/step.md: unified fp8-block at hidden 576 and 1536;
     # quality.md: qlora at 576; an H100)
     kernel_forward: bool | None = None
+    # rollout and training compute the same bits: every GEMM, RMSNorm and attention of the model runs on
+    # batch-invariant Triton kernels (quarl/kernels/batch_invariant.py), whose output rows never depend on how many
+    # rows a call has, and the engine decodes on the module path. The bf16 flow and the unified and qlora flows (on
+    # bf16 GEMMs, which this implies) are then on-policy to the bit: mismatch/kl 0 but for the log-probs' float32
+    # rounding. Needs a CUDA GPU, a bf16/fp16 compute dtype, a dense model, rollout.engine=fast, kv_cache auto and
+    # one process; the kernels are slower than cuBLAS and flash attention (bench/results/quality.md)
+    batch_invariant: bool = False
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
     # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training
     # prompts) and the weights multiplied by s before quantization, flattening the outlier channels the per-token
@@ -125,6 +132,14 @@ class PrecisionConfig:
                 f"precision.flow=unified with precision.format=fp8-block (W8A8), got flow={self.flow!r}, "
                 f"format={fmt!r}, weight_only={self.resolved_weight_only}"
             )
+        if self.batch_invariant and (self.flow == "split" or self.kv_cache != "auto" or self.quantized_backward
+                                     or self.kernel_forward or self.compute_dtype in ("float32", "float64")):
+            raise ValueError(
+                "precision.batch_invariant=true makes rollout and training compute the same bits in one 16-bit "
+                "function; it takes flow bf16, unified or qlora on bf16 GEMMs with kv_cache=auto and a bf16/fp16 "
+                f"compute dtype, got flow={self.flow!r}, kv_cache={self.kv_cache!r}, quantized_backward="
+                f"{self.quantized_backward}, kernel_forward={self.kernel_forward}, compute_dtype="
+                f"{self.compute_dtype!r}")
         if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha < 1.0:
             raise ValueError(f"precision.smooth_alpha={self.smooth_alpha} must be in [0, 1) (0 = off; 0.5 is "
                              "SmoothQuant's default)")
@@ -174,9 +189,11 @@ class PrecisionConfig:
 
     def resolved_kernel_forward(self, hidden_size: int | None) -> bool:
         """`kernel_forward`, or where it is None: whether hidden_size (the model's; None = unknown) is at least
-        KERNEL_FORWARD_MIN_HIDDEN (unknown: true)."""
+        KERNEL_FORWARD_MIN_HIDDEN (unknown: true); false with `batch_invariant`."""
         if self.kernel_forward is not None:
             return bool(self.kernel_forward)
+        if self.batch_invariant:
+            return False
         return hidden_size is None or hidden_size >= KERNEL_FORWARD_MIN_HIDDEN
 
     def linear_settings(self, hidden_size: int | None = None) -> dict:

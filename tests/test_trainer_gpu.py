@@ -18,7 +18,10 @@ GPU_FLOWS = FLOWS + [("unified-kv-fp8-token", ["precision.flow=unified", "precis
                      ("split-fp8-kv-fp8", ["precision.flow=split", "precision.format=fp8", "precision.kv_cache=fp8"]),
                      # tiny models take bf16 GEMMs by default (precision.kernel_forward null): the 8-bit kernels too
                      ("unified-int8-kernels", ["precision.flow=unified", "precision.format=int8",
-                                               "precision.kernel_forward=true"])]
+                                               "precision.kernel_forward=true"]),
+                     # rollout and training on the batch-invariant kernels: the same log-probs to float32 rounding
+                     ("bf16-invariant", ["precision.batch_invariant=true"]),
+                     ("unified-invariant", ["precision.flow=unified", "precision.batch_invariant=true"])]
 
 
 @pytest.mark.parametrize("name,overrides", GPU_FLOWS, ids=[f[0] for f in GPU_FLOWS])
@@ -40,3 +43,6 @@ def test_each_flow_on_cuda_with_the_fast_engine(tmp_path, name, overrides):
         assert records[-1][key] is not None and math.isfinite(records[-1][key]), key
     if name == "bf16":  # same weights, same kernels family: the mismatch stays small
         assert records[0]["mismatch/max_abs_logp_diff"] < 0.5
+    if name.endswith("-invariant"):  # the same logits; only the two log-softmax kernels' float32 sums differ
+        assert trainer.model.batch_invariant and trainer.engine.batch_invariant
+        assert all(r["mismatch/max_abs_logp_diff"] < 1e-4 for r in records), records

@@ -74,6 +74,7 @@ class QuarlForCausalLM(nn.Module):
         # True: a full-sequence forward under autograd keeps only each decoder layer's input and recomputes the
         # layer in backward (activation memory / num_layers-fold smaller, about one more forward of compute).
         self.gradient_checkpointing = False
+        self.batch_invariant = False  # `set_batch_invariant`
         self.model = DecoderModel(config, self.fast_paths)
         self.lm_head = QuantLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -163,6 +164,25 @@ class QuarlForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP, QuantLinear, SparseMoeBlock)):
                 module.fast_paths = fast_paths
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Run every linear, RMSNorm and attention on the batch-invariant kernels (`quarl.kernels.batch_invariant`)
+        when on: an output row's bits then never depend on how many rows a call has or how a sequence was fed, so
+        the fast engine's decode steps (which follow the model's `batch_invariant`) and the training forward compute
+        the same function to the bit (`precision.batch_invariant`). Needs a dense model in bf16/fp16 on a CUDA
+        device; the rollout engine reads the setting when it is built."""
+        on = bool(on)
+        if on:
+            why = "a mixture-of-experts model (its grouped expert GEMMs are not covered)" if self.is_moe else \
+                f"a {self.dtype} model on {self.device}" if self.device.type != "cuda" or \
+                self.dtype not in (torch.bfloat16, torch.float16) else None
+            if why is not None:
+                raise ValueError(f"precision.batch_invariant needs a dense bf16/fp16 model on a CUDA GPU, got {why}; "
+                                 "set precision.batch_invariant=false")
+        self.batch_invariant = on
+        for module in self.modules():
+            if isinstance(module, (Attention, QuantLinear, RMSNorm)):
+                module.batch_invariant = on
 
     def set_rollout(self, on: bool) -> None:
         """Rollout forward (quantized linears, AQN noise on norms) when on, training forward when off."""

@@ -32,11 +32,14 @@ class RMSNorm(nn.Module):
     the model's dtype (`_apply` undoes nn.Module's cast, keeping the values); write noise into it in place (CUDA
     graphs and the fused decode kernels read it at its address).
 
-    Training takes torch's fused `F.rms_norm` on CUDA bf16/fp16 (the same float32 math in one pass), and so does
-    the rollout forward until AQN is enabled on the norm (`aqn_enabled`, set by `quarl.rl.aqn.set_aqn_noise`, which
-    the trainer calls from the first sync on): rollout and training then take one code path. From then on the
-    rollout forward always takes the float32 code with the noise term (a zero noise changes nothing), so a CUDA
-    graph captured during AQN's noiseless first stage still adds the noise written later.
+    With `batch_invariant` (`QuarlForCausalLM.set_batch_invariant`) every forward takes one Triton program per
+    row (`quarl.kernels.batch_invariant.rms_norm`, the same float32 math): a row's output never depends on the batch.
+    Otherwise training takes torch's fused `F.rms_norm` on CUDA bf16/fp16 (the same float32 math in one pass), and
+    so does the rollout forward until AQN is enabled on the norm (`aqn_enabled`, set by
+    `quarl.rl.aqn.set_aqn_noise`, which the trainer calls from the first sync on): rollout and training then take one
+    code path. From then on the rollout forward always takes the float32 code with the noise term (a zero noise
+    changes nothing), so a CUDA graph captured during AQN's noiseless first stage still adds the noise written
+    later.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
@@ -46,6 +49,7 @@ class RMSNorm(nn.Module):
         self.register_buffer("rollout_noise", torch.zeros(dim, device=device, dtype=torch.float32), persistent=False)
         self.rollout = False
         self.aqn_enabled = False
+        self.batch_invariant = False  # `QuarlForCausalLM.set_batch_invariant`
 
     def set_rollout(self, on: bool) -> None:
         self.rollout = bool(on)
@@ -77,6 +81,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
         noisy = self.rollout and self.aqn_enabled
+        if self.batch_invariant:
+            from quarl.kernels import batch_invariant
+
+            return batch_invariant.rms_norm(x, self.weight, self.eps, self.rollout_noise if noisy else None)
         if not noisy and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
             # torch's fused CUDA kernel (forward and backward): one pass over x instead of six elementwise passes
             # through a float32 copy.
@@ -215,7 +223,9 @@ class Attention(nn.Module):
     as the engine's prefill does.
 
     `fast_paths` (the model's, see `QuarlForCausalLM.set_fast_paths`): `fused_rope`, and for q/k/v
-    `share_input_codes` (`shared_input_linears`).
+    `share_input_codes` (`shared_input_linears`). `batch_invariant` (`QuarlForCausalLM.set_batch_invariant`): every
+    full-sequence attention on `quarl.kernels.batch_invariant.attention`, which the fast engine's decode steps take
+    too, so a query's output never depends on the batch or on how its sequence was fed.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, fast_paths: FastPaths = DEFAULT_FAST_PATHS):
@@ -234,6 +244,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_quant: str | None = None
+        self.batch_invariant = False  # `QuarlForCausalLM.set_batch_invariant`
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
                 kv_cache=None, cache_start: int = 0, decode_start: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,7 +278,8 @@ class Attention(nn.Module):
         else:
             if kv_cache is not None:
                 k, v = kv_cache.write(self.layer_idx, cache_start, k, v)
-            out = self._sdpa(q, k, v, attn_mask)
+            out = self._invariant_attention(q, k, v, attn_mask, cache_start) if self.batch_invariant else \
+                self._sdpa(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def _fp8_kv_attention(self, q, k, v, attn_mask, decode_start) -> torch.Tensor:
@@ -293,6 +305,17 @@ class Attention(nn.Module):
         # Joined in [B, T, H, D] memory (returned as its [B, H, T, D] view): the layout SDPA's output has and
         # o_proj's input needs, so the join is one coalesced copy and the caller's reshape copies nothing.
         return torch.cat([head.transpose(1, 2), out[:, :, p:].transpose(1, 2)], dim=1).transpose(1, 2)
+
+    def _invariant_attention(self, q, k, v, attn_mask, cache_start: int) -> torch.Tensor:
+        """Attention [B, H, T, D] on the batch-invariant kernel, the one the engine's decode steps take: query t sits
+        at column cache_start + t and sees the keys from its row's first real one (the first key its last query
+        may see: a left-padded row's first token, column 0 for right padding) up to its own column."""
+        from quarl.kernels import batch_invariant
+
+        B, S = q.shape[0], k.shape[2]
+        first = torch.zeros(B, dtype=torch.long, device=q.device) if attn_mask is None else \
+            attn_mask[:, 0, -1].to(torch.int8).argmax(-1)
+        return batch_invariant.attention(q, k, v, first, torch.full_like(first, cache_start), torch.full_like(first, S))
 
     def _sdpa(self, q, k, v, attn_mask):
         gqa = self.num_heads != self.num_kv_heads

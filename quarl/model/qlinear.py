@@ -108,6 +108,15 @@ def _quantize_weight(w: torch.Tensor, fmt: str) -> QuantizedTensor:
     return fresh if fresh is not None else quantize_unchecked(w, fmt, "weight")
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+    """F.linear(x, w, bias), on the batch-invariant kernel when `invariant` (`QuantLinear.batch_invariant`)."""
+    if invariant:
+        from quarl.kernels import batch_invariant
+
+        return batch_invariant.linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 class _FrozenBaseLinear(torch.autograd.Function):
     """y = x @ deq(base)^T + b for a frozen quantized base, keeping no dequantized weight for backward.
 
@@ -121,7 +130,7 @@ class _FrozenBaseLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer  # the module outlives the graph; its buffers are never re-quantized (frozen base)
         ctx.has_bias = bias is not None
-        return F.linear(x, layer._dequantized_base(x.dtype), bias)
+        return _linear(x, layer._dequantized_base(x.dtype), bias, layer.batch_invariant)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -176,13 +185,13 @@ class _FakeQuantLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wq: torch.Tensor,
-                fmt: str | None) -> torch.Tensor:
+                fmt: str | None, invariant: bool) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # 2-D as the rollout forward multiplies: the same GEMM, the same rounding
         xq = x2d if fmt is None else fake_quantized_input(x2d, fmt)
         # Q(W) may be the rollout copy's cache: autograd then refuses a backward after an in-place re-quantization
         ctx.save_for_backward(xq, wq)
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
-        return F.linear(xq, wq, bias).reshape(*x.shape[:-1], wq.shape[0])
+        return _linear(xq, wq, bias, invariant).reshape(*x.shape[:-1], wq.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -195,7 +204,7 @@ class _FakeQuantLinear(torch.autograd.Function):
             grad_w = (g2d.t() @ xq).to(ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 # Every buffer of a rollout copy: its codes and scales, the dequantized cache, the smoothing factors
@@ -237,6 +246,8 @@ class QuantLinear(nn.Module):
         self.quantized_backward = False
         self.kernel_forward = False
         self.bf16_gemms = False
+        # every GEMM on the batch-invariant kernel (`QuarlForCausalLM.set_batch_invariant`), rollout and training
+        self.batch_invariant = False
         self.lora_rank = 0
         self.lora_alpha = 0.0
         self.lora_dropout = 0.0
@@ -655,7 +666,7 @@ class QuantLinear(nn.Module):
             return self._quantized_training_forward(x, bias)
         if self.frozen_base:
             return self._frozen_base_linear(x, bias)
-        return F.linear(x, self.weight, bias)
+        return _linear(x, self.weight, bias, self.batch_invariant)
 
     def _rollout_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Q_act(x) @ deq(qweight)^T + b: a GPU kernel when one applies, else the reference (dequant + matmul).
@@ -678,7 +689,7 @@ class QuantLinear(nn.Module):
             xq = x2d if self.weight_only else _straight_through(fake_quantized_input(x2d, self.rollout_format), x2d)
             if self.weight_dequant is None and self.cache_dequantized is None and not self.frozen_base:
                 self._build_dequant_cache()  # no kernel serves this layer: keep the fallback at matmul speed
-            y = F.linear(xq, self._dequantized_base(x.dtype), bias)
+            y = _linear(xq, self._dequantized_base(x.dtype), bias, self.batch_invariant)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _quantized_training_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -695,7 +706,7 @@ class QuantLinear(nn.Module):
                 x = _straight_through(fake_quantized_input(x.detach(), fmt), x)
             return self._frozen_base_linear(x, bias)
         return _FakeQuantLinear.apply(x, self.weight, bias, self._fake_quantized_weight(x.dtype),
-                                      None if self.weight_only else fmt)
+                                      None if self.weight_only else fmt, self.batch_invariant)
 
     def _fake_quantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """Q(W) [out, in] in dtype, the unified training forward's weight operand without gradient: the rollout
@@ -823,7 +834,7 @@ class QuantLinear(nn.Module):
         """x @ deq(base)^T + b; under autograd without keeping deq(base) alive until backward."""
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if not needs_grad or self.weight_dequant is not None:  # a cached dequantized base costs nothing to keep
-            return F.linear(x, self._dequantized_base(x.dtype), bias)
+            return _linear(x, self._dequantized_base(x.dtype), bias, self.batch_invariant)
         return _FrozenBaseLinear.apply(x, bias, self)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
@@ -843,6 +854,12 @@ class QuantLinear(nn.Module):
         a = cached[0] if use_cached else self.lora_A.to(x.dtype)  # [r, in]
         p = self.lora_dropout_p()
         h = F.dropout(x, p, training=True) if p > 0 else x
+        if self.batch_invariant:  # the same two roundings as addmm's: xa, then y + xa @ b^T
+            from quarl.kernels import batch_invariant
+
+            xa = batch_invariant.linear(h.reshape(-1, self.in_features), a)
+            out = batch_invariant.linear(xa, b, add=y.reshape(-1, self.out_features))
+            return y.copy_(out) if in_place else out.reshape(y.shape)
         xa = F.linear(h.reshape(-1, self.in_features), a)  # [M, r]
         if in_place:
             return y.addmm_(xa, b.t())

@@ -330,6 +330,11 @@ class Trainer:
             for module in self.model.modules():
                 if isinstance(module, Attention):
                     module.kv_quant = cfg.precision.kv_cache
+        if cfg.precision.batch_invariant:
+            if self.sharded:
+                raise ValueError("precision.batch_invariant runs in one process: the sharded rollout copy and FSDP's "
+                                 "gathers are not covered; run without torchrun or set precision.batch_invariant=false")
+            self.model.set_batch_invariant(True)  # before the engine is built: it decodes as the model computes
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()

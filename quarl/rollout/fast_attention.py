@@ -57,6 +57,17 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.matmul(probs, v).reshape(B, Hq, D)
 
 
+def invariant_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                               kv_len: int, *scales) -> torch.Tensor:
+    """The `AttentionFn` of a batch-invariant model: slot b's query at column lengths[b] - 1 over its columns
+    0 .. lengths[b] - 1, by `quarl.kernels.batch_invariant.attention` (the training forward's kernel; kv_len unused:
+    the kernel reads each row's own length). A cache in q's dtype, no scales."""
+    from quarl.kernels import batch_invariant
+
+    return batch_invariant.attention(q[:, :, None], k_cache, v_cache, torch.zeros_like(lengths), lengths - 1,
+                                     lengths)[:, :, 0]
+
+
 def _triton_attention(kv_scale: float, num_sms: int) -> AttentionFn:
     from quarl.kernels.decode_attention import choose_num_splits, decode_attention
 
@@ -80,13 +91,20 @@ def _torch_attention(kv_scale: float) -> AttentionFn:
 def make_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                           head_dim: int, kv_dtype: torch.dtype, kv_scale: float = 1.0,
                           backend: str = "auto", token_scales: bool = False) -> tuple[AttentionFn, str]:
-    """The decode attention function for the engine and its name ("triton" or "torch").
+    """The decode attention function for the engine and its name ("triton", "torch" or "invariant").
 
     backend "auto": Triton on a CUDA device with the kernels available, after a self-check against the torch
-    definition on random data (a failure warns and falls back to torch); "triton" / "torch" force one.
+    definition on random data (a failure warns and falls back to torch); "triton" / "torch" force one;
+    "invariant": the batch-invariant attention a batch-invariant model's training forward takes
+    (`invariant_decode_attention`).
     """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"attention backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend not in ("auto", "triton", "torch", "invariant"):
+        raise ValueError(f"attention backend must be 'auto', 'triton', 'torch' or 'invariant', got {backend!r}")
+    if backend == "invariant":
+        if device.type != "cuda" or kv_dtype != dtype:
+            raise ValueError("the batch-invariant decode attention needs a CUDA device and a cache in the model's "
+                             f"dtype, got {device} and a {kv_dtype} cache")
+        return invariant_decode_attention, "invariant"
     torch_fn = _torch_attention(kv_scale)
     if backend == "torch":
         return torch_fn, "torch"

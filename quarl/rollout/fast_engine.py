@@ -116,7 +116,16 @@ class FastRolloutEngine(RolloutEngine):
         if fused_decode and not fused_decode_supported(model):
             raise ValueError("fused_decode=True needs a model without per-head q/k norms (Qwen3 uses the module "
                              "path); pass fused_decode=None or False")
-        use_fused = fused_decode_supported(model) if fused_decode is None else bool(fused_decode)
+        # a batch-invariant model (`QuarlForCausalLM.set_batch_invariant`) decodes on its own module path and the
+        # batch-invariant attention, so every step computes what its training forward computes
+        self.batch_invariant = bool(getattr(model, "batch_invariant", False))
+        if self.batch_invariant and (fused_decode or attention_backend != "auto"
+                                     or self.kv_dtype != model.dtype or self.kv_token_scales):
+            raise ValueError("a batch-invariant model decodes on its module path with the batch-invariant attention "
+                             "over a cache in its own dtype; leave fused_decode, attention_backend and "
+                             "kv_cache_dtype at their defaults")
+        use_fused = (fused_decode_supported(model) if fused_decode is None else bool(fused_decode)) and \
+            not self.batch_invariant
         self.fast_paths = fast_paths_of(model) if fast_paths is None else fast_paths
         if not isinstance(self.fast_paths, FastPaths):
             raise TypeError(f"fast_paths must be a quarl.fast_paths.FastPaths, got {type(fast_paths).__name__}")
@@ -217,7 +226,8 @@ class FastRolloutEngine(RolloutEngine):
         if self._attention is None:
             self._attention, self.attention_name = make_decode_attention(
                 model.device, model.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype,
-                self.cache.kv_scale, self.attention_backend, self.kv_token_scales)
+                self.cache.kv_scale, "invariant" if self.batch_invariant else self.attention_backend,
+                self.kv_token_scales)
 
     def _experts_shape(self) -> tuple[int, int] | None:
         """(num_moe_layers, k) of the routing record, or None when not recording."""
