@@ -13,6 +13,7 @@ import pytest
 
 from interpreter import INTERPRETER_PATCH, run_in_interpreter
 from quarl.config import ConfigError, load_config
+from quarl.model.precision_apply import apply_precision
 from quarl.precision import PrecisionConfig
 from tiny_models import make_model
 
@@ -97,6 +98,53 @@ _KERNELS = INTERPRETER_PATCH + textwrap.dedent("""
 """)
 
 
+_END_TO_END = INTERPRETER_PATCH + textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, "tests")
+    from tiny_models import make_model
+    from quarl.model.precision_apply import apply_precision
+    from quarl.precision import LoraConfig, PrecisionConfig
+    from quarl.rl.batch import answer_logprobs
+    from quarl.rollout.fast_engine import FastRolloutEngine
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    print("seed", seed)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 70, 9)]  # 70: a block boundary mid-prompt
+    for flow, fmt, lora in [("bf16", None, 0), ("unified", "int8", 0), ("qlora", "nvfp4", 4)]:
+        model = make_model("llama", torch.float32, std=0.1).half()
+        apply_precision(model, PrecisionConfig(flow=flow, format=fmt, batch_invariant=True,
+                                               lora=LoraConfig(rank=lora)))
+        switched = [m.batch_invariant for m in model.modules() if hasattr(m, "batch_invariant")]
+        assert model.batch_invariant and all(switched) and len(switched) > 10
+        engine = FastRolloutEngine(model, None, max_batch_size=8, use_cuda_graphs=False)
+        assert engine.attention_name is None and engine._decoder is None
+        outs = engine.generate(prompts, n=1, max_new_tokens=24, temperature=1.0, seed=0, ignore_eos=True)
+        assert engine.attention_name == "invariant"
+        rows = [(p, c) for p, o in zip(prompts, outs) for c in o.completions]
+        T = max(len(p) + len(c.token_ids) for p, c in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, (p, c) in enumerate(rows):  # left-padded, as the trainer lays out a batch
+            n = len(p) + len(c.token_ids)
+            ids[i, T - n:], mask[i, T - n:] = torch.tensor(p + c.token_ids), 1
+        with torch.no_grad():
+            lp, _ = answer_logprobs(model, ids, mask, 1.0, 24)
+        for i, (p, c) in enumerate(rows):
+            diff = float((lp[i, -len(c.token_ids):] - torch.tensor(c.logprobs)).abs().max())
+            assert diff < 1e-4, (flow, i, diff)
+    print("ok")
+""")
+
+
+def test_rollout_and_training_log_probs_agree_on_the_invariant_kernels_in_the_interpreter():
+    """The fast engine's rollout (prefill of right-padded prompts, decode steps over the slot cache) and the training
+    forward over a left-padded batch give the same log-probs (up to the float32 log-softmax of each side) for the bf16,
+    unified and qlora flows with `precision.batch_invariant`: fp16, CPU, Triton's interpreter."""
+    run_in_interpreter(_END_TO_END)
+
+
 def test_batch_invariant_kernels_in_the_interpreter():
     """Linear, RMSNorm and attention against torch and float64; rows alike alone and in a batch; a decode step's
     query alike in a slot cache and in a left-padded training row; gradients."""
@@ -125,12 +173,20 @@ def test_batch_invariant_takes_bf16_gemms_at_every_size():
     assert not invariant["kernel_forward"] and invariant["bf16_gemms"]
 
 
-def test_model_refuses_batch_invariance_off_a_gpu_and_switches_every_module():
+def test_model_refuses_batch_invariance_where_the_kernels_do_not_run():
     model = make_model("llama")
     with pytest.raises(ValueError, match="dense bf16/fp16 model on a CUDA GPU.*float32"):
         model.set_batch_invariant(True)
+    with pytest.raises(ValueError, match="dense bf16/fp16 model on a CUDA GPU.*on cpu"):
+        apply_precision(model.half(), PrecisionConfig(batch_invariant=True))
     assert not model.batch_invariant and not any(getattr(m, "batch_invariant", False) for m in model.modules())
-    moe = make_model("qwen3_moe")
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        moe.set_batch_invariant(True)
+        make_model("qwen3_moe").half().set_batch_invariant(True)
     model.set_batch_invariant(False)  # off is always allowed
+
+
+@pytest.mark.parametrize("overrides", [["aqn.sigma_start=0.01", "precision.flow=qlora", "lora.rank=4"],
+                                       ["rollout.top_p=0.9"], ["rollout.top_k=20"]])
+def test_batch_invariance_refuses_rollouts_that_differ_by_design(overrides):
+    with pytest.raises(ConfigError, match="differ by design"):
+        load_config(None, ["precision.batch_invariant=true", *overrides])

@@ -51,6 +51,12 @@ def kernels_available(device: torch.device | None = None) -> bool:
     return capability(device) >= (8, 0)
 
 
+def triton_interpreter_on() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1, read at Triton's import): then they take
+    CPU tensors (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
+
+
 def fp8_kernels_available(device: torch.device | None = None) -> bool:
     """`kernels_available` and FP8 E4M3 in Triton, which needs compute capability >= 8.9 (Ada, Hopper): the
     kernels that read or write FP8 values. Older GPUs take the reference paths for FP8 (emulated, exact)."""

@@ -24,12 +24,13 @@ definitions (`linear_torch`, `rms_norm_torch`, `attention_torch`) state the sema
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from quarl.kernels import availability
 
 LINEAR_BLOCK = 64  # M, N and K tile of the linear: fixed, so a row's sums never depend on the batch
 ATTENTION_BLOCK_M = 64  # queries per attention tile (a decode step fills one)
@@ -76,6 +77,7 @@ def _linear_kernel(a_ptr, b_ptr, bias_ptr, add_ptr, out_ptr, M, N, K,
 
 def _linear_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                     add: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) (+ add [M, N]) -> [M, N] in x.dtype, no autograd."""
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -92,6 +94,8 @@ def _linear_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 
 class _Linear(torch.autograd.Function):
+    """`_linear_forward` with torch's GEMMs for the gradients of x, w, bias and add (2-D x and add)."""
+
     @staticmethod
     def forward(ctx, x, w, bias, add):
         ctx.save_for_backward(x, w)
@@ -155,6 +159,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class _RMSNorm(torch.autograd.Function):
+    """The row kernel forward; backward through a recompute of `rms_norm_torch` (gradients to x and the weight)."""
+
     @staticmethod
     def forward(ctx, x, weight, noise, eps):
         ctx.save_for_backward(x, weight, noise)
@@ -191,8 +197,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, noise: torch.Ten
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, key_start_ptr, q_start_ptr, kv_len_ptr, T, Hq, GROUP, D, scale,
                       sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, sob, soh, sot,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
     hk = h // GROUP
@@ -236,11 +242,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, key_start_ptr, q_start_ptr, kv
 
 
 def _attention_forward(q, k, v, key_start, q_start, kv_len) -> torch.Tensor:
+    """The kernel's output [B, Hq, T, D] (stored as [B, T, Hq, D]); arguments as in `attention`, no autograd."""
     B, Hq, T, D = q.shape
     out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype).transpose(1, 2)  # o_proj's [B, T, H, D] memory
     if B == 0 or T == 0:
         return out
-    grid = (triton.cdiv(T, ATTENTION_BLOCK_M), B * Hq)
+    grid = (B * Hq, triton.cdiv(T, ATTENTION_BLOCK_M))  # rows x heads on axis 0, which has no 65535 limit
     _attention_kernel[grid](q, k, v, out, key_start, q_start, kv_len, T, Hq, Hq // k.shape[1], D,
                             1.0 / math.sqrt(D), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                             k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
@@ -259,7 +266,8 @@ def visible_keys(key_start: torch.Tensor, q_start: torch.Tensor, kv_len: torch.T
 
 
 def attention_torch(q, k, v, key_start, q_start, kv_len) -> torch.Tensor:
-    """The definition of `attention` (float32 softmax; a query that sees no key gives 0)."""
+    """The definition of `attention`, arguments and result alike: float32 scores and softmax, a query that sees no
+    key gives 0."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
     mask = visible_keys(key_start, q_start, kv_len, T, S)
@@ -273,6 +281,8 @@ def attention_torch(q, k, v, key_start, q_start, kv_len) -> torch.Tensor:
 
 
 class _Attention(torch.autograd.Function):
+    """The kernel forward; backward through a recompute with torch's SDPA over the same visible keys."""
+
     @staticmethod
     def forward(ctx, q, k, v, key_start, q_start, kv_len):
         ctx.save_for_backward(q, k, v, key_start, q_start, kv_len)
@@ -281,8 +291,14 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, key_start, q_start, kv_len = ctx.saved_tensors
+        B = q.shape[0]
+        k, v = k[:B], v[:B]  # a slot cache's rows past the batch are not read
         mask = visible_keys(key_start, q_start, kv_len, q.shape[2], k.shape[2])
-        mask = mask | ~mask.any(-1, keepdim=True)  # a query with no key (padding): its gradient is 0 anyway
+        seeing = mask.any(-1, keepdim=True)  # [B, 1, T, 1]
+        # A query with no key output the constant 0: no gradient. It attends to every key in the recompute only to
+        # keep SDPA's softmax finite.
+        grad = grad * seeing.to(grad.dtype)
+        mask = mask | ~seeing
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
             out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -300,6 +316,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torc
     for a right-padded batch, the first real column, 0 and S for a left-padded one; 0, position and position + 1
     for a decode step). Returns [B, Hq, T, D] in q's dtype, stored as [B, T, Hq, D] (`attention_torch`)."""
     _check_cuda16("attention", q, k)
+    for name, t in (("key_start", key_start), ("q_start", q_start), ("kv_len", kv_len)):
+        if t.dtype != torch.long or t.shape != (q.shape[0],) or t.device != q.device:
+            raise ValueError(f"attention: {name} must be long [{q.shape[0]}] on {q.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
     if q.shape[1] % k.shape[1] or q.shape[3] != k.shape[3] or k.shape != v.shape or k.shape[0] < q.shape[0]:
         raise ValueError(f"attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)} / v {tuple(v.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -308,7 +328,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torc
 
 
 def _check_cuda16(name: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs CPU tensors
+    on_device = x.is_cuda or availability.triton_interpreter_on()  # the interpreter runs CPU tensors
     if not on_device or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"batch-invariant {name} runs on CUDA bf16/fp16 tensors, got {x.dtype} on {x.device}")
     if w is not None and (w.dtype != x.dtype or w.device != x.device):

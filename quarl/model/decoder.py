@@ -169,13 +169,19 @@ class QuarlForCausalLM(nn.Module):
         """Run every linear, RMSNorm and attention on the batch-invariant kernels (`quarl.kernels.batch_invariant`)
         when on: an output row's bits then never depend on how many rows a call has or how a sequence was fed, so
         the fast engine's decode steps (which follow the model's `batch_invariant`) and the training forward compute
-        the same function to the bit (`precision.batch_invariant`). Needs a dense model in bf16/fp16 on a CUDA
-        device; the rollout engine reads the setting when it is built."""
+        the same function to the bit (`precision.batch_invariant`, which `apply_precision` applies). Needs a dense
+        model in bf16/fp16 on a CUDA device with the Triton kernels (or Triton's interpreter, for tests); an engine
+        built on the model refuses to run after the setting changed."""
         on = bool(on)
         if on:
+            from quarl.kernels import availability
+
+            runs = availability.kernels_available(self.device) or availability.triton_interpreter_on()
             why = "a mixture-of-experts model (its grouped expert GEMMs are not covered)" if self.is_moe else \
-                f"a {self.dtype} model on {self.device}" if self.device.type != "cuda" or \
-                self.dtype not in (torch.bfloat16, torch.float16) else None
+                f"a {self.dtype} model on {self.device}" if self.dtype not in (torch.bfloat16, torch.float16) or \
+                (self.device.type != "cuda" and not availability.triton_interpreter_on()) else \
+                "no usable Triton kernels (Triton missing, compute capability < 8.0 or QUARL_DISABLE_KERNELS set)" \
+                if not runs else None
             if why is not None:
                 raise ValueError(f"precision.batch_invariant needs a dense bf16/fp16 model on a CUDA GPU, got {why}; "
                                  "set precision.batch_invariant=false")

@@ -63,9 +63,16 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
     - With LoRA on, every parameter except the adapters is frozen; norm weights stay trainable iff
       precision.lora.train_norms.
     - precision.kernel_forward None resolves by the model's hidden size (`hidden_size`).
+    - precision.batch_invariant switches the model's kernels (`QuarlForCausalLM.set_batch_invariant`), before any
+      linear changes (it refuses a model the kernels do not cover).
     Returns the names of the configured linears (in module order).
     """
     settings = precision.linear_settings(hidden_size(model, precision))  # validates, before any linear changes
+    if precision.batch_invariant or getattr(model, "batch_invariant", False):
+        if not hasattr(model, "set_batch_invariant"):
+            raise ValueError("precision.batch_invariant switches a whole QuarlForCausalLM (its norms and attention "
+                             f"too); got a {type(model).__name__}")
+        model.set_batch_invariant(precision.batch_invariant)
     configured = []
     for name, module in _configured_linears(model, precision):
         layer_settings = dict(settings)

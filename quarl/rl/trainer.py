@@ -276,6 +276,9 @@ class Trainer:
         else:
             self.device = resolve_device(cfg.model.device)
             self.sharded = False
+        if self.sharded and cfg.precision.batch_invariant:
+            raise ValueError("precision.batch_invariant runs on one process: the sharded rollout copy and FSDP's "
+                             "gathers are not covered; run without torchrun or set precision.batch_invariant=false")
         set_cpu_threads(self.device)
         self.dtype = cfg.precision.torch_dtype(self.device)
         self.is_main = qdist.is_main()
@@ -330,11 +333,6 @@ class Trainer:
             for module in self.model.modules():
                 if isinstance(module, Attention):
                     module.kv_quant = cfg.precision.kv_cache
-        if cfg.precision.batch_invariant:
-            if self.sharded:
-                raise ValueError("precision.batch_invariant runs in one process: the sharded rollout copy and FSDP's "
-                                 "gathers are not covered; run without torchrun or set precision.batch_invariant=false")
-            self.model.set_batch_invariant(True)  # before the engine is built: it decodes as the model computes
         self.reference = None
         if cfg.loss.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
@@ -394,8 +392,9 @@ class Trainer:
         """Say once where the unified or qlora flow multiplies when `precision.kernel_forward` was left to the model
         size."""
         precision = self.cfg.precision
-        if precision.kernel_forward is not None or not self.is_main or self.device.type != "cuda":
-            return  # set by hand, or nothing to choose: a CPU runs no quantized kernels
+        if precision.kernel_forward is not None or precision.batch_invariant or not self.is_main or \
+                self.device.type != "cuda":
+            return  # set by hand (batch invariance takes bf16 GEMMs), or nothing to choose: a CPU runs no kernels
         # the linears whose training forward is quantized (unified, qlora); none in the bf16 and split flows
         linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and m.train_format is not None]
         if not linears:

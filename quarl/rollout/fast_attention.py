@@ -59,9 +59,10 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def invariant_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                                kv_len: int, *scales) -> torch.Tensor:
-    """The `AttentionFn` of a batch-invariant model: slot b's query at column lengths[b] - 1 over its columns
-    0 .. lengths[b] - 1, by `quarl.kernels.batch_invariant.attention` (the training forward's kernel; kv_len unused:
-    the kernel reads each row's own length). A cache in q's dtype, no scales."""
+    """The `AttentionFn` of a batch-invariant model: q [B, Hq, D], slot b's query at column lengths[b] - 1, over
+    its columns 0 .. lengths[b] - 1 of k_cache, v_cache [S >= B, Hkv, C, D] (q's dtype; no scales), lengths long
+    [B] -> [B, Hq, D] in q's dtype, by `quarl.kernels.batch_invariant.attention` (the training forward's kernel;
+    kv_len unused: the kernel reads each row's own length)."""
     from quarl.kernels import batch_invariant
 
     return batch_invariant.attention(q[:, :, None], k_cache, v_cache, torch.zeros_like(lengths), lengths - 1,
@@ -101,7 +102,9 @@ def make_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: i
     if backend not in ("auto", "triton", "torch", "invariant"):
         raise ValueError(f"attention backend must be 'auto', 'triton', 'torch' or 'invariant', got {backend!r}")
     if backend == "invariant":
-        if device.type != "cuda" or kv_dtype != dtype:
+        from quarl.kernels import availability
+
+        if (device.type != "cuda" and not availability.triton_interpreter_on()) or kv_dtype != dtype:
             raise ValueError("the batch-invariant decode attention needs a CUDA device and a cache in the model's "
                              f"dtype, got {device} and a {kv_dtype} cache")
         return invariant_decode_attention, "invariant"

@@ -77,7 +77,9 @@ class FastRolloutEngine(RolloutEngine):
             use_cuda_graphs: None = on for CUDA models.
             sync_every: decode steps between looks at the state from the host (>= 1).
             max_prefill_tokens: most (padded) prompt tokens in one prefill forward.
-            attention_backend: "auto" (Triton where it runs, else torch), "triton" or "torch".
+            attention_backend: "auto" (Triton where it runs, else torch), "triton" or "torch". A batch-invariant
+                model (`QuarlForCausalLM.set_batch_invariant`) takes its own kernel ("invariant") and no fused
+                decode, with the cache in its dtype: leave attention_backend, fused_decode and kv_cache_dtype unset.
             fused_decode: decode with q/k/v and gate/up fused into one GEMM each and the fused norm / rotary /
                 SiLU·mul kernels (`fused_decode`, same values); None = on where the model supports it.
             sampler: how temperature sampling draws, both exact draws from the same distribution:
@@ -209,6 +211,9 @@ class FastRolloutEngine(RolloutEngine):
     def _prepare(self, needed_columns: int) -> None:
         """Allocate (or grow) the slot cache and state; drop captured graphs if the model's tensors changed."""
         self._restack()  # what a reconfiguration replaced
+        if bool(getattr(self.model, "batch_invariant", False)) != self.batch_invariant:
+            raise RuntimeError("the model's batch_invariant setting changed after this engine was built (it decodes "
+                               "as the model computed then); build a new FastRolloutEngine")
         if self._fingerprint is not None and self._fingerprint != self._model_fingerprint():
             self._drop_graphs()  # re-configured weights live in new buffers: the old graphs read stale memory
         if self.cache is not None and self.cache.capacity >= needed_columns:
@@ -283,9 +288,10 @@ class FastRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ steps and graphs
     def kv_bound(self, columns: int) -> int:
-        """Static attention column bound for `columns` filled columns (the capacity for the Triton kernel)."""
+        """Static attention column bound for `columns` filled columns (the capacity for the Triton kernels, which
+        read each row's own length)."""
         cap = self.cache.capacity
-        if self.attention_name == "triton":
+        if self.attention_name in ("triton", "invariant"):
             return cap
         return min(cap, -(-columns // KV_BUCKET) * KV_BUCKET)
 
