@@ -277,11 +277,14 @@ class RunConfig:
         if self.precision.batch_invariant and self.rollout.engine == "reference":
             raise ConfigError("precision.batch_invariant decodes on the fast engine, whose decode steps share the "
                               "training forward's kernels; set rollout.engine=fast (or auto on a GPU)")
-        if self.precision.batch_invariant and (self.aqn.sigma_start > 0 or self.rollout.top_p < 1.0
-                                               or self.rollout.top_k > 0):
-            raise ConfigError("precision.batch_invariant makes the rollout compute the training policy to the bit; "
-                              "AQN noise (aqn.sigma_start > 0) and top-p / top-k filtering (rollout.top_p < 1, "
-                              "rollout.top_k > 0) make it differ by design: turn them off or batch_invariant off")
+        if self.precision.batch_invariant:
+            differ = [text for text, bad in ((f"aqn.sigma_start={self.aqn.sigma_start}", self.aqn.sigma_start > 0),
+                                             (f"rollout.top_p={self.rollout.top_p}", self.rollout.top_p < 1.0),
+                                             (f"rollout.top_k={self.rollout.top_k}", self.rollout.top_k > 0)) if bad]
+            if differ:
+                raise ConfigError(f"precision.batch_invariant makes the rollout compute the training policy to the "
+                                  f"bit, but {', '.join(differ)} makes it differ by design (AQN noise, top-p / top-k "
+                                  "filtering): turn that off, or batch_invariant off")
         if self.train.lr_schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.lr_schedule={self.train.lr_schedule!r}; choose constant, cosine or linear")
         batch = self.rollout.prompts_per_step * self.rollout.num_generations

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -279,7 +280,8 @@ def export_from_run(run_dir: str | Path, out_dir: str | Path | None = None, over
                                   gguf_file=cfg.model.gguf_file, revision=cfg.model.revision, progress=verbose)
     if cfg.uaq.scale != 1.0:
         apply_uaq(model, cfg.uaq.scale)
-    apply_precision(model, cfg.precision)
+    # the run's linears as trained; batch invariance only changes which kernels multiply, and export multiplies none
+    apply_precision(model, replace(cfg.precision, batch_invariant=False))
     load_run_base(model, run_dir)  # a qlora run's GPTQ base, which its adapters were trained against
     _say(verbose, f"loading the newest intact checkpoint of {run_dir}")
     state, ckpt = load_latest_intact(run_dir, model)  # weights only: no optimizer, RNG untouched

@@ -77,10 +77,11 @@ class PrecisionConfig:
     kernel_forward: bool | None = None
     # rollout and training compute the same bits: every GEMM, RMSNorm and attention of the model runs on
     # batch-invariant Triton kernels (quarl/kernels/batch_invariant.py), whose output rows never depend on how many
-    # rows a call has, and the engine decodes on the module path. The bf16 flow and the unified and qlora flows (on
-    # bf16 GEMMs, which this implies) are then on-policy to the bit: mismatch/kl 0 but for the log-probs' float32
-    # rounding. Needs a CUDA GPU, a bf16/fp16 compute dtype, a dense model, rollout.engine=fast, kv_cache auto and
-    # one process; the kernels are slower than cuBLAS and flash attention (bench/results/quality.md)
+    # rows a call has, and the engine decodes on the module path. The bf16 flow and the unified and qlora flows
+    # (kernel_forward null then means bf16 GEMMs) are then on-policy to the bit: mismatch/kl 0 but for the
+    # log-probs' float32 rounding (below 5e-5 on B6). Needs a CUDA GPU, a bf16/fp16 compute dtype, a dense model,
+    # rollout.engine=fast, kv_cache auto, one process, no AQN, no top-p / top-k, no quantized_backward; B6 steps
+    # took 1.3-1.4x bf16's at 135M (bench/results/quality.md)
     batch_invariant: bool = False
     # split flow, W8A8: SmoothQuant migration strength alpha in (0, 1) for the rollout copy (0 = off): activations
     # are divided per input channel by s = max|x|^alpha / max|W|^(1 - alpha) (calibrated on the first 64 training
@@ -132,14 +133,18 @@ class PrecisionConfig:
                 f"precision.flow=unified with precision.format=fp8-block (W8A8), got flow={self.flow!r}, "
                 f"format={fmt!r}, weight_only={self.resolved_weight_only}"
             )
-        if self.batch_invariant and (self.flow == "split" or self.kv_cache != "auto" or self.quantized_backward
-                                     or self.kernel_forward or self.compute_dtype in ("float32", "float64")):
-            raise ValueError(
-                "precision.batch_invariant=true makes rollout and training compute the same bits in one 16-bit "
-                "function; it takes flow bf16, unified or qlora on bf16 GEMMs with kv_cache=auto and a bf16/fp16 "
-                f"compute dtype, got flow={self.flow!r}, kv_cache={self.kv_cache!r}, quantized_backward="
-                f"{self.quantized_backward}, kernel_forward={self.kernel_forward}, compute_dtype="
-                f"{self.compute_dtype!r}")
+        if self.batch_invariant:
+            conflicts = [text for text, bad in (
+                (f"precision.flow={self.flow} (rollout and training differ by design; use bf16, unified or qlora)",
+                 self.flow == "split"),
+                (f"precision.kv_cache={self.kv_cache} (set auto)", self.kv_cache != "auto"),
+                ("precision.quantized_backward=true (set false)", self.quantized_backward),
+                ("precision.kernel_forward=true (set null: bf16 GEMMs)", bool(self.kernel_forward)),
+                (f"precision.compute_dtype={self.compute_dtype} (set auto, bfloat16 or float16)",
+                 self.compute_dtype in ("float32", "float64"))) if bad]
+            if conflicts:
+                raise ValueError("precision.batch_invariant=true runs rollout and training on the 16-bit "
+                                 "batch-invariant kernels, which do not cover " + "; ".join(conflicts))
         if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha < 1.0:
             raise ValueError(f"precision.smooth_alpha={self.smooth_alpha} must be in [0, 1) (0 = off; 0.5 is "
                              "SmoothQuant's default)")

@@ -3,8 +3,13 @@ turn them on (`precision.batch_invariant`).
 
 Kernel tolerances (fp16 here: the interpreter's bf16 dot is not faithful; the GPU tests cover bf16): against the
 torch definitions, which sum in float32 in another order, two fp16 spacings of the output's magnitude; against
-float64, four. Invariance is exact: a row computed alone or in any batch has the same bits, and a decode step's
-query (one column of a slot cache) gets the bits the same query gets inside a left-padded training row.
+float64, four (attention rounds its probabilities to fp16 before the second product, as flash attention does;
+with unit-variance scores that stays within the bound). Gradients, which torch computes from a recompute: RMSNorm
+within 1e-2 of float64 for x (fp16 products of O(1) values) and 0.1 for the weight (a sum over 21 rows of
+O(1) terms), attention within 1e-2 of the largest float64 gradient. Invariance is exact: a row computed alone or in
+any batch has the same bits, and a decode step's query (one column of a slot cache) gets the bits the same query
+gets inside a left-padded training row. End to end, rollout and training log-probs agree within 1e-5: the same
+fp16 logits through two float32 log-softmax computations.
 """
 
 import textwrap
@@ -133,7 +138,26 @@ _END_TO_END = INTERPRETER_PATCH + textwrap.dedent("""
             lp, _ = answer_logprobs(model, ids, mask, 1.0, 24)
         for i, (p, c) in enumerate(rows):
             diff = float((lp[i, -len(c.token_ids):] - torch.tensor(c.logprobs)).abs().max())
-            assert diff < 1e-4, (flow, i, diff)
+            assert diff < 1e-5, (flow, i, diff)
+        model.set_batch_invariant(False)  # an engine keeps decoding as the model computed when it was built
+        try:
+            engine.generate(prompts[:1], n=1, max_new_tokens=2)
+            raise AssertionError("the engine decoded after the model left batch invariance")
+        except RuntimeError as e:
+            assert "batch_invariant setting changed" in str(e)
+        model.set_batch_invariant(True)
+        try:
+            FastRolloutEngine(model, None, fused_decode=True, use_cuda_graphs=False)
+            raise AssertionError("a fused decode accepted for a batch-invariant model")
+        except ValueError as e:
+            assert "decodes on its module path" in str(e)
+    split = make_model("llama", torch.float32, std=0.1).half()
+    apply_precision(split, PrecisionConfig(flow="split", format="int8"))
+    try:
+        split.set_batch_invariant(True)
+        raise AssertionError("a split rollout accepted for batch invariance")
+    except ValueError as e:
+        assert "configured for the quantized kernels or a split rollout" in str(e)
     print("ok")
 """)
 
@@ -152,11 +176,11 @@ def test_batch_invariant_kernels_in_the_interpreter():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["precision.flow=split"], "flow bf16, unified or qlora"),
-    (["precision.flow=unified", "precision.kv_cache=fp8"], "kv_cache=auto"),
-    (["precision.flow=unified", "precision.kernel_forward=true"], "on bf16 GEMMs"),
-    (["precision.flow=unified", "precision.quantized_backward=true"], "quantized_backward"),
-    (["precision.compute_dtype=float32"], "bf16/fp16 compute dtype"),
+    (["precision.flow=split"], r"flow=split \(rollout and training differ by design; use bf16, unified or qlora"),
+    (["precision.flow=unified", "precision.kv_cache=fp8"], r"kv_cache=fp8 \(set auto\)"),
+    (["precision.flow=unified", "precision.kernel_forward=true"], r"kernel_forward=true \(set null"),
+    (["precision.flow=unified", "precision.quantized_backward=true"], r"quantized_backward=true \(set false\)"),
+    (["precision.compute_dtype=float32"], r"compute_dtype=float32 \(set auto"),
     (["rollout.engine=reference"], "rollout.engine=fast"),
 ])
 def test_batch_invariant_refuses_what_it_does_not_cover(overrides, match):
@@ -188,5 +212,5 @@ def test_model_refuses_batch_invariance_where_the_kernels_do_not_run():
 @pytest.mark.parametrize("overrides", [["aqn.sigma_start=0.01", "precision.flow=qlora", "lora.rank=4"],
                                        ["rollout.top_p=0.9"], ["rollout.top_k=20"]])
 def test_batch_invariance_refuses_rollouts_that_differ_by_design(overrides):
-    with pytest.raises(ConfigError, match="differ by design"):
+    with pytest.raises(ConfigError, match=f"but {overrides[0]}.* differ by design"):
         load_config(None, ["precision.batch_invariant=true", *overrides])

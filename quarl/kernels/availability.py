@@ -57,6 +57,11 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
 
 
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether a Triton kernel can run on tensors of `device`: `kernels_available` there, or the interpreter on."""
+    return kernels_available(device) or triton_interpreter_on()
+
+
 def fp8_kernels_available(device: torch.device | None = None) -> bool:
     """`kernels_available` and FP8 E4M3 in Triton, which needs compute capability >= 8.9 (Ada, Hopper): the
     kernels that read or write FP8 values. Older GPUs take the reference paths for FP8 (emulated, exact)."""

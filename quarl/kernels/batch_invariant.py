@@ -16,9 +16,10 @@ whatever the number of rows, so the rollout and the training forward compute the
     or is the single query of a decode step; tiles of 64 queries (a decode step fills one row of its tile).
     The engine's slot cache and the training batch's left-padded rows feed the same function.
 
-Backward passes are torch's (they need to be correct, not invariant): the linear's two GEMMs, and a recompute
-of the torch definitions for the norm and attention. Needs Triton and a CUDA bf16/fp16 tensor; the torch
-definitions (`linear_torch`, `rms_norm_torch`, `attention_torch`) state the semantics and serve the tests.
+Backward passes are torch's (they need to be correct, not invariant): the linear's two GEMMs, a recompute of
+`rms_norm_torch` for the norm, and of torch's SDPA over the same visible keys for attention. Needs Triton and CUDA
+bf16/fp16 tensors (or Triton's interpreter on the CPU); the torch definitions (`linear_torch`, `rms_norm_torch`,
+`attention_torch`) state the semantics and serve the tests.
 """
 
 from __future__ import annotations
@@ -328,8 +329,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torc
 
 
 def _check_cuda16(name: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
-    on_device = x.is_cuda or availability.triton_interpreter_on()  # the interpreter runs CPU tensors
-    if not on_device or x.dtype not in (torch.bfloat16, torch.float16):
+    if not availability.triton_runs_on(x.device) or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"batch-invariant {name} runs on CUDA bf16/fp16 tensors, got {x.dtype} on {x.device}")
     if w is not None and (w.dtype != x.dtype or w.device != x.device):
         raise ValueError(f"batch-invariant {name}: operands in {x.dtype} on {x.device} and {w.dtype} on {w.device}; "

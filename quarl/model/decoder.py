@@ -174,21 +174,33 @@ class QuarlForCausalLM(nn.Module):
         built on the model refuses to run after the setting changed."""
         on = bool(on)
         if on:
-            from quarl.kernels import availability
-
-            runs = availability.kernels_available(self.device) or availability.triton_interpreter_on()
-            why = "a mixture-of-experts model (its grouped expert GEMMs are not covered)" if self.is_moe else \
-                f"a {self.dtype} model on {self.device}" if self.dtype not in (torch.bfloat16, torch.float16) or \
-                (self.device.type != "cuda" and not availability.triton_interpreter_on()) else \
-                "no usable Triton kernels (Triton missing, compute capability < 8.0 or QUARL_DISABLE_KERNELS set)" \
-                if not runs else None
-            if why is not None:
-                raise ValueError(f"precision.batch_invariant needs a dense bf16/fp16 model on a CUDA GPU, got {why}; "
-                                 "set precision.batch_invariant=false")
+            problem = self._batch_invariance_problem()
+            if problem is not None:
+                raise ValueError(f"precision.batch_invariant needs a dense bf16/fp16 model on a CUDA GPU whose linears "
+                                 f"multiply on bf16 GEMMs, got {problem}; set precision.batch_invariant=false")
         self.batch_invariant = on
         for module in self.modules():
             if isinstance(module, (Attention, QuantLinear, RMSNorm)):
                 module.batch_invariant = on
+
+    def _batch_invariance_problem(self) -> str | None:
+        """What keeps this model off the batch-invariant kernels as configured now, or None."""
+        from quarl.kernels import availability
+
+        if self.is_moe:
+            return "a mixture-of-experts model (its grouped expert GEMMs are not covered)"
+        if self.dtype not in (torch.bfloat16, torch.float16) or \
+                (self.device.type != "cuda" and not availability.triton_interpreter_on()):
+            return f"a {self.dtype} model on {self.device}"
+        if not availability.triton_runs_on(self.device):
+            return "no usable Triton kernels (Triton missing, compute capability < 8.0 or QUARL_DISABLE_KERNELS set)"
+        for name, m in self.named_modules():
+            if isinstance(m, QuantLinear) and m.rollout_format is not None and (
+                    not m.bf16_gemms or m.kernel_forward or m.quantized_backward):
+                return f"{name} configured for the quantized kernels or a split rollout"
+            if isinstance(m, Attention) and m.kv_quant is not None:
+                return f"{name} reading an FP8 KV cache"
+        return None
 
     def set_rollout(self, on: bool) -> None:
         """Rollout forward (quantized linears, AQN noise on norms) when on, training forward when off."""

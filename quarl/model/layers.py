@@ -79,7 +79,7 @@ class RMSNorm(nn.Module):
         return self.weight.to(dtype) + self.rollout_noise.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] (any float dtype) -> [..., dim] in x's dtype."""
+        """x [..., dim] (any float dtype; bf16/fp16 with `batch_invariant`) -> [..., dim] in x's dtype."""
         noisy = self.rollout and self.aqn_enabled
         if self.batch_invariant:
             from quarl.kernels import batch_invariant
@@ -309,7 +309,8 @@ class Attention(nn.Module):
     def _invariant_attention(self, q, k, v, attn_mask, cache_start: int) -> torch.Tensor:
         """Attention [B, H, T, D] on the batch-invariant kernel, the one the engine's decode steps take: query t sits
         at column cache_start + t and sees the keys from its row's first real one (the first key its last query
-        may see: a left-padded row's first token, column 0 for right padding) up to its own column."""
+        may see: a left-padded row's first token, column 0 for right padding) up to its own column. So a row's real
+        tokens must be contiguous (left or right padding, as quarl's batches and engines lay them out)."""
         from quarl.kernels import batch_invariant
 
         B, S = q.shape[0], k.shape[2]

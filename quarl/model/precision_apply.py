@@ -71,7 +71,7 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig) -> list[str]:
     if precision.batch_invariant or getattr(model, "batch_invariant", False):
         if not hasattr(model, "set_batch_invariant"):
             raise ValueError("precision.batch_invariant switches a whole QuarlForCausalLM (its norms and attention "
-                             f"too); got a {type(model).__name__}")
+                             f"too), got a {type(model).__name__}; apply it to a QuarlForCausalLM or turn it off")
         model.set_batch_invariant(precision.batch_invariant)
     configured = []
     for name, module in _configured_linears(model, precision):

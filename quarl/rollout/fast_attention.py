@@ -101,12 +101,7 @@ def make_decode_attention(device: torch.device, dtype: torch.dtype, num_heads: i
     """
     if backend not in ("auto", "triton", "torch", "invariant"):
         raise ValueError(f"attention backend must be 'auto', 'triton', 'torch' or 'invariant', got {backend!r}")
-    if backend == "invariant":
-        from quarl.kernels import availability
-
-        if (device.type != "cuda" and not availability.triton_interpreter_on()) or kv_dtype != dtype:
-            raise ValueError("the batch-invariant decode attention needs a CUDA device and a cache in the model's "
-                             f"dtype, got {device} and a {kv_dtype} cache")
+    if backend == "invariant":  # the engine has checked the cache's dtype and the model (`set_batch_invariant`)
         return invariant_decode_attention, "invariant"
     torch_fn = _torch_attention(kv_scale)
     if backend == "torch":
