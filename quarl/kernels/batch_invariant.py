@@ -292,8 +292,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, key_start, q_start, kv_len = ctx.saved_tensors
-        B = q.shape[0]
-        k, v = k[:B], v[:B]  # a slot cache's rows past the batch are not read
+        B, rows = q.shape[0], k.shape[0]
+        k, v = k[:B], v[:B]  # a slot cache's rows past the batch are not read (and get no gradient)
         mask = visible_keys(key_start, q_start, kv_len, q.shape[2], k.shape[2])
         seeing = mask.any(-1, keepdim=True)  # [B, 1, T, 1]
         # A query with no key output the constant 0: no gradient. It attends to every key in the recompute only to
@@ -303,8 +303,10 @@ class _Attention(torch.autograd.Function):
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
             out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-            grads = torch.autograd.grad(out, (qd, kd, vd), grad)
-        return (*grads, None, None, None)
+            grad_q, grad_k, grad_v = torch.autograd.grad(out, (qd, kd, vd), grad)
+        if rows > B:
+            grad_k, grad_v = (torch.cat([g, g.new_zeros(rows - B, *g.shape[1:])]) for g in (grad_k, grad_v))
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: torch.Tensor, q_start: torch.Tensor,
