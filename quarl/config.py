@@ -274,10 +274,10 @@ class RunConfig:
         if self.precision.kv_cache != "auto" and self.rollout.engine == "reference":
             raise ConfigError(f"precision.kv_cache={self.precision.kv_cache} needs the fast engine; set "
                               "rollout.engine=fast (or auto on a GPU)")
-        if self.precision.batch_invariant and self.rollout.engine == "reference":
-            raise ConfigError("precision.batch_invariant decodes on the fast engine, whose decode steps share the "
-                              "training forward's kernels; set rollout.engine=fast (or auto on a GPU)")
         if self.precision.batch_invariant:
+            if self.rollout.engine == "reference":
+                raise ConfigError("precision.batch_invariant decodes on the fast engine, whose decode steps share the "
+                                  "training forward's kernels; set rollout.engine=fast (or auto on a GPU)")
             differ = [text for text, bad in ((f"aqn.sigma_start={self.aqn.sigma_start}", self.aqn.sigma_start > 0),
                                              (f"rollout.top_p={self.rollout.top_p}", self.rollout.top_p < 1.0),
                                              (f"rollout.top_k={self.rollout.top_k}", self.rollout.top_k > 0)) if bad]

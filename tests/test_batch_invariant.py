@@ -111,10 +111,9 @@ _END_TO_END = INTERPRETER_PATCH + textwrap.dedent("""
     import sys
     import torch
     sys.path.insert(0, "tests")
-    from tiny_models import make_model
+    from tiny_models import make_model, rollout_vs_training
     from quarl.model.precision_apply import apply_precision
     from quarl.precision import LoraConfig, PrecisionConfig
-    from quarl.rl.batch import answer_logprobs
     from quarl.rollout.fast_engine import FastRolloutEngine
 
     seed = int(torch.randint(0, 2**31, (1,)))
@@ -129,20 +128,9 @@ _END_TO_END = INTERPRETER_PATCH + textwrap.dedent("""
         assert model.batch_invariant and all(switched) and len(switched) > 10
         engine = FastRolloutEngine(model, None, max_batch_size=8, use_cuda_graphs=False)
         assert engine.attention_name is None and engine._decoder is None
-        outs = engine.generate(prompts, n=1, max_new_tokens=24, temperature=1.0, seed=0, ignore_eos=True)
+        diff = rollout_vs_training(engine, prompts, 1, 24)
         assert engine.attention_name == "invariant"
-        rows = [(p, c) for p, o in zip(prompts, outs) for c in o.completions]
-        T = max(len(p) + len(c.token_ids) for p, c in rows)
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, (p, c) in enumerate(rows):  # left-padded, as the trainer lays out a batch
-            n = len(p) + len(c.token_ids)
-            ids[i, T - n:], mask[i, T - n:] = torch.tensor(p + c.token_ids), 1
-        with torch.no_grad():
-            lp, _ = answer_logprobs(model, ids, mask, 1.0, 24)
-        for i, (p, c) in enumerate(rows):
-            diff = float((lp[i, -len(c.token_ids):] - torch.tensor(c.logprobs)).abs().max())
-            assert diff < 1e-5, (flow, i, diff)
+        assert diff < 1e-5, (flow, diff)
         model.set_batch_invariant(False)  # an engine keeps decoding as the model computed when it was built
         try:
             engine.generate(prompts[:1], n=1, max_new_tokens=2)

@@ -16,9 +16,8 @@ import torch
 from quarl.kernels import batch_invariant as bi
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import LoraConfig, PrecisionConfig
-from quarl.rl.batch import answer_logprobs
 from quarl.rollout.fast_engine import FastRolloutEngine
-from tiny_models import make_model
+from tiny_models import make_model, rollout_vs_training
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -80,33 +79,11 @@ def test_attention_decode_step_matches_the_training_row():
         assert torch.equal(got, want), c
 
 
-def _left_padded(prompts, answers):
-    rows = [p + a for p, a in zip(prompts, answers)]
-    T = max(map(len, rows))
-    ids = torch.zeros(len(rows), T, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, T - len(r):] = torch.tensor(r)
-        mask[i, T - len(r):] = 1
-    return ids.to(DEV), mask.to(DEV)
-
-
 def _rollout_vs_training(model) -> float:
     """Max |behaviour log-prob - training log-prob| over sampled answers of ragged prompts."""
     torch.manual_seed(0)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 17, 70, 9)]
-    engine = FastRolloutEngine(model, None, max_batch_size=32)
-    outs = engine.generate(prompts, n=4, max_new_tokens=40, temperature=1.0, seed=0, ignore_eos=True)
-    flat_prompts, answers, behaviour = [], [], []
-    for p, out in zip(prompts, outs):
-        for c in out.completions:
-            flat_prompts.append(p)
-            answers.append(c.token_ids)
-            behaviour.append(torch.tensor(c.logprobs))
-    ids, mask = _left_padded(flat_prompts, answers)
-    with torch.no_grad():
-        lp, _ = answer_logprobs(model, ids, mask, 1.0, 40)
-    return max(float((lp[i, -len(b):].cpu() - b).abs().max()) for i, b in enumerate(behaviour))
+    return rollout_vs_training(FastRolloutEngine(model, None, max_batch_size=32), prompts, 4, 40)
 
 
 @pytest.mark.parametrize("flow,fmt,lora", [("bf16", None, 0), ("unified", "fp8-block", 0), ("unified", "int8", 0),

@@ -49,3 +49,21 @@ def logits_and_grads(model: torch.nn.Module, ids: torch.Tensor, params) -> tuple
     logits = model(ids)
     logits.float().square().mean().backward()
     return logits.detach(), [p.grad.clone() for p in params]
+
+
+def rollout_vs_training(engine, prompts, n: int, max_new_tokens: int) -> float:
+    """Max |behaviour log-prob - training log-prob| over the answer tokens `engine` samples (temperature 1, seed 0,
+    ignoring EOS) for token-id `prompts`: the training side scores them as the trainer does, over its left-padded
+    batch (`build_batch`, `answer_logprobs`) under no_grad."""
+    from quarl.rl.batch import answer_logprobs, build_batch
+
+    outs = engine.generate(prompts, n=n, max_new_tokens=max_new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    rows = [(p, c) for p, o in zip(prompts, outs) for c in o.completions]
+    batch = build_batch([p for p, _ in rows], [c.token_ids for _, c in rows], [c.logprobs for _, c in rows],
+                        [True] * len(rows), torch.zeros(len(rows)), torch.zeros(len(rows)), [0] * len(rows), 0)
+    model, width = engine.model, batch.answer_width
+    with torch.no_grad():
+        lp, _ = answer_logprobs(model, batch.input_ids.to(model.device), batch.attention_mask.to(model.device), 1.0,
+                                width)
+    answer = batch.answer_mask[:, -width:].bool()
+    return float((lp.cpu() - batch.behaviour_logprobs[:, -width:])[answer].abs().max())

@@ -189,11 +189,11 @@ class QuarlForCausalLM(nn.Module):
 
         if self.is_moe:
             return "a mixture-of-experts model (its grouped expert GEMMs are not covered)"
-        if self.dtype not in (torch.bfloat16, torch.float16) or \
-                (self.device.type != "cuda" and not availability.triton_interpreter_on()):
-            return f"a {self.dtype} model on {self.device}"
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return f"a {self.dtype} model"
         if not availability.triton_runs_on(self.device):
-            return "no usable Triton kernels (Triton missing, compute capability < 8.0 or QUARL_DISABLE_KERNELS set)"
+            return (f"a model on {self.device}, where the Triton kernels do not run (a CPU, Triton missing, compute "
+                    "capability < 8.0 or QUARL_DISABLE_KERNELS set)")
         for name, m in self.named_modules():
             if isinstance(m, QuantLinear) and m.rollout_format is not None and (
                     not m.bf16_gemms or m.kernel_forward or m.quantized_backward):

@@ -121,8 +121,7 @@ class FastRolloutEngine(RolloutEngine):
         # a batch-invariant model (`QuarlForCausalLM.set_batch_invariant`) decodes on its own module path and the
         # batch-invariant attention, so every step computes what its training forward computes
         self.batch_invariant = bool(getattr(model, "batch_invariant", False))
-        if self.batch_invariant and (fused_decode or attention_backend != "auto"
-                                     or self.kv_dtype != model.dtype or self.kv_token_scales):
+        if self.batch_invariant and (fused_decode or attention_backend != "auto" or self.kv_dtype != model.dtype):
             raise ValueError("a batch-invariant model decodes on its module path with the batch-invariant attention "
                              "over a cache in its own dtype; leave fused_decode, attention_backend and "
                              "kv_cache_dtype at their defaults")
