@@ -78,6 +78,9 @@ SETTINGS: dict[str, list[str]] = {
     "qlora-nvfp4-rtn": ["precision.flow=qlora", "precision.format=nvfp4", "precision.base_quantizer=rtn", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],
+    # the LoRA flows at twice the learning rate: whether the 4-bit base needs larger steps than bf16 LoRA does
+    "bf16-lora-lr1e-4": ["precision.flow=bf16", "lora.rank=32", "train.lr=1e-4"],
+    "qlora-nvfp4-lr1e-4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32", "train.lr=1e-4"],
     # the corrections beyond TIS (docs/CORRECTIONS.md) on the split flow's default format. GSPO's sequence ratio
     # pi_theta/pi_old and TBPO's dual clip act only from a batch's second optimizer step: 4 mini-batches per batch.
     "split-int8-icepop": [*SPLIT_INT8, "loss.correction=icepop", FULL_LR],
