@@ -471,6 +471,8 @@ class QuantLinear(nn.Module):
 
     def _scaled_lora_B(self, dtype: torch.dtype) -> torch.Tensor:
         """B * scaling [out, r] in dtype (the cached rollout copy and the training forward round it alike)."""
+        if self.scaling == 1.0:  # alpha = rank, the default: no multiply in the forward or the backward
+            return self.lora_B.to(dtype)
         return (self.lora_B * self.scaling).to(dtype)
 
     @torch.no_grad()
