@@ -78,6 +78,8 @@ SETTINGS: dict[str, list[str]] = {
     "qlora-nvfp4-rtn": ["precision.flow=qlora", "precision.format=nvfp4", "precision.base_quantizer=rtn", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],
+    # an 8-bit frozen base: how much of qlora NVFP4's gap to bf16 LoRA the 4-bit base makes
+    "qlora-int8": ["precision.flow=qlora", "precision.format=int8", *LORA],
     # the LoRA flows at twice the learning rate: whether the 4-bit base needs larger steps than bf16 LoRA does
     "bf16-lora-lr1e-4": ["precision.flow=bf16", "lora.rank=32", "train.lr=1e-4"],
     "qlora-nvfp4-lr1e-4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32", "train.lr=1e-4"],
