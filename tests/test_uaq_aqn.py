@@ -228,3 +228,16 @@ def test_fused_norm_kernel_adds_float32_noise_in_the_interpreter():
     from interpreter import INTERPRETER_PATCH, run_in_interpreter
 
     run_in_interpreter(INTERPRETER_PATCH + _FUSED_NORM_NOISE_CHECK)
+
+
+def test_aqn_noise_is_one_draw_split_over_the_norms_in_order():
+    """The norms' buffers, concatenated in `noised_norms` order, are one float32 draw of N(0, σ²) from the
+    generator: each norm gets its own slice (no two share values, none is left unwritten)."""
+    model = QuarlForCausalLM(tiny_config("llama", hidden_size=96)).to(BF16)
+    sigma = 3e-3
+    set_aqn_noise(model, sigma, torch.Generator().manual_seed(5))
+    got = torch.cat([norm.rollout_noise.reshape(-1) for norm in noised_norms(model)])
+    want = torch.randn(got.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float32) * sigma
+    assert torch.equal(got, want)
+    set_aqn_noise(model, 0.0)
+    assert all(not norm.rollout_noise.any() for norm in noised_norms(model))

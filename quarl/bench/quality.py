@@ -184,7 +184,13 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
                     continue
                 if proc.returncode != 0 and not interrupted:
                     _failed_marker(args.runs_dir, *key).write_text(f"exit {proc.returncode}\n")
-                status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see its .log)"
+                if proc.returncode == 0:
+                    status = "done"
+                elif interrupted:  # stopped by the budget's SIGINT (exit 130), its steps saved
+                    done = _steps_done(Path(args.runs_dir) / f"{key[0]}-s{key[1]}")
+                    status = f"stopped by the time budget at step {done}"
+                else:
+                    status = f"FAILED (exit {proc.returncode}; see its .log)"
                 print(f"[quality] {key[0]} seed {key[1]}: {status} after {time.time() - start:.0f} s", flush=True)
         if args.time_budget is not None and not interrupted and time.time() - start > args.time_budget:
             interrupted = True
