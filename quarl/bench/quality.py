@@ -103,7 +103,7 @@ REFERENCE, LORA_REFERENCE = "bf16", "bf16-lora"
 # Targets (docs/BENCHMARKS.md): (setting, reference, allowed points below the reference at equal steps)
 WITHIN = [(s, REFERENCE, 0.02) for s in ("split-int8-smooth-tis", "split-int8-tis", "split-fp8-tis",
                                          "split-fp8-block-tis", "unified-fp8-block")] + \
-    [("qlora-nvfp4", LORA_REFERENCE, 0.03)]
+    [("qlora-nvfp4", LORA_REFERENCE, 0.03), ("qlora-nvfp4-lr1e-4", "bf16-lora-lr1e-4", 0.03)]
 NAIVE_PAIRS = [("split-int8-naive", "split-int8-tis")]
 
 
