@@ -3,7 +3,8 @@
     python bench/qlora_base_error.py rtn gptq gptq-mse-scale gptq-sequential
 
 Loads SmolLM2-135M-Instruct on the CPU (float32), quantizes its frozen base to NVFP4 as a qlora run of B6 does
-(the weights rounded to bf16 first; GPTQ calibrated on the first 128 training prompts with their gold answers) and
+(GPTQ rounds the weights to bf16 first, as on a GPU, and calibrates on the first 128 training prompts with their
+gold answers; round-to-nearest quantizes the float32 weights, the CPU's compute dtype) and
 prints the mean per-token KL(full || quantized) over the 256 held-out prompts followed by their gold answers: a
 finer measure of what the base loses than held-out accuracy over 256 problems. Variants:
 

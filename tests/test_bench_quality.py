@@ -132,22 +132,28 @@ def test_launch_all_retries_out_of_memory_deaths_and_marks_other_failures(tmp_pa
 
 
 def test_launch_all_reports_runs_the_time_budget_stopped_as_stopped_not_failed(tmp_path, monkeypatch, capsys):
-    """A fake run that writes two steps and then waits is stopped by the budget's SIGINT (exit 130): its line
-    names the budget and the step it reached, and it gets no failure marker (the summary keeps its curve)."""
+    """Fake runs that write two steps and wait: the budget's SIGINT stops them. Seed 0 exits 130 as `quarl train`
+    does: its line names the budget and the step it reached, and it gets no failure marker (the summary keeps its
+    curve). Seed 1 fails with exit 1 while stopping: it is reported FAILED and marked, budget or not."""
     import json
     import sys
     from types import SimpleNamespace
 
-    run_dir = tmp_path / "bf16-s0"
-    run_dir.mkdir()
-    script = (f"import json, time, pathlib; p = pathlib.Path({str(run_dir / 'metrics.jsonl')!r})\n"
-              "p.write_text(''.join(json.dumps({'step': s, 'time/step_s': 1.0}) + '\\n' for s in (1, 2)))\n"
-              "time.sleep(60)")
-    monkeypatch.setattr(quality, "train_command", lambda setting, seed, args: [sys.executable, "-c", script])
-    args = SimpleNamespace(runs_dir=str(tmp_path), parallel=0, time_budget=2.0)
-    quality.launch_all([("bf16", 0)], args)
+    def fake(setting, seed, args):
+        metrics = tmp_path / f"{setting}-s{seed}" / "metrics.jsonl"
+        metrics.parent.mkdir(exist_ok=True)
+        return [sys.executable, "-c",
+                f"import json, signal, sys, time, pathlib; p = pathlib.Path({str(metrics)!r})\n"
+                f"signal.signal(signal.SIGINT, lambda *a: sys.exit({130 if seed == 0 else 1}))\n"
+                "p.write_text(''.join(json.dumps({'step': s, 'time/step_s': 1.0}) + '\\n' for s in (1, 2)))\n"
+                "time.sleep(60)"]
+
+    monkeypatch.setattr(quality, "train_command", fake)
+    args = SimpleNamespace(runs_dir=str(tmp_path), parallel=0, time_budget=3.0)
+    quality.launch_all([("bf16", 0), ("bf16", 1)], args)
     out = capsys.readouterr().out
     assert "bf16 seed 0: stopped by the time budget at step 2" in out, out
-    assert "FAILED" not in out
     assert not quality._failed_marker(str(tmp_path), "bf16", 0).exists()
-    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    assert json.loads((tmp_path / "bf16-s0" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    assert "bf16 seed 1: FAILED (exit 1" in out, out
+    assert quality._failed_marker(str(tmp_path), "bf16", 1).exists()

@@ -527,17 +527,19 @@ def test_sync_requantizes_a_frozen_base_only_when_it_changed(monkeypatch):
     assert len(calls) == 3
 
 
-def test_rollout_uses_a_cast_copy_of_the_adapter_refreshed_in_place():
+@pytest.mark.parametrize("alpha", [8.0, 4.0])  # scaling 2, and 1 (B in the parameter's own dtype)
+def test_rollout_uses_a_cast_copy_of_the_adapter_refreshed_in_place(alpha):
     """In rollout mode (no autograd) add_lora reads (A, B * scaling) cast when the rollout began: the same
     output bit for bit as casting on every call; the copy never aliases the parameters, and the next rollout
     rewrites it in place (same storage, new values) so captured CUDA graphs see the trained adapter."""
-    layer = make_layer(rollout_format="int8", lora_rank=4, lora_alpha=8.0)
+    layer = make_layer(rollout_format="int8", lora_rank=4, lora_alpha=alpha)
     with torch.no_grad():
         layer.lora_B.normal_()
     x = torch.randn(6, 300)
     layer.set_rollout(True)
     a_copy, b_copy = layer._rollout_adapter
     assert a_copy.data_ptr() != layer.lora_A.data_ptr()
+    assert b_copy.data_ptr() != layer.lora_B.data_ptr()
     with torch.no_grad():
         y = layer(x)
         uncached = layer._rollout_forward(x, layer.bias)

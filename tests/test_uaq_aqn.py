@@ -232,8 +232,10 @@ def test_fused_norm_kernel_adds_float32_noise_in_the_interpreter():
 
 def test_aqn_noise_is_one_draw_split_over_the_norms_in_order():
     """The norms' buffers, concatenated in `noised_norms` order, are one float32 draw of N(0, σ²) from the
-    generator: each norm gets its own slice (no two share values, none is left unwritten)."""
-    model = QuarlForCausalLM(tiny_config("llama", hidden_size=96)).to(BF16)
+    generator: each norm gets its own slice (no two share values, none is left unwritten). A hidden size that is
+    not a multiple of 16 makes one draw differ from a draw per norm (torch's CPU normal sampler fills 16 at a
+    time)."""
+    model = QuarlForCausalLM(tiny_config("llama", hidden_size=72)).to(BF16)
     sigma = 3e-3
     set_aqn_noise(model, sigma, torch.Generator().manual_seed(5))
     got = torch.cat([norm.rollout_noise.reshape(-1) for norm in noised_norms(model)])

@@ -182,11 +182,13 @@ def launch_all(jobs: list[tuple[str, int]], args) -> None:
                     print(f"[quality] {key[0]} seed {key[1]}: out of GPU memory after {done} steps; queued again "
                           f"from step 0 (at most {limit} runs at once from now on)", flush=True)
                     continue
-                if proc.returncode != 0 and not interrupted:
+                # the budget's SIGINT stops a run with 130 (the trainer saves first) or -SIGINT (killed by it)
+                stopped = interrupted and proc.returncode in (130, -signal.SIGINT)
+                if proc.returncode != 0 and not stopped:
                     _failed_marker(args.runs_dir, *key).write_text(f"exit {proc.returncode}\n")
                 if proc.returncode == 0:
                     status = "done"
-                elif interrupted:  # stopped by the budget's SIGINT (exit 130), its steps saved
+                elif stopped:
                     done = _steps_done(Path(args.runs_dir) / f"{key[0]}-s{key[1]}")
                     status = f"stopped by the time budget at step {done}"
                 else:

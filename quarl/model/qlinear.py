@@ -483,6 +483,8 @@ class QuantLinear(nn.Module):
         dtype = self.compute_dtype
         a = self.lora_A.detach().to(dtype, copy=True)  # a copy even when the dtypes agree: never the parameter
         b = self._scaled_lora_B(dtype).detach()
+        if b.data_ptr() == self.lora_B.data_ptr():  # scaling 1 in the parameter's own dtype gave the parameter
+            b = b.clone()
         old = self._rollout_adapter
         if old is not None and all(o.shape == n.shape and o.dtype == n.dtype and o.device == n.device
                                    for o, n in zip(old, (a, b))):

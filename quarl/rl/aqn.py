@@ -43,7 +43,8 @@ def noised_norms(model: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def set_aqn_noise(model: nn.Module, sigma: float, generator: torch.Generator | None = None) -> int:
-    """Draw fresh N(0, σ²) noise into every targeted norm's rollout_noise (σ = 0 clears it). Returns #norms.
+    """Draw fresh N(0, σ²) noise into every targeted norm's rollout_noise (float32 [dim], the norm weight's shape;
+    σ = 0 clears it). Returns #norms.
 
     The noise is drawn in float32 (on the CPU, from `generator`, one draw for all the norms in their order) and
     written in place into the float32 buffers, which the norms add to their weight in float32: a buffer of another
