@@ -469,10 +469,11 @@ class QuantLinear(nn.Module):
         if starting and self.lora_rank:
             self._refresh_rollout_adapter()
 
-    def _scaled_lora_B(self, dtype: torch.dtype) -> torch.Tensor:
-        """B * scaling [out, r] in dtype (the cached rollout copy and the training forward round it alike)."""
+    def _scaled_lora_B(self, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+        """B * scaling [out, r] in dtype (the cached rollout copy and the training forward round it alike); copy:
+        never the parameter itself, even where scaling is 1 and the dtypes agree."""
         if self.scaling == 1.0:  # alpha = rank, the default: no multiply in the forward or the backward
-            return self.lora_B.to(dtype)
+            return self.lora_B.to(dtype, copy=copy)
         return (self.lora_B * self.scaling).to(dtype)
 
     @torch.no_grad()
@@ -482,9 +483,7 @@ class QuantLinear(nn.Module):
         earlier rollout read the current adapter."""
         dtype = self.compute_dtype
         a = self.lora_A.detach().to(dtype, copy=True)  # a copy even when the dtypes agree: never the parameter
-        b = self._scaled_lora_B(dtype).detach()
-        if b.data_ptr() == self.lora_B.data_ptr():  # scaling 1 in the parameter's own dtype gave the parameter
-            b = b.clone()
+        b = self._scaled_lora_B(dtype, copy=True).detach()
         old = self._rollout_adapter
         if old is not None and all(o.shape == n.shape and o.dtype == n.dtype and o.device == n.device
                                    for o, n in zip(old, (a, b))):

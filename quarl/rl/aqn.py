@@ -63,9 +63,7 @@ def set_aqn_noise(model: nn.Module, sigma: float, generator: torch.Generator | N
         torch._foreach_zero_(buffers)
         return len(norms)
     noise = torch.randn(sum(b.numel() for b in buffers), generator=generator, dtype=torch.float32).mul_(sigma)
-    on_device = {}  # device -> the whole draw there
-    for device in {b.device for b in buffers}:
-        on_device[device] = noise.to(device)
+    on_device = {device: noise.to(device) for device in {b.device for b in buffers}}  # one copy per device
     parts, start = [], 0
     for b in buffers:
         parts.append(on_device[b.device][start:start + b.numel()].view(b.shape))
