@@ -14,6 +14,8 @@ finer measure of what the base loses than held-out accuracy over 256 problems. V
                      squared error on the block (as "four over six" scaling does)
     gptq-sequential  GPTQ whose every layer is calibrated on the outputs of the already quantized layers before it
                      (`quarl.model.gptq` calibrates every layer on the full-precision model's inputs)
+    gptq-lora-init   GPTQ with the rank-32 LoRA adapters started as the correction of its error
+                     (`lora.init=base_error`, `quarl.model.lora_init`): the qlora model at step 0
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from quarl.model.smoothing import calibration_batches, calibration_sequences, la
 from quarl.model.tokenizer import encode_prompt
 from quarl.tasks.task import load_task
 
-VARIANTS = ("rtn", "gptq", "gptq-mse-scale", "gptq-sequential")
+VARIANTS = ("rtn", "gptq", "gptq-mse-scale", "gptq-sequential", "gptq-lora-init")
 SCALE_MULTIPLIERS = (1.0, 1.2, 1.5)  # block max mapped to code 6, 5 and 4
 
 
@@ -111,6 +113,7 @@ def main() -> None:
     for variant in args.variants:
         quantized = copy.deepcopy(model)
         start = time.perf_counter()
+        adapters: dict = {}
         if variant == "gptq-sequential":
             codes = sequential_gptq(quantized, "nvfp4", calibration, torch.bfloat16)
         elif variant.startswith("gptq"):
@@ -118,7 +121,9 @@ def main() -> None:
             if variant == "gptq-mse-scale":
                 gptq._GRIDS["nvfp4"] = _NVFP4LeastSquaresScale
             try:
-                codes = gptq.gptq_base(quantized, "nvfp4", calibration, weight_dtype=torch.bfloat16)
+                codes = gptq.gptq_base(quantized, "nvfp4", calibration, weight_dtype=torch.bfloat16,
+                                       adapters=adapters, adapter_rank=cfg.lora.rank if variant == "gptq-lora-init"
+                                       else 0)
             finally:
                 gptq._GRIDS["nvfp4"] = grid
         else:
@@ -127,6 +132,8 @@ def main() -> None:
         apply_precision(quantized, cfg.precision)
         for linear, qt in codes.items():
             linear.load_frozen_base_codes(qt)
+        for linear, (a, b) in adapters.items():
+            linear.start_lora_at(a, b)
         kl = tokens = 0.0
         for (ref, mask), (q, _) in zip(reference, log_probs(quantized, batches)):
             real = mask[:, 1:].bool()  # positions whose next token is real

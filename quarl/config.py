@@ -498,6 +498,7 @@ ADDED_KEYS = {
     "precision.smooth_alpha": 0.0,  # SmoothQuant: off before it existed; now on by default for int8 W8A8
     "precision.base_quantizer": "rtn",  # qlora bases were rounded to nearest before GPTQ existed
     "precision.kernel_forward": True,  # the quantized kernels in rollout, at every model size, before it was a choice
+    "lora.init": "zeros",  # adapters started at B = 0 before they could start as a base-error correction
 }
 
 

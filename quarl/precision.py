@@ -28,6 +28,7 @@ QUANT_FORMATS = tuple(FORMATS)
 WEIGHT_ONLY_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.weight_only_default)
 DEFAULT_FORMAT = {"bf16": None, "split": "int8", "unified": "fp8-block", "qlora": "nvfp4"}
 GPTQ_FORMATS = ("nvfp4", "mxfp4", "int8")  # the qlora base formats `quarl.model.gptq` quantizes
+LORA_INITS = ("zeros", "base_error")  # lora.init
 # The smallest hidden size at which the unified and qlora flows multiply on the quantized kernels by default
 # (`kernel_forward`)
 KERNEL_FORWARD_MIN_HIDDEN = 2048
@@ -44,6 +45,10 @@ class LoraConfig:
     # the linears that get adapters (by the last part of their name)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     train_norms: bool = False  # also train the RMSNorm weights (QeRL option)
+    # how the adapters start. "zeros": B = 0 (A kaiming-uniform, as PEFT), so training starts at the base model.
+    # "base_error" (qlora with a GPTQ base): B A starts as the rank-r correction of the quantized base's error over
+    # GPTQ's calibration inputs, so training starts nearer the full-precision model (quarl/model/lora_init.py)
+    init: str = "zeros"
 
     @property
     def enabled(self) -> bool:
@@ -113,6 +118,13 @@ class PrecisionConfig:
                 "precision.flow=qlora trains LoRA adapters on a frozen quantized base, but lora.rank is 0; "
                 "set lora.rank (e.g. 16 or 32) or choose flow=split/unified for full fine-tuning"
             )
+        if self.lora.init not in LORA_INITS:
+            raise ValueError(f"lora.init={self.lora.init!r}; choose one of {LORA_INITS}")
+        if self.lora.init == "base_error" and (self.flow != "qlora" or self.resolved_base_quantizer != "gptq"):
+            raise ValueError("lora.init=base_error starts the adapters as a correction of a GPTQ-quantized qlora "
+                             f"base, but precision.flow={self.flow} with base_quantizer="
+                             f"{self.resolved_base_quantizer}; set precision.flow=qlora with base_quantizer=gptq, or "
+                             "lora.init=zeros")
         if self.flow in ("unified", "qlora") and fmt is not None and FORMATS[fmt].per_tensor_scale \
                 and not self.resolved_weight_only:
             raise ValueError(

@@ -78,6 +78,10 @@ SETTINGS: dict[str, list[str]] = {
     "qlora-nvfp4-rtn": ["precision.flow=qlora", "precision.format=nvfp4", "precision.base_quantizer=rtn", *LORA],
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],
+    # the adapters start as the rank-32 correction of the GPTQ base's error (lora.init=base_error)
+    "qlora-nvfp4-base-error": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "lora.init=base_error"],
+    "qlora-nvfp4-base-error-lr1e-4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32",
+                                      "train.lr=1e-4", "lora.init=base_error"],
     # an 8-bit frozen base: how much of qlora NVFP4's gap to bf16 LoRA the 4-bit base makes
     "qlora-int8": ["precision.flow=qlora", "precision.format=int8", *LORA],
     # the LoRA flows at twice the learning rate: whether the 4-bit base needs larger steps than bf16 LoRA does
@@ -103,7 +107,8 @@ REFERENCE, LORA_REFERENCE = "bf16", "bf16-lora"
 # Targets (docs/BENCHMARKS.md): (setting, reference, allowed points below the reference at equal steps)
 WITHIN = [(s, REFERENCE, 0.02) for s in ("split-int8-smooth-tis", "split-int8-tis", "split-fp8-tis",
                                          "split-fp8-block-tis", "unified-fp8-block")] + \
-    [("qlora-nvfp4", LORA_REFERENCE, 0.03), ("qlora-nvfp4-lr1e-4", "bf16-lora-lr1e-4", 0.03)]
+    [("qlora-nvfp4", LORA_REFERENCE, 0.03), ("qlora-nvfp4-lr1e-4", "bf16-lora-lr1e-4", 0.03),
+     ("qlora-nvfp4-base-error", LORA_REFERENCE, 0.03), ("qlora-nvfp4-base-error-lr1e-4", "bf16-lora-lr1e-4", 0.03)]
 NAIVE_PAIRS = [("split-int8-naive", "split-int8-tis")]
 
 

@@ -36,6 +36,7 @@ from quarl.formats import QuantizedTensor, e2m1
 from quarl.formats.fp4 import (MXFP4_BLOCK, NVFP4_BLOCK, e8m0_to_float, mxfp4_exponent, nvfp4_block_scale,
                                nvfp4_codes, nvfp4_global_scale)
 from quarl.formats.int8 import int8_codes, int8_scale
+from quarl.model.lora_init import base_error_adapters
 
 DAMP = 0.01  # added to H's diagonal, as a fraction of its mean diagonal (the GPTQ paper's default)
 BLOCK_COLUMNS = 128  # columns whose errors are applied together (a multiple of every format's block)
@@ -269,13 +270,17 @@ def layer_hessians(layer: nn.Module, groups: list[list[nn.Module]], states: list
 
 @torch.no_grad()
 def gptq_base(model: nn.Module, fmt: str, batches, combine=None, weight_dtype: torch.dtype | None = None,
-              progress: bool = False) -> dict[nn.Module, QuantizedTensor]:
+              progress: bool = False, adapters: dict | None = None,
+              adapter_rank: int = 0) -> dict[nn.Module, QuantizedTensor]:
     """GPTQ codes for every dense decoder linear of a full-precision model (before `apply_precision` quantizes
     its base): {linear: weight QuantizedTensor}, to load with `QuantLinear.load_frozen_base_codes` once the base
     exists. batches: (input_ids long [B, T], attention_mask [B, T]) pairs (`smoothing.calibration_batches`).
     combine: maps each Hessian to the one to use (e.g. the mean over ranks); None = as measured. weight_dtype: the
     weights are rounded to it first (the compute dtype, as `QuantLinear` rounds a weight before quantizing it).
-    Raises ValueError for a model whose base is quantized already (no full-precision weights left)."""
+    adapters, adapter_rank >= 1: also fills adapters[linear] = (A [rank, in], B [out, rank]) float32 on the CPU,
+    the rank-`adapter_rank` correction of that linear's base error through the same Hessian
+    (`quarl.model.lora_init`, `lora.init=base_error`). Raises ValueError for a model whose base is quantized
+    already (no full-precision weights left)."""
     from quarl.model.precision_apply import full_precision
 
     from quarl.model.smoothing import layer_input_groups
@@ -304,7 +309,7 @@ def gptq_base(model: nn.Module, fmt: str, batches, combine=None, weight_dtype: t
                 for group, hessian in zip(groups, layer_hessians(layer, groups, states)):
                     pending.append((group, hessian if combine is None else combine(hessian)))
                 if sum(h.numel() * 4 for _, h in pending) >= HESSIAN_BYTES or layer is model.model.layers[-1]:
-                    _quantize_pending(pending, fmt, weight_dtype, codes, bar)
+                    _quantize_pending(pending, fmt, weight_dtype, codes, bar, adapters, adapter_rank)
                     pending = []
     finally:
         if bar is not None:
@@ -312,8 +317,10 @@ def gptq_base(model: nn.Module, fmt: str, batches, combine=None, weight_dtype: t
     return codes
 
 
-def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar) -> None:
-    """GPTQ of the gathered (group, Hessian) pairs, groups of like shapes together; codes[linear] = the result."""
+def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar, adapters: dict | None = None,
+                      adapter_rank: int = 0) -> None:
+    """GPTQ of the gathered (group, Hessian) pairs, groups of like shapes together; codes[linear] = the result (and
+    adapters[linear] = its base-error adapters when asked, see `gptq_base`)."""
     by_shape: dict[tuple, list] = {}
     for group, hessian in pending:
         by_shape.setdefault(tuple((lin.out_features, lin.in_features) for lin in group), []).append((group, hessian))
@@ -322,9 +329,13 @@ def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar) -
                     for lin in group] for group, _ in pairs]
         results = gptq_quantize_many(weights, torch.stack([h for _, h in pairs]), fmt,
                                      on_columns=None if bar is None else bar.update)
-        for (group, _), qts in zip(pairs, results):
+        for (group, hessian), qts in zip(pairs, results):
             for lin, qt in zip(group, qts):
                 codes[lin] = qt.to("cpu")  # off the accelerator until loaded: the full model is still there
+                if adapters is not None and adapter_rank > 0:
+                    # the error from the full-precision weight (not its compute-dtype rounding GPTQ started from)
+                    residual = lin.weight.detach().float() - qt.dequantize(torch.float32)
+                    adapters[lin] = tuple(t.cpu() for t in base_error_adapters(residual, hessian, adapter_rank))
 
 
 def save_base_codes(model: nn.Module, codes: dict[nn.Module, QuantizedTensor], path) -> None:

@@ -439,6 +439,18 @@ class QuantLinear(nn.Module):
                 p.requires_grad_(False)
                 self._frozen_by_lora = True
 
+    @torch.no_grad()
+    def start_lora_at(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Set the adapters so that the LoRA term adds b @ a (a [r, in], b [out, r], e.g. the base-error correction of
+        `quarl.model.lora_init`): lora_A = a, lora_B = b / scaling, in the adapters' dtype and device."""
+        if not self.lora_rank:
+            raise RuntimeError("start_lora_at needs LoRA adapters (lora.rank > 0 for this linear)")
+        if a.shape != self.lora_A.shape or b.shape != self.lora_B.shape:
+            raise ValueError(f"start_lora_at: a {tuple(a.shape)} and b {tuple(b.shape)} must be "
+                             f"{tuple(self.lora_A.shape)} and {tuple(self.lora_B.shape)}")
+        self.lora_A.copy_(a)
+        self.lora_B.copy_(b.to(torch.float64) / self.scaling)
+
     # ------------------------------------------------------------------------------------------- state
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -313,7 +313,8 @@ class Trainer:
             self.task.set_tokenizer(self.tokenizer)
         # GPTQ reads the full-precision weights, which quantizing a qlora base drops: its codes are made first (on
         # the CPU until loaded, so the model never holds two bases on the GPU)
-        base_codes = self._gptq_base() if self._calibrates_gptq_base() else {}
+        lora_starts: dict = {}  # linear -> (A, B) where lora.init=base_error
+        base_codes = self._gptq_base(lora_starts) if self._calibrates_gptq_base() else {}
         self.quantized_linears = apply_precision(self.model, cfg.precision)
         self._report_gemms()
         # whether a trained weight's training forward multiplies its rollout copy (unified: the kernel or bf16 GEMMs)
@@ -322,6 +323,13 @@ class Trainer:
             for m in self.model.modules() if isinstance(m, QuantLinear))
         for linear, codes in base_codes.items():
             linear.load_frozen_base_codes(codes)
+        for linear, (a, b) in lora_starts.items():
+            if linear.lora_rank:  # lora.targets may leave a linear without adapters
+                linear.start_lora_at(a, b)
+        if cfg.lora.init == "base_error" and not cfg.resume and not lora_starts and self.is_main:
+            warnings.warn("lora.init=base_error: this run made no GPTQ base (the model came with its base "
+                          "quantized), so its adapters start at B = 0", stacklevel=2)
+        del lora_starts
         if cfg.resume:
             self._load_run_base()
         # written into the run directory once it is prepared (a fresh run first moves an earlier one aside)
@@ -428,22 +436,27 @@ class Trainer:
                           "round-to-nearest qlora base, which it keeps (precision.base_quantizer=gptq applies to new "
                           "runs only)", stacklevel=2)
 
-    def _gptq_base(self) -> dict:
+    def _gptq_base(self, lora_starts: dict) -> dict:
         """GPTQ codes of the qlora base (`precision.base_quantizer`, quarl/model/gptq.py) from the full-precision
         model, calibrated on the first `gptq.CALIBRATION_PROMPTS` training prompts followed by their gold answers:
-        {linear: weight QuantizedTensor on the CPU}. Sharded, every rank calibrates the whole (not yet sharded)
-        model on the same prompts, reading the float32 masters (one GPU process: the compute-dtype model, so the
-        two bases may differ in rare codes), and the Hessians are averaged over ranks, so that every rank computes
-        the same codes."""
+        {linear: weight QuantizedTensor on the CPU}. With lora.init=base_error it also fills lora_starts[linear] =
+        (A, B), the adapters' start (quarl/model/lora_init.py). Sharded, every rank calibrates the whole (not yet
+        sharded) model on the same prompts, reading the float32 masters (one GPU process: the compute-dtype model,
+        so the two bases may differ in rare codes), and the Hessians are averaged over ranks, so that every rank
+        computes the same codes (and adapters)."""
         batches, prompts = self._calibration(gptq.CALIBRATION_PROMPTS)
         world = qdist.world_size() if self.sharded else 1
         combine = (lambda h: qdist.sum_over_ranks(h, self.device) / world) if self.sharded else None
         start = time.perf_counter()
+        rank = self.cfg.lora.rank if self.cfg.lora.init == "base_error" else 0
         codes = gptq.gptq_base(self.model, self.cfg.precision.resolved_format, batches, combine=combine,
-                               weight_dtype=self.dtype, progress=self.is_main and self.cfg.output.progress)
+                               weight_dtype=self.dtype, progress=self.is_main and self.cfg.output.progress,
+                               adapters=lora_starts, adapter_rank=rank)
         if self.is_main:
             print(f"[quarl] GPTQ quantized {len(codes)} base linears to {self.cfg.precision.resolved_format} in "
-                  f"{time.perf_counter() - start:.1f} s (calibrated on {prompts} training prompts)")
+                  f"{time.perf_counter() - start:.1f} s (calibrated on {prompts} training prompts)"
+                  + (f"; the rank-{rank} adapters start as the correction of its error (lora.init=base_error)"
+                     if rank else ""))
         return codes
 
     def _calibration(self, count: int) -> tuple:

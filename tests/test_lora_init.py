@@ -1,0 +1,153 @@
+"""LoRA adapters started as the correction of a quantized base's error (`lora.init=base_error`,
+quarl/model/lora_init.py): the closed form against a float64 SVD reference, the split of the product, and the run
+that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quarl.config import load_config
+from quarl.model.gptq import gptq_base
+from quarl.model.lora_init import DAMP, base_error_adapters
+from quarl.model.precision_apply import apply_precision
+from quarl.model.qlinear import QuantLinear
+from quarl.precision import LoraConfig, PrecisionConfig
+from test_gptq import _calibrated, _trainer
+from tiny_models import rand_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _problem(out_features: int, in_features: int, tokens: int):
+    """(residual [out, in], Hessian X^T X [in, in]) float32 from fresh random draws; X has a few loud channels, as a
+    layer's inputs do, so the weighting matters."""
+    residual = torch.randn(out_features, in_features) * 0.01
+    x = torch.randn(tokens, in_features)
+    x[:, torch.randperm(in_features)[:3]] *= 10.0
+    return residual, x.t() @ x
+
+
+def _damped_root(hessian: torch.Tensor) -> torch.Tensor:
+    """L [in, in] float64 with L L^T = the Hessian damped as base_error_adapters damps it."""
+    h = hessian.double()
+    return torch.linalg.cholesky(h + torch.eye(h.shape[0], dtype=h.dtype) * DAMP * h.diagonal().mean())
+
+
+@pytest.mark.parametrize("out_features,in_features,rank", [
+    (48, 72, 8),  # out <= in: the eigenvectors of R H R^T
+    (96, 40, 8),  # out > in: through the Cholesky factor, from the input side
+    (192, 576, 32),  # SmolLM2-135M's k_proj at the B6 rank
+    (1536, 576, 32),  # its gate_proj / up_proj
+])
+def test_the_adapters_reach_the_best_rank_r_output_error(out_features, in_features, rank):
+    """||(R - B A) L||_F^2 equals the float64 optimum over rank-r products (the squared singular values of R L past
+    the r-th, Eckart-Young) within 1e-4 relative, and is well below the error without adapters."""
+    residual, hessian = _problem(out_features, in_features, tokens=2 * in_features)
+    a, b = base_error_adapters(residual, hessian, rank)
+    assert a.shape == (rank, in_features) and b.shape == (out_features, rank)
+    assert a.dtype == b.dtype == torch.float32
+    root = _damped_root(hessian)
+    m = residual.double() @ root
+    singular = torch.linalg.svdvals(m)
+    best = singular[rank:].pow(2).sum()
+    got = ((residual.double() - b.double() @ a.double()) @ root).pow(2).sum()
+    assert torch.isclose(got, best, rtol=1e-4), (got.item(), best.item())
+    assert got < 0.9 * singular.pow(2).sum()
+
+
+def test_each_rank_one_part_has_equal_norms_in_a_and_b():
+    """B's column i and A's row i have the same norm (float32 round-off), so neither factor starts tiny."""
+    residual, hessian = _problem(64, 80, tokens=200)
+    a, b = base_error_adapters(residual, hessian, 6)
+    assert torch.allclose(b.norm(dim=0), a.norm(dim=1), rtol=1e-4)
+    assert (a.norm(dim=1) > 0).all()
+
+
+def test_a_rank_past_the_matrix_rank_corrects_the_whole_error():
+    """rank >= out: B A = R itself (the projection onto every left singular vector), and the factors' parts past
+    min(out, in) are zero."""
+    residual, hessian = _problem(8, 24, tokens=60)
+    a, b = base_error_adapters(residual, hessian, 12)
+    assert torch.allclose(b @ a, residual, atol=1e-7, rtol=1e-4)
+    assert not a[8:].any() and not b[:, 8:].any()
+
+
+def test_bad_arguments_are_refused():
+    residual, hessian = _problem(8, 16, tokens=40)
+    with pytest.raises(ValueError, match=r"hessian must be \[16, 16\]"):
+        base_error_adapters(residual, hessian[:8, :8], 4)
+    with pytest.raises(ValueError, match="rank >= 1"):
+        base_error_adapters(residual, hessian, 0)
+
+
+@pytest.mark.parametrize("alpha", [4.0, 8.0])
+def test_a_started_adapter_adds_exactly_b_times_a(alpha):
+    """`QuantLinear.start_lora_at(a, b)` makes the LoRA term x (b a)^T whatever alpha / rank is (float64 reference,
+    1e-5)."""
+    torch.manual_seed(0)
+    lin = QuantLinear(72, 40, bias=True)
+    lin.configure(lora_rank=4, lora_alpha=alpha)
+    a, b = torch.randn(4, 72), torch.randn(40, 4)
+    lin.start_lora_at(a, b)
+    x = torch.randn(5, 72)
+    want = x.double() @ lin.weight.double().t() + lin.bias.double() + x.double() @ (b.double() @ a.double()).t()
+    assert torch.allclose(lin(x).double(), want, atol=1e-5)
+    with pytest.raises(ValueError, match="must be"):
+        lin.start_lora_at(a[:, :8], b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_base_error_adapters_bring_the_qlora_model_much_closer_to_full_precision(arch):
+    """Model level: on a GPTQ base, the adapters from `gptq_base(adapters=...)` make the logits' squared error to the
+    full-precision model at most half of the base's alone (seed 0: about a third), on the calibration prompts and on
+    held-out ones; every linear with codes gets adapters."""
+    model, _, batches = _calibrated(arch)
+    held_out = torch.tensor(rand_prompts([16] * 32))
+
+    def logits():
+        with torch.no_grad():
+            return torch.cat([model(ids, attention_mask=mask)[mask.bool()] for ids, mask in batches]), model(held_out)
+
+    want, want_held = logits()
+    adapters: dict = {}
+    codes = gptq_base(model, "nvfp4", batches, adapters=adapters, adapter_rank=4)
+    assert set(adapters) == set(codes)
+    apply_precision(model, PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4)))
+    for linear, qt in codes.items():
+        linear.load_frozen_base_codes(qt)
+    base, base_held = logits()
+    for linear, (a, b) in adapters.items():
+        linear.start_lora_at(a, b)
+    got, got_held = logits()
+    assert (got - want).pow(2).sum() < 0.5 * (base - want).pow(2).sum()
+    assert (got_held - want_held).pow(2).sum() < 0.5 * (base_held - want_held).pow(2).sum()
+
+
+def test_a_qlora_run_starts_its_adapters_at_the_base_error_correction(tmp_path):
+    """With lora.init=base_error a fresh qlora run's adapters start at a nonzero B (zeros otherwise), its first step
+    trains, and a resume restores the trained adapters rather than starting them again."""
+    plain = _trainer(tmp_path / "zeros", 1)
+    started = _trainer(tmp_path, 1, "lora.init=base_error")
+    lin = started.model.model.layers[0].self_attn.q_proj
+    assert lin.lora_B.abs().sum() > 0
+    assert plain.model.model.layers[0].self_attn.q_proj.lora_B.abs().sum() == 0
+    assert started.train()["step"] == 1
+    trained = lin.lora_B.detach().clone()
+    started.close()
+    plain.close()
+    resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}", "lora.init=base_error")
+    resumed.prepare_run_dir()
+    assert torch.equal(resumed.model.model.layers[0].self_attn.q_proj.lora_B.detach(), trained)
+    resumed.close()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["precision.flow=split", "lora.rank=8", "lora.init=base_error"], "lora.init=base_error starts the adapters"),
+    (["precision.flow=qlora", "lora.rank=8", "precision.base_quantizer=rtn", "lora.init=base_error"],
+     "base_quantizer=rtn"),
+    (["precision.flow=qlora", "lora.rank=8", "lora.init=loftq"], "choose one of"),
+])
+def test_base_error_init_is_refused_where_it_does_not_apply(overrides, match):
+    with pytest.raises(Exception, match=match):
+        load_config(None, overrides)
