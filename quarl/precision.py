@@ -122,9 +122,9 @@ class PrecisionConfig:
             raise ValueError(f"lora.init={self.lora.init!r}; choose one of {LORA_INITS}")
         if self.lora.init == "base_error" and (self.flow != "qlora" or self.resolved_base_quantizer != "gptq"):
             raise ValueError("lora.init=base_error starts the adapters as a correction of a GPTQ-quantized qlora "
-                             f"base, but precision.flow={self.flow} with base_quantizer="
-                             f"{self.resolved_base_quantizer}; set precision.flow=qlora with base_quantizer=gptq, or "
-                             "lora.init=zeros")
+                             f"base, but precision.flow={self.flow} with format={fmt} and base_quantizer="
+                             f"{self.resolved_base_quantizer}; use flow=qlora with a {' / '.join(GPTQ_FORMATS)} "
+                             "base and base_quantizer=gptq (its default), or lora.init=zeros")
         if self.flow in ("unified", "qlora") and fmt is not None and FORMATS[fmt].per_tensor_scale \
                 and not self.resolved_weight_only:
             raise ValueError(

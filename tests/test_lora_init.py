@@ -64,21 +64,28 @@ def test_each_rank_one_part_has_equal_norms_in_a_and_b():
     assert (a.norm(dim=1) > 0).all()
 
 
-def test_a_rank_past_the_matrix_rank_corrects_the_whole_error():
-    """rank >= out: B A = R itself (the projection onto every left singular vector), and the factors' parts past
-    min(out, in) are zero."""
-    residual, hessian = _problem(8, 24, tokens=60)
-    a, b = base_error_adapters(residual, hessian, 12)
+@pytest.mark.parametrize("out_features,in_features,rank", [(8, 24, 12), (30, 12, 16)])
+def test_a_rank_past_the_matrix_rank_corrects_the_whole_error(out_features, in_features, rank):
+    """rank >= min(out, in), either branch: B A = R itself (every singular direction kept; float32 factors, so
+    1e-4 relative), and the factors' parts past min(out, in) are zero."""
+    residual, hessian = _problem(out_features, in_features, tokens=60)
+    a, b = base_error_adapters(residual, hessian, rank)
     assert torch.allclose(b @ a, residual, atol=1e-7, rtol=1e-4)
-    assert not a[8:].any() and not b[:, 8:].any()
+    kept = min(out_features, in_features)
+    assert not a[kept:].any() and not b[:, kept:].any()
 
 
-def test_bad_arguments_are_refused():
+def test_bad_arguments_are_refused_and_non_finite_inputs_give_no_start():
     residual, hessian = _problem(8, 16, tokens=40)
     with pytest.raises(ValueError, match=r"hessian must be \[16, 16\]"):
         base_error_adapters(residual, hessian[:8, :8], 4)
     with pytest.raises(ValueError, match="rank >= 1"):
         base_error_adapters(residual, hessian, 0)
+    hessian[3, 3] = float("nan")
+    assert base_error_adapters(residual, hessian, 4) is None
+    tall, tall_hessian = _problem(16, 8, tokens=40)
+    tall_hessian[2, 2] = -1e6  # not positive definite: the Cholesky branch cannot factorise it
+    assert base_error_adapters(tall, tall_hessian, 4) is None
 
 
 @pytest.mark.parametrize("alpha", [4.0, 8.0])
@@ -142,6 +149,30 @@ def test_a_qlora_run_starts_its_adapters_at_the_base_error_correction(tmp_path):
     resumed.close()
 
 
+def test_a_resumed_run_keeps_its_kl_reference_at_the_start(tmp_path):
+    """With a KL penalty, the reference is the policy the run started from (base + started adapters), also after a
+    resume, which restores the start from the run directory (the checkpoint holds the trained adapters only)."""
+    kl = ("lora.init=base_error", "loss.kl_coef=0.01")
+    first = _trainer(tmp_path, 1, *kl)
+    start = first.reference.model.layers[0].self_attn.q_proj.lora_B.detach().clone()
+    assert start.abs().sum() > 0
+    assert first.train()["step"] == 1
+    first.close()
+    resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}", *kl)
+    resumed.prepare_run_dir()
+    assert torch.equal(resumed.reference.model.layers[0].self_attn.q_proj.lora_B.detach(), start)
+    resumed.close()
+
+
+def test_linears_without_adapters_are_left_alone(tmp_path):
+    """lora.targets=[q_proj]: q_proj's adapters start at the correction, the other linears have none and train."""
+    trainer = _trainer(tmp_path, 1, "lora.init=base_error", "lora.targets=[q_proj]")
+    attn = trainer.model.model.layers[0].self_attn
+    assert attn.q_proj.lora_B.abs().sum() > 0 and attn.k_proj.lora_rank == 0
+    assert trainer.train()["step"] == 1
+    trainer.close()
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["precision.flow=split", "lora.rank=8", "lora.init=base_error"], "lora.init=base_error starts the adapters"),
     (["precision.flow=qlora", "lora.rank=8", "precision.base_quantizer=rtn", "lora.init=base_error"],
@@ -149,5 +180,5 @@ def test_a_qlora_run_starts_its_adapters_at_the_base_error_correction(tmp_path):
     (["precision.flow=qlora", "lora.rank=8", "lora.init=loftq"], "choose one of"),
 ])
 def test_base_error_init_is_refused_where_it_does_not_apply(overrides, match):
-    with pytest.raises(Exception, match=match):
+    with pytest.raises(ValueError, match=match):
         load_config(None, overrides)

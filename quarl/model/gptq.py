@@ -335,12 +335,22 @@ def _quantize_pending(pending: list, fmt: str, weight_dtype, codes: dict, bar, a
                 if adapters is not None and adapter_rank > 0:
                     # the error from the full-precision weight (not its compute-dtype rounding GPTQ started from)
                     residual = lin.weight.detach().float() - qt.dequantize(torch.float32)
-                    adapters[lin] = tuple(t.cpu() for t in base_error_adapters(residual, hessian, adapter_rank))
+                    start = base_error_adapters(residual, hessian, adapter_rank)
+                    if start is None:
+                        from quarl.fallbacks import report_fallback
+
+                        report_fallback("lora_init", "a Hessian could not be factorised (or gave non-finite "
+                                        "adapters): those linears' adapters start at B = 0")
+                    else:
+                        adapters[lin] = tuple(t.cpu() for t in start)
 
 
-def save_base_codes(model: nn.Module, codes: dict[nn.Module, QuantizedTensor], path) -> None:
+def save_base_codes(model: nn.Module, codes: dict[nn.Module, QuantizedTensor], path,
+                    lora_starts: dict | None = None) -> None:
     """Write the GPTQ base `codes` ({linear of model: weight QuantizedTensor}) to `path` (safetensors, atomic: a
-    crash leaves the old file or none), named by the linears' module names."""
+    crash leaves the old file or none), named by the linears' module names; lora_starts ({linear: (A, B)}, the
+    adapters' start under lora.init=base_error) go with them, so that a resumed run's KL reference starts where
+    the run started."""
     from safetensors.torch import save
 
     from quarl.rl.checkpoint import atomic_write_bytes
@@ -353,13 +363,17 @@ def save_base_codes(model: nn.Module, codes: dict[nn.Module, QuantizedTensor], p
         tensors[f"{name}.scale"] = qt.scale.detach().contiguous().cpu()
         if qt.global_scale is not None:
             tensors[f"{name}.global_scale"] = qt.global_scale.detach().reshape(()).cpu()
+    for linear, (a, b) in (lora_starts or {}).items():
+        tensors[f"{names[linear]}.lora_start_a"] = a.detach().contiguous().cpu()
+        tensors[f"{names[linear]}.lora_start_b"] = b.detach().contiguous().cpu()
     atomic_write_bytes(path, save(tensors, metadata={"format": str(fmt)}))
 
 
 def load_base_codes(model: nn.Module, path) -> int:
     """Load a GPTQ base written by `save_base_codes` into the model's frozen bases
-    (`QuantLinear.load_frozen_base_codes`); returns the number of linears loaded. Raises ValueError (saying which)
-    when the file does not fit the model: another format, a linear it lacks, other shapes."""
+    (`QuantLinear.load_frozen_base_codes`), and the adapters' start where it holds one (`start_lora_at`, on
+    linears with adapters); returns the number of linears loaded. Raises ValueError (saying which) when the file
+    does not fit the model: another format, a linear it lacks, other shapes."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -385,6 +399,8 @@ def load_base_codes(model: nn.Module, path) -> int:
         qt = QuantizedTensor(fmt, "weight", tensors[f"{name}.data"], tensors[f"{name}.scale"],
                              tensors.get(f"{name}.global_scale"), linear.qweight.shape)
         linear.load_frozen_base_codes(qt.to(linear.qweight.data.device))
+        if f"{name}.lora_start_a" in tensors and linear.lora_rank:
+            linear.start_lora_at(tensors[f"{name}.lora_start_a"], tensors[f"{name}.lora_start_b"])
         loaded += 1
     return loaded
 

@@ -10,7 +10,7 @@ is R L's best rank-r approximation carried back: B A = U_r U_r^T R, with U_r [ou
 of R L, i.e. the top r eigenvectors of R H R^T (Eckart-Young; LoftQ's one-step initialisation with an activation
 weighting, as in QERA). The adapters then start where the layer is closest to full precision on the inputs it sees,
 not at the quantized base: on SmolLM2-135M NVFP4 the model's KL to full precision falls from 0.031 (GPTQ base) to
-0.004 at rank 32 (bench/qlora_base_error.py). Training moves both factors from there.
+0.003 at rank 32 (bench/qlora_base_error.py). Training moves both factors from there.
 
 The product is split so that each rank-one part has equal norms in A and B (P = U_r^T R, p_i = ||P_i||):
 B = U_r diag(sqrt p), A = diag(1 / sqrt p) P.
@@ -24,23 +24,29 @@ DAMP = 0.01  # added to H's diagonal as a fraction of its mean diagonal: GPTQ's 
 
 
 @torch.no_grad()
-def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor,
+                        rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(A [rank, in], B [out, rank]) float32 with B @ A the rank-`rank` correction of `residual` that minimises the
-    output error over the calibration inputs (module docstring), on residual's device.
+    output error over the calibration inputs (module docstring), on residual's device; None where the damped
+    Hessian cannot be factorised or the result is not finite (the caller keeps the usual start then).
 
     residual: R = W - deq(Q(W)) [out, in] (any float dtype); hessian: X^T X [in, in] of the layer's calibration
-    inputs (symmetric positive semi-definite; damped here). rank > min(out, in) gives zero rows / columns beyond it.
-    Computed in float64: the eigen-decomposition of [min(out, in)]^2 Gram matrices is the cost."""
+    inputs (symmetric positive semi-definite; damped here, on a copy). rank > min(out, in) gives zero rows /
+    columns beyond it. Computed in float64: the eigen-decomposition of a [min(out, in)]^2 Gram matrix is the cost.
+    The same inputs give the same bits on the same hardware, which sharded runs rely on (every rank computes the
+    adapters of the whole model from the same averaged Hessians)."""
     out_features, in_features = residual.shape
     if hessian.shape != (in_features, in_features):
         raise ValueError(f"base_error_adapters: hessian must be [{in_features}, {in_features}] for a residual "
                          f"{tuple(residual.shape)}, got {tuple(hessian.shape)}")
     if rank < 1:
         raise ValueError(f"base_error_adapters needs rank >= 1, got {rank}")
+    if not (torch.isfinite(residual).all() and torch.isfinite(hessian).all()):
+        return None
     r64 = residual.double()
-    h = hessian.double()
+    h = hessian.to(torch.float64, copy=True)
     mean_diag = h.diagonal().mean()
-    h = h + torch.eye(in_features, dtype=h.dtype, device=h.device) * (DAMP * mean_diag if mean_diag > 0 else 1.0)
+    h.diagonal().add_(DAMP * mean_diag if mean_diag > 0 else 1.0)  # in place: no second [in, in] matrix
     r = min(rank, out_features, in_features)
     if out_features <= in_features:
         # U_r: the top eigenvectors of (R L)(R L)^T = R H R^T [out, out]
@@ -48,7 +54,10 @@ def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor, rank: int
         u = vectors[:, -r:].flip(-1)
     else:
         # from the smaller side: (R L)^T (R L) = L^T R^T R L [in, in] gives V_r, and U_r = R L V_r / s_r
-        m = r64 @ torch.linalg.cholesky(h)
+        factor, info = torch.linalg.cholesky_ex(h)
+        if info.item() != 0:
+            return None
+        m = r64 @ factor
         values, vectors = torch.linalg.eigh(m.t() @ m)
         v = vectors[:, -r:].flip(-1)
         s = values[-r:].flip(-1).clamp_min(0).sqrt()
@@ -61,4 +70,6 @@ def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor, rank: int
     b = torch.zeros(out_features, rank, dtype=torch.float64, device=residual.device)
     a[:r] = p / safe[:, None]
     b[:, :r] = u * root
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
     return a.float(), b.float()

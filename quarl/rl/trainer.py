@@ -329,12 +329,12 @@ class Trainer:
         if cfg.lora.init == "base_error" and not cfg.resume and not lora_starts and self.is_main:
             warnings.warn("lora.init=base_error: this run made no GPTQ base (the model came with its base "
                           "quantized), so its adapters start at B = 0", stacklevel=2)
-        del lora_starts
         if cfg.resume:
-            self._load_run_base()
+            self._load_run_base()  # with the adapters' start, which the KL reference below copies
         # written into the run directory once it is prepared (a fresh run first moves an earlier one aside)
         self._base_codes_to_save = base_codes if self.is_main else {}
-        del base_codes
+        self._lora_starts_to_save = lora_starts if self.is_main else {}
+        del base_codes, lora_starts
         self.model.gradient_checkpointing = cfg.train.gradient_checkpointing
         if cfg.precision.kv_cache != "auto" and cfg.precision.flow == "unified":
             # The training forward sees the KV cache's FP8 rounding too, so rollout stays on-policy.
@@ -518,8 +518,9 @@ class Trainer:
         saved.pop("resume", None)
         atomic_write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(saved).encode())
         if self._base_codes_to_save:  # the GPTQ base this run trains against: resume and export load it
-            gptq.save_base_codes(self.model, self._base_codes_to_save, self.run_dir / gptq.BASE_CODES_FILE)
-            self._base_codes_to_save = {}
+            gptq.save_base_codes(self.model, self._base_codes_to_save, self.run_dir / gptq.BASE_CODES_FILE,
+                                 self._lora_starts_to_save)
+            self._base_codes_to_save = self._lora_starts_to_save = {}
 
     def _claim_run_dir(self) -> None:
         """Check and lock the run directory; move an earlier run aside (see `prepare_run_dir`)."""
