@@ -700,7 +700,7 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     """`config_to_dict(cfg)` with the values left unset (null) filled in as validate() and the trainer resolve them:
 
     precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, precision.smooth_alpha,
-    precision.base_quantizer, lora.alpha (= rank), loss.aggregation (by loss_type), loss.epsilon_high (0.28 for
+    precision.base_quantizer, lora.alpha (= rank), lora.init, loss.aggregation (by loss_type), loss.epsilon_high (0.28 for
     dapo, else epsilon_low), loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens),
     train.mini_batch_size (= the step's batch) and data.eval (= the train source, whose held-out split is used).
     Values that depend on the machine (model.device, rollout.engine, precision.compute_dtype "auto") and on the data
@@ -718,6 +718,7 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     data["precision"]["smooth_alpha"] = p.resolved_smooth_alpha
     data["precision"]["base_quantizer"] = p.resolved_base_quantizer
     data["lora"]["alpha"] = cfg.lora.alpha if cfg.lora.alpha is not None else float(cfg.lora.rank)
+    data["lora"]["init"] = p.resolved_lora_init
     data["loss"]["aggregation"] = loss.resolved_aggregation
     data["loss"]["epsilon_high"] = loss.resolved_epsilon_high
     data["loss"]["max_new_tokens"] = loss.max_new_tokens or cfg.rollout.max_new_tokens

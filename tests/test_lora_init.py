@@ -132,10 +132,10 @@ def test_base_error_adapters_bring_the_qlora_model_much_closer_to_full_precision
 
 
 def test_a_qlora_run_starts_its_adapters_at_the_base_error_correction(tmp_path):
-    """With lora.init=base_error a fresh qlora run's adapters start at a nonzero B (zeros otherwise), its first step
-    trains, and a resume restores the trained adapters rather than starting them again."""
-    plain = _trainer(tmp_path / "zeros", 1)
-    started = _trainer(tmp_path, 1, "lora.init=base_error")
+    """A fresh qlora run on a GPTQ base starts its adapters at a nonzero B by default (lora.init=zeros: at 0), its
+    first step trains, and a resume restores the trained adapters rather than starting them again."""
+    plain = _trainer(tmp_path / "zeros", 1, "lora.init=zeros")
+    started = _trainer(tmp_path, 1)
     lin = started.model.model.layers[0].self_attn.q_proj
     assert lin.lora_B.abs().sum() > 0
     assert plain.model.model.layers[0].self_attn.q_proj.lora_B.abs().sum() == 0
@@ -143,7 +143,7 @@ def test_a_qlora_run_starts_its_adapters_at_the_base_error_correction(tmp_path):
     trained = lin.lora_B.detach().clone()
     started.close()
     plain.close()
-    resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}", "lora.init=base_error")
+    resumed = _trainer(tmp_path, 2, f"resume={tmp_path / 'run'}")
     resumed.prepare_run_dir()
     assert torch.equal(resumed.model.model.layers[0].self_attn.q_proj.lora_B.detach(), trained)
     resumed.close()

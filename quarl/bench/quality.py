@@ -42,7 +42,8 @@ TASK = [
     "output.tensorboard=false", "output.progress=false", "output.samples_per_step=1",
 ]
 FULL_LR, LORA_LR = "train.lr=1e-5", "train.lr=5e-5"
-LORA = ["lora.rank=32", LORA_LR]
+# adapters from B = 0 (the settings of the base-error start, qlora's default, name it)
+LORA = ["lora.rank=32", LORA_LR, "lora.init=zeros"]
 
 # INT8 W8A8 split-flow rollouts without SmoothQuant (the settings measured before it became the int8 default; the
 # default recipe is `split-int8-smooth-tis`)
@@ -79,14 +80,16 @@ SETTINGS: dict[str, list[str]] = {
     "qlora-nvfp4-aqn": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "aqn.sigma_start=1e-2",
                         "aqn.sigma_end=5e-4"],
     # the adapters start as the rank-32 correction of the GPTQ base's error (lora.init=base_error)
-    "qlora-nvfp4-base-error": ["precision.flow=qlora", "precision.format=nvfp4", *LORA, "lora.init=base_error"],
+    "qlora-nvfp4-base-error": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32", LORA_LR,
+                               "lora.init=base_error"],
     "qlora-nvfp4-base-error-lr1e-4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32",
                                       "train.lr=1e-4", "lora.init=base_error"],
     # an 8-bit frozen base: how much of qlora NVFP4's gap to bf16 LoRA the 4-bit base makes
     "qlora-int8": ["precision.flow=qlora", "precision.format=int8", *LORA],
     # the LoRA flows at twice the learning rate: whether the 4-bit base needs larger steps than bf16 LoRA does
     "bf16-lora-lr1e-4": ["precision.flow=bf16", "lora.rank=32", "train.lr=1e-4"],
-    "qlora-nvfp4-lr1e-4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32", "train.lr=1e-4"],
+    "qlora-nvfp4-lr1e-4": ["precision.flow=qlora", "precision.format=nvfp4", "lora.rank=32", "train.lr=1e-4",
+                           "lora.init=zeros"],
     # the corrections beyond TIS (docs/CORRECTIONS.md) on the split flow's default format. GSPO's sequence ratio
     # pi_theta/pi_old and TBPO's dual clip act only from a batch's second optimizer step: 4 mini-batches per batch.
     "split-int8-icepop": [*SPLIT_INT8, "loss.correction=icepop", FULL_LR],

@@ -326,7 +326,8 @@ class Trainer:
         for linear, (a, b) in lora_starts.items():
             if linear.lora_rank:  # lora.targets may leave a linear without adapters
                 linear.start_lora_at(a, b)
-        if cfg.lora.init == "base_error" and not cfg.resume and not lora_starts and self.is_main:
+        base_error = cfg.precision.resolved_lora_init == "base_error"
+        if base_error and not cfg.resume and not lora_starts and self.is_main:
             warnings.warn("lora.init=base_error: this run made no GPTQ base (the model came with its base "
                           "quantized), so its adapters start at B = 0", stacklevel=2)
         if cfg.resume:
@@ -448,7 +449,7 @@ class Trainer:
         world = qdist.world_size() if self.sharded else 1
         combine = (lambda h: qdist.sum_over_ranks(h, self.device) / world) if self.sharded else None
         start = time.perf_counter()
-        rank = self.cfg.lora.rank if self.cfg.lora.init == "base_error" else 0
+        rank = self.cfg.lora.rank if self.cfg.precision.resolved_lora_init == "base_error" else 0
         codes = gptq.gptq_base(self.model, self.cfg.precision.resolved_format, batches, combine=combine,
                                weight_dtype=self.dtype, progress=self.is_main and self.cfg.output.progress,
                                adapters=lora_starts, adapter_rank=rank)
