@@ -48,8 +48,8 @@ class LoraConfig:
     # how the adapters start. "zeros": B = 0 (A kaiming-uniform, as PEFT), so training starts at the base model.
     # "base_error" (qlora with a GPTQ base): B A starts as the rank-r correction of the quantized base's error over
     # GPTQ's calibration inputs, so training starts nearer the full-precision model (quarl/model/lora_init.py).
-    # None -> base_error where it applies, else zeros (B6, SmolLM2-135M NVFP4, 6 seeds: 1.3 points below bf16 LoRA
-    # at step 100, against 3.9-5.5 with zeros)
+    # None -> base_error for a GPTQ nvfp4 base (the case measured: B6, SmolLM2-135M, one H100, step 100, 1.2 points
+    # below bf16 LoRA on seeds 0-2 where B = 0 was 3.9 below), else zeros
     init: str | None = None
 
     @property
@@ -202,10 +202,11 @@ class PrecisionConfig:
 
     @property
     def resolved_lora_init(self) -> str:
-        """`lora.init`, or where it is None: "base_error" for a qlora base that GPTQ quantizes, else "zeros"."""
+        """`lora.init`, or where it is None: "base_error" for a qlora nvfp4 base that GPTQ quantizes, else "zeros"."""
         if self.lora.init is not None:
             return self.lora.init
-        return "base_error" if self.flow == "qlora" and self.resolved_base_quantizer == "gptq" else "zeros"
+        measured = self.flow == "qlora" and self.resolved_format == "nvfp4" and self.resolved_base_quantizer == "gptq"
+        return "base_error" if measured else "zeros"
 
     @property
     def resolved_weight_only(self) -> bool:

@@ -27,6 +27,8 @@ def test_every_setting_is_a_valid_run_config(setting):
     assert cfg.output.dir.endswith(f"{setting}-s2")
     assert cfg.rollout.stop == ("\n",) and cfg.data.ops == ("+", "-") and cfg.data.eval_limit == 256
     assert cfg.rollout.prompts_per_step * cfg.rollout.num_generations == 128
+    # a setting names its adapters' start: only the base-error ones start away from B = 0
+    assert cfg.precision.resolved_lora_init == ("base_error" if "base-error" in setting else "zeros")
 
 
 def test_unknown_setting_and_bad_seeds_are_refused():

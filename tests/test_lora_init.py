@@ -173,6 +173,23 @@ def test_linears_without_adapters_are_left_alone(tmp_path):
     trainer.close()
 
 
+@pytest.mark.parametrize("overrides,want", [
+    (["precision.flow=qlora", "lora.rank=8"], "base_error"),  # GPTQ nvfp4: the measured case
+    (["precision.flow=qlora", "precision.format=int8", "lora.rank=8"], "zeros"),
+    (["precision.flow=qlora", "lora.rank=8", "precision.base_quantizer=rtn"], "zeros"),
+    (["precision.flow=qlora", "lora.rank=8", "lora.init=zeros"], "zeros"),
+    (["precision.flow=qlora", "precision.format=int8", "lora.rank=8", "lora.init=base_error"], "base_error"),
+    (["precision.flow=bf16", "lora.rank=8"], "zeros"),
+    (["precision.flow=split", "lora.rank=8"], "zeros"),
+])
+def test_the_default_start_is_the_base_error_correction_only_on_a_gptq_nvfp4_base(overrides, want):
+    from quarl.config import effective_config_dict
+
+    cfg = load_config(None, overrides)
+    assert cfg.precision.resolved_lora_init == want
+    assert effective_config_dict(cfg)["lora"]["init"] == want
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["precision.flow=split", "lora.rank=8", "lora.init=base_error"], "lora.init=base_error starts the adapters"),
     (["precision.flow=qlora", "lora.rank=8", "precision.base_quantizer=rtn", "lora.init=base_error"],

@@ -32,7 +32,8 @@ def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor,
 
     residual: R = W - deq(Q(W)) [out, in] (any float dtype); hessian: X^T X [in, in] of the layer's calibration
     inputs (symmetric positive semi-definite; damped here, on a copy). rank > min(out, in) gives zero rows /
-    columns beyond it. Computed in float64: the eigen-decomposition of a [min(out, in)]^2 Gram matrix is the cost.
+    columns beyond it. Computed in float64 (R H in float32): the eigen-decomposition of a [min(out, in)]^2 Gram
+    matrix is the cost.
     The same inputs give the same bits on the same hardware, which sharded runs rely on (every rank computes the
     adapters of the whole model from the same averaged Hessians)."""
     out_features, in_features = residual.shape
@@ -44,16 +45,19 @@ def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor,
     if not (torch.isfinite(residual).all() and torch.isfinite(hessian).all()):
         return None
     r64 = residual.double()
-    h = hessian.to(torch.float64, copy=True)
-    mean_diag = h.diagonal().mean()
-    h.diagonal().add_(DAMP * mean_diag if mean_diag > 0 else 1.0)  # in place: no second [in, in] matrix
+    mean_diag = hessian.diagonal().double().mean()
+    damp = DAMP * mean_diag if mean_diag > 0 else 1.0
     r = min(rank, out_features, in_features)
     if out_features <= in_features:
-        # U_r: the top eigenvectors of (R L)(R L)^T = R H R^T [out, out]
-        _, vectors = torch.linalg.eigh(r64 @ h @ r64.t())
+        # U_r: the top eigenvectors of (R L)(R L)^T = R (H + damp I) R^T [out, out]. R H is taken in float32, so the
+        # [in, in] Hessian is never copied (a wide down_proj's is GBs); the Gram matrix is summed in float64.
+        rh = (residual.float() @ hessian.float()).double()
+        _, vectors = torch.linalg.eigh(rh @ r64.t() + damp * (r64 @ r64.t()))
         u = vectors[:, -r:].flip(-1)
     else:
         # from the smaller side: (R L)^T (R L) = L^T R^T R L [in, in] gives V_r, and U_r = R L V_r / s_r
+        h = hessian.to(torch.float64, copy=True)
+        h.diagonal().add_(damp)
         factor, info = torch.linalg.cholesky_ex(h)
         if info.item() != 0:
             return None

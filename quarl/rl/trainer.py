@@ -326,8 +326,7 @@ class Trainer:
         for linear, (a, b) in lora_starts.items():
             if linear.lora_rank:  # lora.targets may leave a linear without adapters
                 linear.start_lora_at(a, b)
-        base_error = cfg.precision.resolved_lora_init == "base_error"
-        if base_error and not cfg.resume and not lora_starts and self.is_main:
+        if cfg.lora.init == "base_error" and not cfg.resume and not base_codes and self.is_main:
             warnings.warn("lora.init=base_error: this run made no GPTQ base (the model came with its base "
                           "quantized), so its adapters start at B = 0", stacklevel=2)
         if cfg.resume:
@@ -423,7 +422,8 @@ class Trainer:
             return False
         if self.model.model.layers[0].self_attn.q_proj.weight is None:
             if self.is_main:
-                print("[quarl] the model came with its qlora base quantized already: it keeps that base (no GPTQ)")
+                print("[quarl] the model came with its qlora base quantized already: it keeps that base (no GPTQ; "
+                      "the adapters start at B = 0)")
             return False
         return True
 
