@@ -700,8 +700,8 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     """`config_to_dict(cfg)` with the values left unset (null) filled in as validate() and the trainer resolve them:
 
     precision.format (the flow's default; "bf16" for flow=bf16), precision.weight_only, precision.smooth_alpha,
-    precision.base_quantizer, lora.alpha (= rank), lora.init, loss.aggregation (by loss_type), loss.epsilon_high (0.28 for
-    dapo, else epsilon_low), loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens),
+    precision.base_quantizer, lora.alpha (= rank), lora.init, loss.aggregation (by loss_type), loss.epsilon_high
+    (0.28 for dapo, else epsilon_low), loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens),
     train.mini_batch_size (= the step's batch) and data.eval (= the train source, whose held-out split is used).
     Values that depend on the machine (model.device, rollout.engine, precision.compute_dtype "auto") and on the data
     (data.gold_format, detected from the answers) stay as given.

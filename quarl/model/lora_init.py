@@ -31,7 +31,7 @@ def base_error_adapters(residual: torch.Tensor, hessian: torch.Tensor,
     Hessian cannot be factorised or the result is not finite (the caller keeps the usual start then).
 
     residual: R = W - deq(Q(W)) [out, in] (any float dtype); hessian: X^T X [in, in] of the layer's calibration
-    inputs (symmetric positive semi-definite; damped here, on a copy). rank > min(out, in) gives zero rows /
+    inputs (symmetric positive semi-definite; damped here, left unchanged). rank > min(out, in) gives zero rows /
     columns beyond it. Computed in float64 (R H in float32): the eigen-decomposition of a [min(out, in)]^2 Gram
     matrix is the cost.
     The same inputs give the same bits on the same hardware, which sharded runs rely on (every rank computes the
