@@ -108,9 +108,9 @@ def test_unseen_input_channels_and_bad_arguments():
         gptq_quantize(w, torch.eye(32), "int8")
 
 
-def _calibrated(arch: str = "llama", fmt: str = "nvfp4"):
+def _calibrated(arch: str = "llama", fmt: str = "nvfp4", adapters: dict | None = None, adapter_rank: int = 0):
     """(model in full precision, its GPTQ codes, the calibration batches) of a tiny model whose norms give its
-    linears a few outlier input channels, as trained models have."""
+    linears a few outlier input channels, as trained models have; adapters / adapter_rank as for `gptq_base`."""
     torch.manual_seed(0)
     model = make_model(arch)
     with torch.no_grad():
@@ -119,7 +119,13 @@ def _calibrated(arch: str = "llama", fmt: str = "nvfp4"):
                 norm.weight[[1, 5]] *= 20.0
     # ~1000 tokens: well over the widest input (128), as a real calibration is over a model's
     batches = list(calibration_batches(rand_prompts([24, 20, 28, 16] * 12), "cpu"))
-    return model, gptq_base(model, fmt, batches), batches
+    return model, gptq_base(model, fmt, batches, adapters=adapters, adapter_rank=adapter_rank), batches
+
+
+def _logits(model, batches, held_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits of the calibration batches' real tokens [n, V], the held-out prompts' logits [B, T, V])."""
+    with torch.no_grad():
+        return torch.cat([model(ids, attention_mask=mask)[mask.bool()] for ids, mask in batches]), model(held_out)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -129,19 +135,14 @@ def test_a_gptq_base_brings_the_qlora_model_closer_to_full_precision(arch):
     calibration prompts and on others from the same distribution; every dense linear got codes."""
     model, codes, batches = _calibrated(arch)
     held_out = torch.tensor(rand_prompts([16] * 32))
-
-    def logits():
-        with torch.no_grad():
-            return torch.cat([model(ids, attention_mask=mask)[mask.bool()] for ids, mask in batches]), model(held_out)
-
-    want, want_held = logits()
+    want, want_held = _logits(model, batches, held_out)
     apply_precision(model, PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4)))
-    rtn, rtn_held = logits()
+    rtn, rtn_held = _logits(model, batches, held_out)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.frozen_base]
     assert set(codes) == {m for m in linears if m is not model.lm_head}
     for linear, qt in codes.items():
         linear.load_frozen_base_codes(qt)
-    got, got_held = logits()
+    got, got_held = _logits(model, batches, held_out)
     assert (got - want).pow(2).sum() < 0.9 * (rtn - want).pow(2).sum()
     assert (got_held - want_held).pow(2).sum() < 0.9 * (rtn_held - want_held).pow(2).sum()
 

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from quarl.config import load_config
-from quarl.model.gptq import gptq_base
 from quarl.model.lora_init import DAMP, base_error_adapters
 from quarl.model.precision_apply import apply_precision
 from quarl.model.qlinear import QuantLinear
 from quarl.precision import LoraConfig, PrecisionConfig
-from test_gptq import _calibrated, _trainer
+from test_gptq import _calibrated, _logits, _trainer
 from tiny_models import rand_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,24 +108,18 @@ def test_base_error_adapters_bring_the_qlora_model_much_closer_to_full_precision
     """Model level: on a GPTQ base, the adapters from `gptq_base(adapters=...)` make the logits' squared error to the
     full-precision model at most half of the base's alone (seed 0: about a third), on the calibration prompts and on
     held-out ones; every linear with codes gets adapters."""
-    model, _, batches = _calibrated(arch)
-    held_out = torch.tensor(rand_prompts([16] * 32))
-
-    def logits():
-        with torch.no_grad():
-            return torch.cat([model(ids, attention_mask=mask)[mask.bool()] for ids, mask in batches]), model(held_out)
-
-    want, want_held = logits()
     adapters: dict = {}
-    codes = gptq_base(model, "nvfp4", batches, adapters=adapters, adapter_rank=4)
+    model, codes, batches = _calibrated(arch, adapters=adapters, adapter_rank=4)
     assert set(adapters) == set(codes)
+    held_out = torch.tensor(rand_prompts([16] * 32))
+    want, want_held = _logits(model, batches, held_out)
     apply_precision(model, PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4)))
     for linear, qt in codes.items():
         linear.load_frozen_base_codes(qt)
-    base, base_held = logits()
+    base, base_held = _logits(model, batches, held_out)
     for linear, (a, b) in adapters.items():
         linear.start_lora_at(a, b)
-    got, got_held = logits()
+    got, got_held = _logits(model, batches, held_out)
     assert (got - want).pow(2).sum() < 0.5 * (base - want).pow(2).sum()
     assert (got_held - want_held).pow(2).sum() < 0.5 * (base_held - want_held).pow(2).sum()
 
