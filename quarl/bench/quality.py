@@ -74,6 +74,8 @@ SETTINGS: dict[str, list[str]] = {
     "split-int8-smooth-tis": ["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=0.5",
                               FULL_LR],
     "unified-int8-w8a16": ["precision.flow=unified", "precision.format=int8", "precision.weight_only=true", FULL_LR],
+    "unified-fp8-block-w8a16": ["precision.flow=unified", "precision.format=fp8-block", "precision.weight_only=true",
+                                FULL_LR],
     "qlora-nvfp4": ["precision.flow=qlora", "precision.format=nvfp4", *LORA],
     # the frozen base rounded to nearest: the baseline GPTQ's base is measured against
     "qlora-nvfp4-rtn": ["precision.flow=qlora", "precision.format=nvfp4", "precision.base_quantizer=rtn", *LORA],
