@@ -6,7 +6,9 @@ Loads SmolLM2-135M-Instruct on the CPU (float32), quantizes its frozen base to N
 (GPTQ rounds the weights to bf16 first, as on a GPU, and calibrates on the first 128 training prompts with their
 gold answers; round-to-nearest quantizes the float32 weights, the CPU's compute dtype) and
 prints the mean per-token KL(full || quantized) over the 256 held-out prompts followed by their gold answers: a
-finer measure of what the base loses than held-out accuracy over 256 problems. Variants:
+finer measure of what the base loses than held-out accuracy over 256 problems. It also prints the KL and the
+top-1 agreement at the answer positions alone (the positions that predict each gold answer token), which decide
+the accuracy but are a few percent of the tokens. Variants:
 
     rtn              every weight rounded to its nearest code
     gptq             `quarl.model.gptq` (the qlora default)
@@ -97,6 +99,19 @@ def log_probs(model, batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def answer_position_masks(prompt_lengths: list[int], batches) -> list[torch.Tensor]:
+    """Per batch of right-padded prompt + gold answer sequences: bool [B, T - 1], true at the positions whose next
+    token is a gold answer token (from the prompt's last token to the answer's second-to-last)."""
+    masks, first = [], 0
+    for ids, mask in batches:
+        answer = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+        for row, length in enumerate(mask.sum(-1).tolist()):
+            answer[row, prompt_lengths[first + row] - 1:length - 1] = True
+        masks.append(answer)
+        first += ids.shape[0]
+    return masks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variants", nargs="+", choices=VARIANTS)
@@ -105,9 +120,11 @@ def main() -> None:
     model, tokenizer = load_model(cfg.model.name, dtype=torch.float32, progress=False)
     task = load_task(cfg.data, cfg.reward, tokenizer, seed=0)
     task.set_tokenizer(tokenizer)
-    held_out = [encode_prompt(tokenizer, task.render(ex)) + list(tokenizer(str(ex.gold), add_special_tokens=False)
-                .input_ids) for ex in task.eval_examples[:256]]
+    prompts = [encode_prompt(tokenizer, task.render(ex)) for ex in task.eval_examples[:256]]
+    held_out = [p + list(tokenizer(str(ex.gold), add_special_tokens=False).input_ids)
+                for p, ex in zip(prompts, task.eval_examples[:256])]
     batches = list(calibration_batches(held_out, "cpu", batch_size=64))
+    answer_masks = answer_position_masks([len(p) for p in prompts], batches)
     reference = log_probs(model, batches)
     calibration = list(calibration_batches(calibration_sequences(task, tokenizer, gptq.CALIBRATION_PROMPTS), "cpu"))
     for variant in args.variants:
@@ -134,14 +151,18 @@ def main() -> None:
             linear.load_frozen_base_codes(qt)
         for linear, (a, b) in adapters.items():
             linear.start_lora_at(a, b)
-        kl = tokens = 0.0
-        for (ref, mask), (q, _) in zip(reference, log_probs(quantized, batches)):
+        kl = tokens = answer_kl = answer_tokens = answer_agree = 0.0
+        for (ref, mask), (q, _), answer in zip(reference, log_probs(quantized, batches), answer_masks):
             real = mask[:, 1:].bool()  # positions whose next token is real
             per_token = (ref.exp() * (ref - q)).sum(-1)[:, :-1]
             kl += per_token[real].sum().item()
             tokens += real.sum().item()
-        print(f"{variant}: mean KL(full || quantized) {kl / tokens:.4f} nats per token over {int(tokens)} tokens "
-              f"(quantizing took {seconds:.0f} s)", flush=True)
+            answer_kl += per_token[answer].sum().item()
+            answer_tokens += answer.sum().item()
+            answer_agree += (ref.argmax(-1)[:, :-1][answer] == q.argmax(-1)[:, :-1][answer]).sum().item()
+        print(f"{variant}: mean KL(full || quantized) {kl / tokens:.4f} nats per token over {int(tokens)} tokens; "
+              f"at the {int(answer_tokens)} answer positions KL {answer_kl / answer_tokens:.4f}, top-1 agreement "
+              f"{answer_agree / answer_tokens:.3f} (quantizing took {seconds:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
