@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from quarl.fast_paths import FastPaths
-from quarl.precision import LoraConfig, PrecisionConfig
+from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN, LoraConfig, PrecisionConfig
 from quarl.rl.critic import CriticConfig
 from quarl.rl.mismatch_alarms import AlarmConfig
 from quarl.rl.run_log import parse_report_to
@@ -703,8 +703,9 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     precision.base_quantizer, lora.alpha (= rank), lora.init, loss.aggregation (by loss_type), loss.epsilon_high
     (0.28 for dapo, else epsilon_low), loss.max_new_tokens and eval.max_new_tokens (= rollout.max_new_tokens),
     train.mini_batch_size (= the step's batch) and data.eval (= the train source, whose held-out split is used).
-    Values that depend on the machine (model.device, rollout.engine, precision.compute_dtype "auto") and on the data
-    (data.gold_format, detected from the answers) stay as given.
+    Values that depend on the machine (model.device, rollout.engine, precision.compute_dtype "auto"), on the model's
+    hidden size (precision.kernel_forward, and precision.weight_only where the unified flow resolves it by that size)
+    and on the data (data.gold_format, detected from the answers) stay as given.
 
     Args:
         cfg: a validated RunConfig.
@@ -714,7 +715,9 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     data = config_to_dict(cfg)
     p, loss = cfg.precision, cfg.loss
     data["precision"]["format"] = p.resolved_format or "bf16"
-    data["precision"]["weight_only"] = p.resolved_weight_only if p.flow != "bf16" else False
+    by_model_size = p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN - 1) != \
+        p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN)
+    data["precision"]["weight_only"] = None if by_model_size else p.resolved_weight_only if p.flow != "bf16" else False
     data["precision"]["smooth_alpha"] = p.resolved_smooth_alpha
     data["precision"]["base_quantizer"] = p.resolved_base_quantizer
     data["lora"]["alpha"] = cfg.lora.alpha if cfg.lora.alpha is not None else float(cfg.lora.rank)

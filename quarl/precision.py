@@ -68,7 +68,12 @@ class PrecisionConfig:
     flow: str = "bf16"  # bf16 | split | unified | qlora (the four flows of the README)
     format: str | None = None  # None -> the flow's default (split: int8, unified: fp8-block, qlora: nvfp4)
     quantize_lm_head: bool = False  # lm_head (and embeddings) stay in full precision unless asked
-    weight_only: bool | None = None  # None -> True for fp4 formats and for qlora, else W8A8
+    # None -> True for fp4 formats and for qlora; for the unified flow also where kernel_forward is null and the
+    # model's hidden size is below KERNEL_FORWARD_MIN_HIDDEN (and no quantized_backward): there both forwards take
+    # bf16 GEMMs, so quantizing the activations would add only launches and mismatch (B6, SmolLM2-135M, one H100:
+    # mismatch/kl 0.0011-0.0012 as bf16's 0.0011, against 0.0034-0.0067 W8A8; step 1.00x bf16's against 1.09-1.12x);
+    # else W8A8
+    weight_only: bool | None = None
     kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
@@ -214,6 +219,16 @@ class PrecisionConfig:
             return self.weight_only
         return self.flow == "qlora" or self.resolved_format in WEIGHT_ONLY_FORMATS
 
+    def resolved_weight_only_at(self, hidden_size: int | None) -> bool:
+        """`weight_only` for a model of hidden_size (None = unknown): `resolved_weight_only`, and where weight_only
+        is None also true for the unified flow on the bf16 GEMMs that kernel_forward null chooses below
+        KERNEL_FORWARD_MIN_HIDDEN (without quantized_backward, whose FP8 gradient GEMMs need W8A8)."""
+        if self.weight_only is None and self.flow == "unified" and self.kernel_forward is None \
+                and not self.quantized_backward and hidden_size is not None \
+                and hidden_size < KERNEL_FORWARD_MIN_HIDDEN:
+            return True
+        return self.resolved_weight_only
+
     def resolved_kernel_forward(self, hidden_size: int | None) -> bool:
         """`kernel_forward`, or where it is None: whether hidden_size (the model's; None = unknown) is at least
         KERNEL_FORWARD_MIN_HIDDEN (unknown: true); false with `batch_invariant`."""
@@ -233,10 +248,11 @@ class PrecisionConfig:
         self.validate()
         fmt = self.resolved_format
         kernel_forward = self.resolved_kernel_forward(hidden_size)
+        weight_only = self.resolved_weight_only_at(hidden_size)
         return dict(
             rollout_format=fmt,
             train_format=fmt if self.flow in ("unified", "qlora") else None,
-            weight_only=self.resolved_weight_only,
+            weight_only=weight_only,
             frozen_base=self.flow == "qlora",
             lora_rank=self.lora.rank,
             lora_alpha=self.lora.alpha if self.lora.alpha is not None else float(self.lora.rank),
@@ -246,7 +262,7 @@ class PrecisionConfig:
             # the flows whose training forward multiplies quantized values, off the kernels: bf16 GEMMs in both; a
             # weight-only unified flow always (no weight-only training kernel to match a rollout kernel)
             bf16_gemms=self.flow in ("unified", "qlora") and not self.quantized_backward and (
-                not kernel_forward or (self.flow == "unified" and self.resolved_weight_only)),
+                not kernel_forward or (self.flow == "unified" and weight_only)),
         )
 
     def torch_dtype(self, device: torch.device | str) -> torch.dtype:

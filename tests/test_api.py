@@ -179,7 +179,12 @@ def test_effective_config_fills_in_resolved_values():
     cfg = load_config(None, ["precision.flow=unified", "loss.loss_type=dapo", "rollout.max_new_tokens=24",
                              "rollout.prompts_per_step=3", "rollout.num_generations=4", "train.epochs=2"])
     eff = effective_config_dict(cfg)
-    assert eff["precision"]["format"] == "fp8-block" and eff["precision"]["weight_only"] is False
+    # the unified flow resolves weight_only by the model's hidden size (weight-only below 2048): left null
+    assert eff["precision"]["format"] == "fp8-block" and eff["precision"]["weight_only"] is None
+    for fixed in ("precision.kernel_forward=true", "precision.kernel_forward=false", "precision.quantized_backward=true"):
+        pinned = effective_config_dict(load_config(None, ["precision.flow=unified", fixed]))
+        assert pinned["precision"]["weight_only"] is False, fixed
+    assert effective_config_dict(load_config(None, ["precision.flow=split"]))["precision"]["weight_only"] is False
     assert eff["loss"]["aggregation"] == "token-mean" and eff["loss"]["epsilon_high"] == 0.28
     assert eff["loss"]["max_new_tokens"] == 24 and eff["eval"]["max_new_tokens"] == 24
     assert eff["train"]["mini_batch_size"] == 12

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from interpreter import INTERPRETER_PATCH, run_in_interpreter
+from interpreter import INTERPRETER_PATCH, ORDER_FREE_DOT_PATCH, run_in_interpreter
 from quarl.config import ConfigError, load_config
 from quarl.model.precision_apply import apply_precision
 from quarl.precision import PrecisionConfig
@@ -107,7 +107,7 @@ _KERNELS = INTERPRETER_PATCH + textwrap.dedent("""
 """)
 
 
-_END_TO_END = INTERPRETER_PATCH + textwrap.dedent("""
+_END_TO_END = INTERPRETER_PATCH + ORDER_FREE_DOT_PATCH + textwrap.dedent("""
     import sys
     import torch
     sys.path.insert(0, "tests")

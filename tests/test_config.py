@@ -128,7 +128,8 @@ def test_quarl_config_prints_effective_values_that_load_back(tmp_path, capsys):
     assert main(["config", *overrides]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     # keys left null in the config are printed as the values the run uses
-    assert printed["precision"]["format"] == "fp8-block" and printed["precision"]["weight_only"] is False
+    # weight_only stays null: the unified flow resolves it by the model's hidden size
+    assert printed["precision"]["format"] == "fp8-block" and printed["precision"]["weight_only"] is None
     assert printed["loss"]["aggregation"] == "seq-mean-token-mean" and printed["loss"]["epsilon_high"] == 0.2
     assert printed["loss"]["max_new_tokens"] == 40 and printed["eval"]["max_new_tokens"] == 40
     assert printed["train"]["mini_batch_size"] == 6

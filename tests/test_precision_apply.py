@@ -242,6 +242,35 @@ def test_unified_kernel_forward_is_left_to_the_hidden_size_unless_set():
     assert not any(m.rollout_avoids_kernel() for m in split.modules() if isinstance(m, QuantLinear))
 
 
+def test_unified_flow_is_weight_only_on_the_bf16_gemms_the_hidden_size_chose():
+    """weight_only null: the unified flow quantizes only the weights where kernel_forward null chose bf16 GEMMs
+    (hidden size below KERNEL_FORWARD_MIN_HIDDEN), in both forwards alike; W8A8 from the threshold on, or where
+    kernel_forward, weight_only or quantized_backward is set; the split flow stays W8A8 at any size."""
+    from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN as MIN
+
+    for fmt in ("int8", "fp8-block", "fp8"):
+        auto = PrecisionConfig(flow="unified", format=fmt)
+        assert auto.resolved_weight_only_at(576) and auto.resolved_weight_only_at(MIN - 1)
+        assert not auto.resolved_weight_only_at(MIN) and not auto.resolved_weight_only_at(None)
+        assert auto.linear_settings(576)["weight_only"] and not auto.linear_settings(MIN)["weight_only"]
+        for pinned in (dict(kernel_forward=True), dict(kernel_forward=False), dict(weight_only=False)):
+            assert not PrecisionConfig(flow="unified", format=fmt, **pinned).resolved_weight_only_at(576), pinned
+    assert not PrecisionConfig(flow="unified", quantized_backward=True).resolved_weight_only_at(576)
+    assert not PrecisionConfig(flow="split", format="int8").resolved_weight_only_at(576)
+    model = TinyModel()  # hidden size H, far below the threshold
+    apply_precision(model, PrecisionConfig(flow="unified", format="int8"))
+    linears = [m for n, m in model.named_modules() if isinstance(m, QuantLinear) and not n.endswith("lm_head")]
+    assert linears and all(m.weight_only and m.bf16_gemms and not m.kernel_forward for m in linears)
+    x = torch.randn(3, H)
+    layer = linears[0]
+    # both forwards multiply x itself (not its 8-bit rounding) by the dequantized weight
+    expected = x.double() @ layer.weight_dequant.double().T
+    for rollout in (False, True):
+        layer.set_rollout(rollout)
+        assert torch.allclose(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    layer.set_rollout(False)
+
+
 @pytest.mark.parametrize("flow,fmt", [("unified", "int8"), ("unified", "fp8-block"), ("qlora", "nvfp4")])
 def test_the_hidden_size_decides_where_both_forwards_multiply(monkeypatch, flow, fmt):
     """Around the threshold: the narrowest input (H = 64 here, not the MLP's I = 96) decides for a module tree

@@ -57,19 +57,22 @@ SETTINGS: dict[str, list[str]] = {
     "split-int8-naive": [*SPLIT_INT8, "loss.correction=naive", FULL_LR],
     "split-fp8-tis": ["precision.flow=split", "precision.format=fp8", FULL_LR],
     "split-fp8-block-tis": ["precision.flow=split", "precision.format=fp8-block", FULL_LR],
-    # at SmolLM2-135M's hidden size (576) rollout and training multiply the fake-quantized values with bf16 GEMMs
-    # (`precision.kernel_forward` null); the "-kernels" setting takes the 8-bit kernels, which multiply the codes
-    # exactly but cost launches at this size
-    "unified-fp8-block": ["precision.flow=unified", "precision.format=fp8-block", FULL_LR],
+    # W8A8: at SmolLM2-135M's hidden size (576) rollout and training multiply the fake-quantized weights and
+    # activations with bf16 GEMMs (`precision.kernel_forward` null; the unified default there is now weight-only,
+    # the "-w8a16" settings below, so these name W8A8); the "-kernels" setting takes the 8-bit kernels, which
+    # multiply the codes exactly but cost launches at this size
+    "unified-fp8-block": ["precision.flow=unified", "precision.format=fp8-block", "precision.weight_only=false",
+                          FULL_LR],
     "unified-fp8-block-kernels": ["precision.flow=unified", "precision.format=fp8-block",
                                   "precision.kernel_forward=true", FULL_LR],
-    "unified-int8": ["precision.flow=unified", "precision.format=int8", FULL_LR],
+    "unified-int8": ["precision.flow=unified", "precision.format=int8", "precision.weight_only=false", FULL_LR],
     # rollout and training on the batch-invariant kernels: the same bits in both forwards (mismatch/kl 0)
     "unified-fp8-block-invariant": ["precision.flow=unified", "precision.format=fp8-block",
-                                    "precision.batch_invariant=true", FULL_LR],
+                                    "precision.weight_only=false", "precision.batch_invariant=true", FULL_LR],
     "bf16-invariant": ["precision.flow=bf16", "precision.batch_invariant=true", FULL_LR],
     # weight-only rollouts: on small models the per-token activation quantizer makes most of the mismatch
-    # (bench/results/mismatch.md); without it the unified flow's two forwards differ only in rounding order
+    # (bench/results/mismatch.md); without it the unified flow's two forwards differ only in rounding order (the
+    # unified default below hidden size 2048)
     "split-int8-w8a16-tis": [*SPLIT_INT8, "precision.weight_only=true", FULL_LR],
     "split-int8-smooth-tis": ["precision.flow=split", "precision.format=int8", "precision.smooth_alpha=0.5",
                               FULL_LR],
@@ -110,8 +113,9 @@ SETTINGS: dict[str, list[str]] = {
 }
 REFERENCE, LORA_REFERENCE = "bf16", "bf16-lora"
 # Targets (docs/BENCHMARKS.md): (setting, reference, allowed points below the reference at equal steps)
+UNIFIED = ("unified-fp8-block", "unified-fp8-block-w8a16", "unified-int8-w8a16", "unified-fp8-block-invariant")
 WITHIN = [(s, REFERENCE, 0.02) for s in ("split-int8-smooth-tis", "split-int8-tis", "split-fp8-tis",
-                                         "split-fp8-block-tis", "unified-fp8-block")] + \
+                                         "split-fp8-block-tis", *UNIFIED[:3])] + \
     [("qlora-nvfp4", LORA_REFERENCE, 0.03), ("qlora-nvfp4-lr1e-4", "bf16-lora-lr1e-4", 0.03),
      ("qlora-nvfp4-base-error", LORA_REFERENCE, 0.03), ("qlora-nvfp4-base-error-lr1e-4", "bf16-lora-lr1e-4", 0.03)]
 NAIVE_PAIRS = [("split-int8-naive", "split-int8-tis")]
@@ -395,7 +399,7 @@ def verdicts(summaries: dict) -> list[str]:
     heavy = [f"{n} {s['times']['sync_s'] / s['times']['step_s']:.1%}" for n, s in summaries.items()
              if s["times"].get("step_s") and s["times"]["sync_s"] > 0.01 * s["times"]["step_s"]]
     out.append("sync <= 1 % of every step: " + ("met" if not heavy else "missed (" + ", ".join(heavy) + ")"))
-    for name in ("unified-fp8-block", "unified-fp8-block-invariant"):
+    for name in UNIFIED:
         if name in summaries and REFERENCE in summaries:
             u, b = summaries[name]["kl"][0], summaries[REFERENCE]["kl"][0]
             out.append(f"{name} mismatch/kl no higher than bf16's: {u:.4f} vs {b:.4f} -> "
