@@ -499,6 +499,8 @@ ADDED_KEYS = {
     "precision.base_quantizer": "rtn",  # qlora bases were rounded to nearest before GPTQ existed
     "precision.kernel_forward": True,  # the quantized kernels in rollout, at every model size, before it was a choice
     "lora.init": "zeros",  # adapters started at B = 0 before they could start as a base-error correction
+    # the unified flow quantized activations on bf16 GEMMs too before it left them unquantized there
+    "precision.unified_weight_only_on_bf16": False,
 }
 
 
@@ -715,9 +717,10 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     data = config_to_dict(cfg)
     p, loss = cfg.precision, cfg.loss
     data["precision"]["format"] = p.resolved_format or "bf16"
-    by_model_size = p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN - 1) != \
-        p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN)
-    data["precision"]["weight_only"] = None if by_model_size else p.resolved_weight_only if p.flow != "bf16" else False
+    if p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN - 1) != p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN):
+        data["precision"]["weight_only"] = None  # the model's hidden size decides
+    else:
+        data["precision"]["weight_only"] = p.resolved_weight_only if p.flow != "bf16" else False
     data["precision"]["smooth_alpha"] = p.resolved_smooth_alpha
     data["precision"]["base_quantizer"] = p.resolved_base_quantizer
     data["lora"]["alpha"] = cfg.lora.alpha if cfg.lora.alpha is not None else float(cfg.lora.rank)

@@ -68,12 +68,16 @@ class PrecisionConfig:
     flow: str = "bf16"  # bf16 | split | unified | qlora (the four flows of the README)
     format: str | None = None  # None -> the flow's default (split: int8, unified: fp8-block, qlora: nvfp4)
     quantize_lm_head: bool = False  # lm_head (and embeddings) stay in full precision unless asked
-    # None -> True for fp4 formats and for qlora; for the unified flow also where kernel_forward is null and the
-    # model's hidden size is below KERNEL_FORWARD_MIN_HIDDEN (and no quantized_backward): there both forwards take
-    # bf16 GEMMs, so quantizing the activations would add only launches and mismatch (B6, SmolLM2-135M, one H100:
-    # mismatch/kl 0.0011-0.0012 as bf16's 0.0011, against 0.0034-0.0067 W8A8; step 1.00x bf16's against 1.09-1.12x);
+    # None -> True for fp4 formats and for qlora; for the unified flow as `unified_weight_only_on_bf16` decides;
     # else W8A8
     weight_only: bool | None = None
+    # unified flow with weight_only and kernel_forward null, no quantized_backward: quantize only the weights where
+    # the model's hidden size makes kernel_forward choose bf16 GEMMs (below KERNEL_FORWARD_MIN_HIDDEN). There both
+    # forwards multiply bf16 GEMMs anyway, and quantized activations add only launches and mismatch: a last-bit
+    # difference between decode and training forward flips an 8-bit rounding (B6, SmolLM2-135M, one H100:
+    # mismatch/kl 0.0011-0.0012 against bf16's 0.0011 and W8A8's 0.0034-0.0067; step 1.00x bf16's against
+    # 1.09-1.12x). false: W8A8 there too. An explicit kernel_forward or weight_only is kept as given
+    unified_weight_only_on_bf16: bool = True
     kv_cache: str = "auto"  # "auto" = compute dtype; "fp8" = E4M3, scale 1; "fp8-token" = E4M3, scale per token+head
     compute_dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     quantized_backward: bool = False  # unified + fp8-block: the gradient GEMMs take FP8-block operands (Jet-RL)
@@ -222,9 +226,10 @@ class PrecisionConfig:
     def resolved_weight_only_at(self, hidden_size: int | None) -> bool:
         """`weight_only` for a model of hidden_size (None = unknown): `resolved_weight_only`, and where weight_only
         is None also true for the unified flow on the bf16 GEMMs that kernel_forward null chooses below
-        KERNEL_FORWARD_MIN_HIDDEN (without quantized_backward, whose FP8 gradient GEMMs need W8A8)."""
+        KERNEL_FORWARD_MIN_HIDDEN, with `unified_weight_only_on_bf16` (not with quantized_backward, whose FP8
+        gradient GEMMs need W8A8)."""
         if self.weight_only is None and self.flow == "unified" and self.kernel_forward is None \
-                and not self.quantized_backward and hidden_size is not None \
+                and self.unified_weight_only_on_bf16 and not self.quantized_backward and hidden_size is not None \
                 and hidden_size < KERNEL_FORWARD_MIN_HIDDEN:
             return True
         return self.resolved_weight_only

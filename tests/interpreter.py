@@ -36,15 +36,16 @@ INTERPRETER_PATCH = textwrap.dedent("""
     ti._convert_float = _convert_rne
 """)
 
-# Prepend after INTERPRETER_PATCH where a test needs a row's result not to depend on its tile's shape: the
-# interpreter's tl.dot is numpy's float32 matmul, whose BLAS picks its kernel (and summation order) by the shapes
-# (a one-row tile may take another kernel than a 16-row one, on some CPUs), where a GPU kernel of fixed tiles sums
-# in one order. In float64 the products of float16/bfloat16/float32 operands are exact and their sums over a tile
-# round alike whatever the order, so the result is rounded once to float32 as the GPU's accumulator holds it.
+# Prepend after INTERPRETER_PATCH where a test needs a row's result not to depend on where the row sits in its
+# tile: the interpreter's tl.dot is numpy's float32 matmul, whose BLAS (on some CPUs) sums a row's products in an
+# order that depends on the row's position in the tile, where a GPU kernel of fixed tiles sums every row alike.
+# In float64 the products of float16/bfloat16/float32 operands are exact and their sum over one tile is nearly
+# so, whatever the order; the result is rounded once to float32, as the GPU's accumulator holds it. Each K-tile
+# still adds into the float32 accumulator, so a kernel whose K tiling depended on the batch would still show.
 ORDER_FREE_DOT_PATCH = textwrap.dedent("""
     _orig_dot = ti.InterpreterBuilder.create_dot
     def _order_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if d.data.dtype != np.float32 or a.dtype.primitive_bitwidth == 8:
+        if d.data.dtype != np.float32 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
             return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
         product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
         return ti.TensorHandle((product + d.data).astype(np.float32), d.dtype.scalar)

@@ -181,7 +181,8 @@ def test_effective_config_fills_in_resolved_values():
     eff = effective_config_dict(cfg)
     # the unified flow resolves weight_only by the model's hidden size (weight-only below 2048): left null
     assert eff["precision"]["format"] == "fp8-block" and eff["precision"]["weight_only"] is None
-    for fixed in ("precision.kernel_forward=true", "precision.kernel_forward=false", "precision.quantized_backward=true"):
+    for fixed in ("precision.kernel_forward=true", "precision.kernel_forward=false", "precision.quantized_backward=true",
+                  "precision.unified_weight_only_on_bf16=false"):
         pinned = effective_config_dict(load_config(None, ["precision.flow=unified", fixed]))
         assert pinned["precision"]["weight_only"] is False, fixed
     assert effective_config_dict(load_config(None, ["precision.flow=split"]))["precision"]["weight_only"] is False

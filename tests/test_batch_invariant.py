@@ -122,8 +122,8 @@ _END_TO_END = INTERPRETER_PATCH + ORDER_FREE_DOT_PATCH + textwrap.dedent("""
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 70, 9)]  # 70: a block boundary mid-prompt
     for flow, fmt, lora in [("bf16", None, 0), ("unified", "int8", 0), ("qlora", "nvfp4", 4)]:
         model = make_model("llama", torch.float32, std=0.1).half()
-        apply_precision(model, PrecisionConfig(flow=flow, format=fmt, batch_invariant=True,
-                                               lora=LoraConfig(rank=lora)))
+        apply_precision(model, PrecisionConfig(flow=flow, format=fmt, batch_invariant=True, lora=LoraConfig(rank=lora),
+                                               weight_only=False if flow == "unified" else None))  # unified: W8A8
         switched = [m.batch_invariant for m in model.modules() if hasattr(m, "batch_invariant")]
         assert model.batch_invariant and all(switched) and len(switched) > 10
         engine = FastRolloutEngine(model, None, max_batch_size=8, use_cuda_graphs=False)

@@ -58,6 +58,22 @@ def test_advice_follows_the_config():
     assert "smooth_alpha" not in out[0][0]
 
 
+def test_weight_only_advice_only_where_activations_are_quantized():
+    """The unified flow's default is weight-only below hidden size 2048: no advice to turn on what is on."""
+    from quarl.precision import PrecisionConfig
+
+    def advice(hidden, **precision):
+        cfg = SimpleNamespace(precision=PrecisionConfig(**precision),
+                              loss=SimpleNamespace(correction="mis", is_cap=2.0, error_token_guard="off"))
+        (msg,), = [m for m in _feed(MismatchAlarms(AlarmConfig(patience=1), cfg, hidden), [0.5])[0] if m]
+        return msg
+
+    assert "precision.weight_only=true" not in advice(576, flow="unified")
+    assert "precision.weight_only=true" in advice(4096, flow="unified")
+    assert "precision.weight_only=true" in advice(576, flow="unified", weight_only=False)
+    assert "precision.weight_only=true" in advice(576, flow="split", format="int8")
+
+
 def test_below_threshold_missing_nan_disabled_and_zero_threshold_never_fire():
     nan = float("nan")
     assert not any(_feed(MismatchAlarms(AlarmConfig(patience=1)), [0.009, 0.0, nan, -1.0])[0][i] for i in range(4))

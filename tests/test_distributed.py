@@ -39,7 +39,7 @@ def overrides(tmp: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
 
 # The unified flow: rollout and training forward both quantize (INT8 W8A8), so a rollout copy that follows the
 # trained weights gives behaviour log-probs equal to the training forward's, and the sync quantizes gathered shards.
-UNIFIED = ("precision.flow=unified", "precision.format=int8")
+UNIFIED = ("precision.flow=unified", "precision.format=int8", "precision.weight_only=false")
 # Held-out evals before training and after every step but the last, two sampled answers per problem (4 problems).
 EVAL = ("eval.before=true", "eval.after=false", "eval.every=1", "eval.n=2", "eval.temperature=0.7")
 

@@ -82,7 +82,8 @@ def test_unified_flow_with_fp8_kv_cache_stays_on_policy(tmp_path, kv):
 
     # rollout.engine stays auto for fp8-token: an FP8 KV cache picks the fast engine on a CPU too
     engine = ["rollout.engine=fast"] if kv == "fp8" else []
-    cfg = make_cfg(tmp_path, "precision.flow=unified", f"precision.kv_cache={kv}", *engine, "train.steps=1")
+    cfg = make_cfg(tmp_path, "precision.flow=unified", "precision.weight_only=false", f"precision.kv_cache={kv}",
+                   *engine, "train.steps=1")
     trainer = make_trainer(cfg, arch="qwen2")
     assert isinstance(trainer.engine, FastRolloutEngine) and trainer.engine.kv_token_scales == (kv == "fp8-token")
     assert all(m.kv_quant == kv for m in trainer.model.modules() if isinstance(m, Attention))

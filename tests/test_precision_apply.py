@@ -253,7 +253,8 @@ def test_unified_flow_is_weight_only_on_the_bf16_gemms_the_hidden_size_chose():
         assert auto.resolved_weight_only_at(576) and auto.resolved_weight_only_at(MIN - 1)
         assert not auto.resolved_weight_only_at(MIN) and not auto.resolved_weight_only_at(None)
         assert auto.linear_settings(576)["weight_only"] and not auto.linear_settings(MIN)["weight_only"]
-        for pinned in (dict(kernel_forward=True), dict(kernel_forward=False), dict(weight_only=False)):
+        for pinned in (dict(kernel_forward=True), dict(kernel_forward=False), dict(weight_only=False),
+                       dict(unified_weight_only_on_bf16=False)):
             assert not PrecisionConfig(flow="unified", format=fmt, **pinned).resolved_weight_only_at(576), pinned
     assert not PrecisionConfig(flow="unified", quantized_backward=True).resolved_weight_only_at(576)
     assert not PrecisionConfig(flow="split", format="int8").resolved_weight_only_at(576)
@@ -269,6 +270,23 @@ def test_unified_flow_is_weight_only_on_the_bf16_gemms_the_hidden_size_chose():
         layer.set_rollout(rollout)
         assert torch.allclose(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
     layer.set_rollout(False)
+
+
+def test_a_unified_run_saved_before_the_weight_only_default_resumes_w8a8(tmp_path):
+    """A config.yaml written before `precision.unified_weight_only_on_bf16` existed resumes W8A8 on bf16 GEMMs, as
+    that run computed; a config saved with the key resumes as saved."""
+    import yaml
+
+    from quarl.api import _resumed
+    from quarl.config import config_to_dict, load_config
+
+    data = config_to_dict(load_config(None, ["precision.flow=unified"]))
+    old = {**data, "precision": {k: v for k, v in data["precision"].items() if k != "unified_weight_only_on_bf16"}}
+    for saved, weight_only in ((old, False), (data, True)):
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+        config, overrides = _resumed(None, {"resume": str(tmp_path)})
+        resumed = load_config(config, [f"{k}={v}" for k, v in overrides.items()]).precision
+        assert resumed.weight_only is None and resumed.resolved_weight_only_at(576) == weight_only
 
 
 @pytest.mark.parametrize("flow,fmt", [("unified", "int8"), ("unified", "fp8-block"), ("qlora", "nvfp4")])

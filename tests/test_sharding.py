@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES = {
     "split-int8": PrecisionConfig(flow="split", format="int8"),
-    "unified-fp8": PrecisionConfig(flow="unified", format="fp8"),
+    "unified-fp8": PrecisionConfig(flow="unified", format="fp8", weight_only=False),  # W8A8 (the default here: W8A16)
     "split-nvfp4-lora": PrecisionConfig(flow="split", format="nvfp4", lora=LoraConfig(rank=4)),
     "qlora-nvfp4": PrecisionConfig(flow="qlora", format="nvfp4", lora=LoraConfig(rank=4)),
     "bf16": PrecisionConfig(flow="bf16"),

@@ -26,16 +26,18 @@ def _logits(model, ids, rollout: bool):
         return model(ids)
 
 
+@pytest.mark.parametrize("weight_only", [False, None])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block", "nvfp4", "mxfp4"])
-def test_unified_rollout_and_training_forward_are_one_function_on_smollm2_shapes(fmt):
+def test_unified_rollout_and_training_forward_are_one_function_on_smollm2_shapes(fmt, weight_only):
     """Bit-identical logits from the rollout forward and the training forward of the unified flow over the same
-    tokens; the split flow's two forwards differ on the same model (what the test would see if unified were
-    not on-policy)."""
+    tokens, W8A8 (weight_only false) and as the default resolves at this hidden size (weight-only); the split
+    flow's two forwards differ on the same model (what the test would see if unified were not on-policy)."""
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (3, 11))
     for flow in ("unified", "split"):
         model = make_model("llama", std=0.05, **SMOLLM2_SHAPES)
-        apply_precision(model, PrecisionConfig(flow=flow, format=fmt))
+        wo = weight_only if flow == "unified" and fmt not in ("nvfp4", "mxfp4") else None  # fp4: always W4A16
+        apply_precision(model, PrecisionConfig(flow=flow, format=fmt, weight_only=wo))
         assert all(m.rollout_format == fmt for n, m in model.named_modules()
                    if isinstance(m, QuantLinear) and not n.endswith("lm_head"))
         same = torch.equal(_logits(model, ids, rollout=True), _logits(model, ids, rollout=False))

@@ -360,7 +360,7 @@ def rollout_roofline(model, cfg, args, bandwidth: float, rate: float) -> float:
 
     weight_bytes, params = linear_bytes_and_params(model)
     fmt = cfg.precision.resolved_format
-    w8a8 = fmt in W8A8 and not cfg.precision.resolved_weight_only
+    w8a8 = fmt in W8A8 and not cfg.precision.resolved_weight_only_at(model.config.hidden_size)
     kv_bytes = kv_bytes_per_element(cfg.precision.kv_cache, model.config.head_dim, model.dtype.itemsize)
     return roofline_seconds(weight_bytes, params, model.config, args.prompts * args.samples, args.prompt_len,
                             args.max_new_tokens, args.prompts * args.prompt_len, kv_bytes, bandwidth,

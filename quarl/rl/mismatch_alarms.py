@@ -45,8 +45,9 @@ BAND_KEYS = {"geo_mask": "loss.geo_high / loss.geo_low", "seq_mask_tis": "loss.g
              "icepop": "loss.icepop_high / loss.icepop_low"}
 
 
-def _advice(key: str, run_cfg) -> str:
-    """What to try, given the run config (a RunConfig, or None for generic advice)."""
+def _advice(key: str, run_cfg, hidden_size: int | None = None) -> str:
+    """What to try, given the run config (a RunConfig, or None for generic advice) and the model's hidden size (None
+    = unknown), which decides whether the unified flow quantizes activations by default."""
     precision = getattr(run_cfg, "precision", None)
     flow = getattr(precision, "flow", None)
     fmt = getattr(precision, "format", None)
@@ -65,7 +66,8 @@ def _advice(key: str, run_cfg) -> str:
                 and not getattr(precision, "resolved_smooth_alpha", getattr(precision, "smooth_alpha", 1.0)) \
                 and getattr(precision, "resolved_weight_only", True) is False:
             tips.append("smoothing the activations' outlier channels (precision.smooth_alpha=0.5, SmoothQuant)")
-        if flow in ("split", "unified") and getattr(precision, "resolved_weight_only", True) is False:
+        weight_only = getattr(precision, "resolved_weight_only_at", None)
+        if flow in ("split", "unified") and weight_only is not None and not weight_only(hidden_size):
             tips.append("weight-only quantization (precision.weight_only=true: activations stay in the compute "
                         "dtype; `quarl bench mismatch` measures each format both ways on your model)")
         if flow in ("split", None):
@@ -93,9 +95,10 @@ class MismatchAlarms:
     messages warned at this step (also issued as UserWarning). A missing or NaN metric breaks the streak.
     """
 
-    def __init__(self, cfg: AlarmConfig | None = None, run_cfg=None):
+    def __init__(self, cfg: AlarmConfig | None = None, run_cfg=None, hidden_size: int | None = None):
         self.cfg = (cfg or AlarmConfig()).validate()
         self.run_cfg = run_cfg
+        self.hidden_size = hidden_size  # the model's: the unified flow's default weight_only depends on it
         self.streak = {key: 0 for key in ALARM_METRICS}
         self.fired: set[str] = set()
 
@@ -111,7 +114,8 @@ class MismatchAlarms:
             if above and self.streak[key] >= self.cfg.patience and key not in self.fired:
                 self.fired.add(key)
                 msg = (f"step {step}: {name}={value:.4g} has been above alarms.{key}={threshold:g} for "
-                       f"{self.streak[key]} steps; try {_advice(key, self.run_cfg)} (docs/CORRECTIONS.md)")
+                       f"{self.streak[key]} steps; try {_advice(key, self.run_cfg, self.hidden_size)} "
+                       "(docs/CORRECTIONS.md)")
                 warnings.warn(msg, UserWarning, stacklevel=2)
                 messages.append(msg)
         return messages

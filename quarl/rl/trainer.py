@@ -360,7 +360,8 @@ class Trainer:
         self.loss_cfg = dataclasses.replace(
             cfg.loss, max_new_tokens=cfg.loss.max_new_tokens or cfg.rollout.max_new_tokens
         )
-        self.alarms = MismatchAlarms(cfg.alarms, cfg)  # one warning with remedies when the mismatch drifts
+        # one warning with remedies when the mismatch drifts
+        self.alarms = MismatchAlarms(cfg.alarms, cfg, hidden_size(self.model, cfg.precision))
         if cfg.rollout.router_replay and not getattr(self.model, "is_moe", False):
             raise ValueError(f"rollout.router_replay=true needs a mixture-of-experts model; {cfg.model.name} has no "
                              "MoE layers (set rollout.router_replay=false)")
@@ -409,7 +410,8 @@ class Trainer:
             return
         where = "bf16 GEMMs of the dequantized weights, in rollout and training alike" \
             if any(m.bf16_gemms for m in linears) else "the quantized kernels in the rollout"
-        if precision.flow == "unified" and precision.weight_only is None and all(m.weight_only for m in linears):
+        if precision.flow == "unified" and precision.weight_only is None and not precision.resolved_weight_only \
+                and all(m.weight_only for m in linears):
             where += ", activations unquantized (weight-only; precision.weight_only=false quantizes them too)"
         hidden = hidden_size(self.model, precision)
         print(f"[quarl] {precision.flow} flow: multiplies with {where} (hidden size {hidden}; the kernels by default "
