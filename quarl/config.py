@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from quarl.fast_paths import FastPaths
-from quarl.precision import KERNEL_FORWARD_MIN_HIDDEN, LoraConfig, PrecisionConfig
+from quarl.precision import LoraConfig, PrecisionConfig
 from quarl.rl.critic import CriticConfig
 from quarl.rl.mismatch_alarms import AlarmConfig
 from quarl.rl.run_log import parse_report_to
@@ -717,7 +717,7 @@ def effective_config_dict(cfg: RunConfig) -> dict:
     data = config_to_dict(cfg)
     p, loss = cfg.precision, cfg.loss
     data["precision"]["format"] = p.resolved_format or "bf16"
-    if p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN - 1) != p.resolved_weight_only_at(KERNEL_FORWARD_MIN_HIDDEN):
+    if p.weight_only_by_hidden_size:
         data["precision"]["weight_only"] = None  # the model's hidden size decides
     else:
         data["precision"]["weight_only"] = p.resolved_weight_only if p.flow != "bf16" else False

@@ -223,14 +223,19 @@ class PrecisionConfig:
             return self.weight_only
         return self.flow == "qlora" or self.resolved_format in WEIGHT_ONLY_FORMATS
 
+    @property
+    def weight_only_by_hidden_size(self) -> bool:
+        """Whether the model's hidden size decides `weight_only`: the unified flow, W8A8 by format, with
+        weight_only and kernel_forward null, `unified_weight_only_on_bf16` and no quantized_backward (whose FP8
+        gradient GEMMs need W8A8); weight-only below KERNEL_FORWARD_MIN_HIDDEN, where kernel_forward null chooses
+        bf16 GEMMs."""
+        return self.weight_only is None and self.flow == "unified" and self.kernel_forward is None \
+            and self.unified_weight_only_on_bf16 and not self.quantized_backward and not self.resolved_weight_only
+
     def resolved_weight_only_at(self, hidden_size: int | None) -> bool:
-        """`weight_only` for a model of hidden_size (None = unknown): `resolved_weight_only`, and where weight_only
-        is None also true for the unified flow on the bf16 GEMMs that kernel_forward null chooses below
-        KERNEL_FORWARD_MIN_HIDDEN, with `unified_weight_only_on_bf16` (not with quantized_backward, whose FP8
-        gradient GEMMs need W8A8)."""
-        if self.weight_only is None and self.flow == "unified" and self.kernel_forward is None \
-                and self.unified_weight_only_on_bf16 and not self.quantized_backward and hidden_size is not None \
-                and hidden_size < KERNEL_FORWARD_MIN_HIDDEN:
+        """`weight_only` for a model of hidden_size (None = unknown): `resolved_weight_only`, or true where
+        `weight_only_by_hidden_size` and hidden_size is below KERNEL_FORWARD_MIN_HIDDEN."""
+        if self.weight_only_by_hidden_size and hidden_size is not None and hidden_size < KERNEL_FORWARD_MIN_HIDDEN:
             return True
         return self.resolved_weight_only
 

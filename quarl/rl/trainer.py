@@ -410,10 +410,9 @@ class Trainer:
             return
         where = "bf16 GEMMs of the dequantized weights, in rollout and training alike" \
             if any(m.bf16_gemms for m in linears) else "the quantized kernels in the rollout"
-        if precision.flow == "unified" and precision.weight_only is None and not precision.resolved_weight_only \
-                and all(m.weight_only for m in linears):
-            where += ", activations unquantized (weight-only; precision.weight_only=false quantizes them too)"
         hidden = hidden_size(self.model, precision)
+        if precision.resolved_weight_only_at(hidden) != precision.resolved_weight_only:
+            where += ", activations unquantized (weight-only; precision.weight_only=false quantizes them too)"
         print(f"[quarl] {precision.flow} flow: multiplies with {where} (hidden size {hidden}; the kernels by default "
               f"from {KERNEL_FORWARD_MIN_HIDDEN}, where they save more than their launches cost; "
               "precision.kernel_forward=true / false chooses)")
