@@ -8,8 +8,10 @@ with unit-variance scores that stays within the bound). Gradients, which torch c
 within 1e-2 of float64 for x (fp16 products of O(1) values) and 0.1 for the weight (a sum over 21 rows of
 O(1) terms), attention within 1e-2 of the largest float64 gradient. Invariance is exact: a row computed alone or in
 any batch has the same bits, and a decode step's query (one column of a slot cache) gets the bits the same query
-gets inside a left-padded training row. End to end, rollout and training log-probs agree within 1e-5: the same
-fp16 logits through two float32 log-softmax computations.
+gets inside a left-padded training row. Both scripts sum the interpreter's tile products in float64
+(`ORDER_FREE_DOT_PATCH`): numpy's float32 matmul, which the interpreter's tl.dot is, sums a row in an order that
+depends on the row's place in its tile on some CPUs, where a GPU tile sums every row alike. End to end, rollout
+and training log-probs agree within 1e-5: the same fp16 logits through two float32 log-softmax computations.
 """
 
 import textwrap
@@ -22,7 +24,7 @@ from quarl.model.precision_apply import apply_precision
 from quarl.precision import PrecisionConfig
 from tiny_models import make_model
 
-_KERNELS = INTERPRETER_PATCH + textwrap.dedent("""
+_KERNELS = INTERPRETER_PATCH + ORDER_FREE_DOT_PATCH + textwrap.dedent("""
     import math
     import torch
     import torch.nn.functional as F
