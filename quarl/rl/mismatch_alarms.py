@@ -18,9 +18,9 @@ class AlarmConfig:
     """`alarms.*` config keys: thresholds per metric (0 = that alarm off) and the steps a drift must last."""
 
     enabled: bool = True  # false: no mismatch alarm at all
-    # mismatch/kl (k1 KL(μ‖π_prox) per token). On B6 the smoothed INT8 default logged 0.014 and kept level with bf16;
-    # the settings at 0.018 or more ended over 2 points behind in all but one entry. QuRL's collapse began near
-    # 0.01-0.025.
+    # mismatch/kl (k1 KL(μ‖π_prox) per token). On B6 the smoothed INT8 default logged 0.014 and kept level with
+    # bf16; the settings at 0.018 or more ended over 2 points behind in all but one entry. QuRL's collapse began
+    # near 0.01-0.025.
     kl: float = 0.02
     truncated_frac: float = 0.1  # is/truncated_frac: share of tokens whose weight was truncated (ρ > is_cap)
     masked_frac: float = 0.3  # is/masked_frac: share of tokens a rejecting correction dropped
