@@ -72,7 +72,7 @@ def test_error_guard_in_the_trainer(tmp_path, guard):
 
 def test_alarm_warns_once_in_a_run(tmp_path):
     cfg = make_cfg(tmp_path, *SPLIT, "train.steps=2", "loss.is_cap=1.0001", "alarms.truncated_frac=0.01",
-                   "alarms.patience=1")
+                   "alarms.patience=1", "alarms.window=1")
     trainer = make_trainer(cfg)
     with pytest.warns(UserWarning, match=r"is/truncated_frac=.* alarms.truncated_frac=0.01") as caught:
         trainer.train()

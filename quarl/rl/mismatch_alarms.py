@@ -1,15 +1,18 @@
 """Mismatch alarms: one warning, with what to try, when a mismatch metric drifts past its threshold.
 
 The metrics users watch (BRIEF §6) drift slowly before a low-precision run collapses (QuRL saw KL(μ‖π_prox) grow
-from 0.002 to 0.025 over 1000+ steps). An alarm fires when a metric stays above its threshold for `patience`
-consecutive steps, once per metric and run, naming the value, the threshold and the remedies that fit the run's
-config (a rejecting correction, a finer format, the unified flow, the error-token guard).
+from 0.002 to 0.025 over 1000+ steps), while a single step's value is noisy (a run averaging 0.010 logged steps of
+0.001 to 0.026). So what is compared with a metric's threshold is its mean over the last `window` steps, from the
+step that fills the window on; an alarm fires when that mean stays above the threshold for `patience` consecutive
+steps, once per metric and run, naming the mean, the threshold and the remedies that fit the run's config (a
+rejecting correction, a finer format, the unified flow, the error-token guard).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -18,14 +21,15 @@ class AlarmConfig:
     """`alarms.*` config keys: thresholds per metric (0 = that alarm off) and the steps a drift must last."""
 
     enabled: bool = True  # false: no mismatch alarm at all
-    # mismatch/kl (k1 KL(μ‖π_prox) per token). On B6 the smoothed INT8 default logged 0.014 and kept level with
-    # bf16; the settings at 0.018 or more ended over 2 points behind in all but one entry. QuRL's collapse began
-    # near 0.01-0.025.
+    # mismatch/kl (k1 KL(μ‖π_prox) per token). On B6 the smoothed INT8 default averaged 0.014 and kept level with
+    # bf16; the settings averaging 0.022 or more ended over 2 points behind in all but one entry (qlora with AQN,
+    # whose noise is the point, averaged 0.0185). QuRL's collapse began near 0.01-0.025.
     kl: float = 0.02
     truncated_frac: float = 0.1  # is/truncated_frac: share of tokens whose weight was truncated (ρ > is_cap)
     masked_frac: float = 0.3  # is/masked_frac: share of tokens a rejecting correction dropped
     error_frac: float = 0.05  # error/flagged_frac: share of answers flagged as loops / log-ratio spikes
-    patience: int = 3  # consecutive steps above the threshold before the warning
+    window: int = 20  # steps whose mean is compared with each threshold, once that many (1: each step's value)
+    patience: int = 3  # consecutive steps with that mean above the threshold before the warning
 
     def validate(self) -> "AlarmConfig":
         """ValueError naming the key when a threshold is negative or not finite, or patience < 1."""
@@ -35,6 +39,8 @@ class AlarmConfig:
                 raise ValueError(f"alarms.{key}={value} must be a finite number >= 0 (0 turns this alarm off)")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"alarms.patience={self.patience!r} must be an int >= 1 (steps above the threshold)")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"alarms.window={self.window!r} must be an int >= 1 (steps averaged; 1: no averaging)")
         return self
 
 
@@ -99,9 +105,10 @@ def _advice(key: str, run_cfg, hidden_size: int | None = None) -> str:
     else:  # error_frac
         if getattr(loss, "error_token_guard", "off") == "off":
             tips.append("loss.error_token_guard=mask (or drop) so flagged answers are not trained on")
-        finer = _finer_format_tip(precision)
-        tips.append(f"{'a finer rollout format (' + finer + ') or ' if finer else ''}the unified flow (loops are "
-                    "a symptom of a lossy rollout model)")
+        if flow in ("split", None):
+            finer = _finer_format_tip(precision)
+            tips.append(f"{'a finer rollout format (' + finer + ') or ' if finer else ''}the unified flow (loops "
+                        "are a symptom of a lossy rollout model)")
     if not tips:  # already rejecting, already unified: the mismatch should be kernels only
         tips.append("checking that rollout and training quantize every linear (and the KV cache) the same way: a "
                     "layer left in another precision on one side raises the mismatch")
@@ -112,7 +119,8 @@ class MismatchAlarms:
     """Tracks the step metrics and warns once per metric when it drifts past its threshold.
 
     Call `check(step, metrics)` after each step with the step's metrics dict (python floats); it returns the
-    messages warned at this step (also issued as UserWarning). A missing or NaN metric breaks the streak.
+    messages warned at this step (also issued as UserWarning). A missing or NaN metric breaks the streak and empties
+    its window, which must fill again before the metric is compared.
     """
 
     def __init__(self, cfg: AlarmConfig | None = None, run_cfg=None, hidden_size: int | None = None):
@@ -120,6 +128,7 @@ class MismatchAlarms:
         self.run_cfg = run_cfg
         self.hidden_size = hidden_size  # the model's: the unified flow's default weight_only depends on it
         self.streak = {key: 0 for key in ALARM_METRICS}
+        self.recent = {key: deque(maxlen=self.cfg.window) for key in ALARM_METRICS}  # the metric's last values
         self.fired: set[str] = set()
 
     def check(self, step: int, metrics: dict) -> list[str]:
@@ -128,12 +137,20 @@ class MismatchAlarms:
         messages = []
         for key, name in ALARM_METRICS.items():
             threshold = getattr(self.cfg, key)
-            value = metrics.get(name)
-            above = threshold > 0 and isinstance(value, (int, float)) and value > threshold
+            value, recent = metrics.get(name), self.recent[key]
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                recent.append(float(value))
+            else:
+                recent.clear()
+            full = len(recent) == self.cfg.window
+            mean = sum(recent) / len(recent) if full else 0.0
+            above = threshold > 0 and full and mean > threshold
             self.streak[key] = self.streak[key] + 1 if above else 0
             if above and self.streak[key] >= self.cfg.patience and key not in self.fired:
                 self.fired.add(key)
-                msg = (f"step {step}: {name}={value:.4g} has been above alarms.{key}={threshold:g} for "
+                what = f"{name}={mean:.4g}" if self.cfg.window == 1 else \
+                    f"{name}'s mean over the last {self.cfg.window} steps ({mean:.4g})"
+                msg = (f"step {step}: {what} has been above alarms.{key}={threshold:g} for "
                        f"{self.streak[key]} steps; try {_advice(key, self.run_cfg, self.hidden_size)} "
                        "(docs/CORRECTIONS.md)")
                 warnings.warn(msg, UserWarning, stacklevel=2)
