@@ -130,7 +130,7 @@ _END_TO_END = INTERPRETER_PATCH + ORDER_FREE_DOT_PATCH + textwrap.dedent("""
         assert model.batch_invariant and all(switched) and len(switched) > 10
         engine = FastRolloutEngine(model, None, max_batch_size=8, use_cuda_graphs=False)
         assert engine.attention_name is None and engine._decoder is None
-        diff = rollout_vs_training(engine, prompts, 1, 24)
+        diff = rollout_vs_training(engine, prompts, 1, 8)  # 8 decode steps over the slot cache
         assert engine.attention_name == "invariant"
         assert diff < 1e-5, (flow, diff)
         model.set_batch_invariant(False)  # an engine keeps decoding as the model computed when it was built
