@@ -137,6 +137,7 @@ def test_below_threshold_missing_nan_disabled_and_zero_threshold_never_fire():
     assert not any(_feed(MismatchAlarms(_per_step()), [0.5] * 3, name="other/metric")[0])
     assert not any(_feed(MismatchAlarms(_per_step(enabled=False)), [0.5] * 3)[0])
     assert not any(_feed(MismatchAlarms(_per_step(kl=0)), [0.5] * 3)[0])
+    assert _feed(MismatchAlarms(_per_step()), [float("inf")])[0][0]  # a diverged metric is above any threshold
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -32,7 +32,7 @@ class AlarmConfig:
     patience: int = 3  # consecutive steps with that mean above the threshold before the warning
 
     def validate(self) -> "AlarmConfig":
-        """ValueError naming the key when a threshold is negative or not finite, or patience < 1."""
+        """ValueError naming the key when a threshold is negative or not finite, or patience or window < 1."""
         for key in ("kl", "truncated_frac", "masked_frac", "error_frac"):
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):
@@ -138,7 +138,7 @@ class MismatchAlarms:
         for key, name in ALARM_METRICS.items():
             threshold = getattr(self.cfg, key)
             value, recent = metrics.get(name), self.recent[key]
-            if isinstance(value, (int, float)) and math.isfinite(value):
+            if isinstance(value, (int, float)) and not math.isnan(value):  # +inf counts: it is above any threshold
                 recent.append(float(value))
             else:
                 recent.clear()
