@@ -60,19 +60,14 @@ BAND_KEYS = {"geo_mask": "loss.geo_high / loss.geo_low", "seq_mask_tis": "loss.g
 FINER_FORMAT = {"fp8": "fp8-block", "fp8-tensor": "fp8-block", "nvfp4": "int8", "mxfp4": "int8"}
 
 
-def _finer_format_tip(precision) -> str | None:
-    """'precision.format=X instead of Y' where a finer rollout format than the configured one exists, else None."""
-    fmt = getattr(precision, "resolved_format", None) or getattr(precision, "format", None)
-    finer = FINER_FORMAT.get(fmt)
-    return f"precision.format={finer} instead of {fmt}" if finer else None
-
-
 def _advice(key: str, run_cfg, hidden_size: int | None = None) -> str:
     """What to try, given the run config (a RunConfig, or None for generic advice) and the model's hidden size (None
     = unknown), which decides whether the unified flow quantizes activations by default."""
     precision = getattr(run_cfg, "precision", None)
     flow = getattr(precision, "flow", None)
-    fmt = getattr(precision, "format", None)
+    fmt = getattr(precision, "resolved_format", None) or getattr(precision, "format", None)
+    # 'precision.format=X instead of Y' where a finer rollout format than the configured one exists
+    finer = f"precision.format={FINER_FORMAT[fmt]} instead of {fmt}" if fmt in FINER_FORMAT else None
     loss = getattr(run_cfg, "loss", None)
     correction = getattr(loss, "correction", None)
     tips = []
@@ -82,10 +77,9 @@ def _advice(key: str, run_cfg, hidden_size: int | None = None) -> str:
                         "(loss.correction=tbpo, mis or icepop)")
         if key == "truncated_frac" and correction in ("tis", "acr", "ais", "seq_mask_tis"):
             tips.append(f"a larger loss.is_cap (now {getattr(loss, 'is_cap', '?')})")
-        finer = _finer_format_tip(precision)
         if flow == "split" and finer:
             tips.append(f"a finer rollout format ({finer})")
-        if flow == "split" and getattr(precision, "resolved_format", fmt) == "int8" \
+        if flow == "split" and fmt == "int8" \
                 and not getattr(precision, "resolved_smooth_alpha", getattr(precision, "smooth_alpha", 1.0)) \
                 and getattr(precision, "resolved_weight_only", True) is False:
             tips.append("smoothing the activations' outlier channels (precision.smooth_alpha=0.5, SmoothQuant)")
@@ -100,13 +94,11 @@ def _advice(key: str, run_cfg, hidden_size: int | None = None) -> str:
         band = BAND_KEYS.get(correction, "loss.geo_high, loss.tbpo_band, loss.mis_high or loss.icepop_high")
         tips.append(f"a wider acceptance band ({band}, for loss.correction={correction})")
         if flow in ("split", None):
-            finer = _finer_format_tip(precision)
             tips.append(f"less mismatch ({finer + ', or ' if finer else ''}precision.flow=unified)")
     else:  # error_frac
         if getattr(loss, "error_token_guard", "off") == "off":
             tips.append("loss.error_token_guard=mask (or drop) so flagged answers are not trained on")
         if flow in ("split", None):
-            finer = _finer_format_tip(precision)
             tips.append(f"{'a finer rollout format (' + finer + ') or ' if finer else ''}the unified flow (loops "
                         "are a symptom of a lossy rollout model)")
     if not tips:  # already rejecting, already unified: the mismatch should be kernels only
